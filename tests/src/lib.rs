@@ -1,0 +1,8 @@
+//! Harness for the privileged tests: network namespaces joined by veth pairs, code run inside
+//! a namespace, and frames built with etherparse.
+//!
+//! Every namespace and link gets a name unique to this process and test, and is removed on drop,
+//! so a failing test leaves nothing behind.
+
+pub mod frames;
+pub mod netns;

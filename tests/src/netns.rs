@@ -1,0 +1,144 @@
+//! Network namespaces and veth pairs made for one test and removed when it ends.
+
+use std::{
+    fs::File,
+    net::{Ipv4Addr, Ipv6Addr},
+    process::Command,
+    sync::atomic::{AtomicU32, Ordering},
+    thread,
+};
+
+use anyhow::{Context, Result, bail};
+use nix::sched::{CloneFlags, setns};
+
+/// Runs `ip` with the given arguments and fails with its stderr.
+pub fn ip(args: &[&str]) -> Result<()> {
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .context("running ip (iproute2)")?;
+    if !out.status.success() {
+        bail!(
+            "ip {} failed: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(())
+}
+
+/// A short name no other test in any process shares (veth names are limited to 15 bytes).
+pub fn unique_name(prefix: &str) -> String {
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    format!("{prefix}{}x{n}", std::process::id() % 100_000)
+}
+
+/// A network namespace, deleted (with the links inside it) on drop.
+pub struct Netns {
+    name: String,
+}
+
+impl Netns {
+    pub fn new(prefix: &str) -> Result<Self> {
+        let name = unique_name(prefix);
+        ip(&["netns", "add", &name])?;
+        let ns = Self { name };
+        ns.exec(&["ip", "link", "set", "lo", "up"])?;
+        Ok(ns)
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Runs a command inside the namespace.
+    pub fn exec(&self, cmd: &[&str]) -> Result<()> {
+        let mut args = vec!["netns", "exec", &self.name];
+        args.extend_from_slice(cmd);
+        ip(&args)
+    }
+
+    /// Runs `f` on a thread that has entered this namespace: sockets it creates and
+    /// interfaces it names belong to the namespace, while the rest of the test stays outside.
+    pub fn run<T: Send>(&self, f: impl FnOnce() -> T + Send) -> Result<T> {
+        let file = File::open(format!("/run/netns/{}", self.name))
+            .with_context(|| format!("opening namespace {}", self.name))?;
+        thread::scope(|scope| {
+            scope
+                .spawn(move || {
+                    setns(&file, CloneFlags::CLONE_NEWNET).context("entering the namespace")?;
+                    Ok(f())
+                })
+                .join()
+                .map_err(|_| anyhow::anyhow!("thread in namespace panicked"))?
+        })
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = ip(&["netns", "del", &self.name]);
+    }
+}
+
+/// Two namespaces, `server` and `client`, joined by a veth pair with IPv4 and IPv6 addresses.
+pub struct Pair {
+    pub server: Netns,
+    pub client: Netns,
+    /// The veth end inside `server`, where the programs under test attach.
+    pub server_if: String,
+    /// The veth end inside `client`.
+    pub client_if: String,
+}
+
+pub const SERVER_V4: Ipv4Addr = Ipv4Addr::new(10, 77, 0, 1);
+pub const CLIENT_V4: Ipv4Addr = Ipv4Addr::new(10, 77, 0, 2);
+pub const SERVER_V6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x77, 0, 0, 0, 0, 0, 1);
+pub const CLIENT_V6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x77, 0, 0, 0, 0, 0, 2);
+
+impl Pair {
+    pub fn new() -> Result<Self> {
+        let server = Netns::new("lts")?;
+        let client = Netns::new("ltc")?;
+        let server_if = unique_name("lvs");
+        let client_if = unique_name("lvc");
+        // Created inside `server`, so nothing of it ever touches the root namespace.
+        server.exec(&[
+            "ip",
+            "link",
+            "add",
+            &server_if,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            &client_if,
+            "netns",
+            client.name(),
+        ])?;
+        for (ns, ifname, v4, v6) in [
+            (&server, &server_if, SERVER_V4, SERVER_V6),
+            (&client, &client_if, CLIENT_V4, CLIENT_V6),
+        ] {
+            ns.exec(&["ip", "addr", "add", &format!("{v4}/24"), "dev", ifname])?;
+            ns.exec(&[
+                "ip",
+                "-6",
+                "addr",
+                "add",
+                &format!("{v6}/64"),
+                "dev",
+                ifname,
+                "nodad",
+            ])?;
+            ns.exec(&["ip", "link", "set", ifname, "up"])?;
+        }
+        Ok(Self {
+            server,
+            client,
+            server_if,
+            client_if,
+        })
+    }
+}

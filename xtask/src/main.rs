@@ -1,0 +1,61 @@
+//! `cargo xtask`: the only entry point a fresh machine needs.
+//!
+//! Every command that builds calls [`setup::ensure`] first, so a machine with nothing but
+//! rustup and a stable toolchain gets the pinned nightly and `bpf-linker` on first use.
+
+mod build;
+mod paths;
+mod setup;
+mod test;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand, ValueEnum};
+
+#[derive(Parser)]
+#[command(
+    name = "cargo xtask",
+    about = "limiter's build, run, test and bench commands"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Install what is missing: the pinned nightly with rust-src, and bpf-linker.
+    Setup,
+    /// Build the eBPF object and the agent (release) into target/release/limiter.
+    Build,
+    /// Build, then run `limiter run` as root with the given arguments.
+    Run {
+        /// Arguments passed to `limiter run`.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+    /// Formatting, clippy, unit tests, the eBPF build and the privileged tests.
+    Test,
+    /// Benchmarks that print figures beside an anchor measured in the same run.
+    Bench {
+        #[arg(value_enum)]
+        suite: BenchSuite,
+    },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum BenchSuite {
+    /// Nanoseconds per packet of each datapath path under BPF_PROG_TEST_RUN.
+    Kernel,
+}
+
+fn main() -> Result<()> {
+    match Cli::parse().command {
+        Command::Setup => setup::ensure(),
+        Command::Build => build::all().map(|_| ()),
+        Command::Run { args } => build::run(&args),
+        Command::Test => test::run(),
+        Command::Bench { suite } => match suite {
+            BenchSuite::Kernel => test::bench("kernel"),
+        },
+    }
+}

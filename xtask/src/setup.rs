@@ -1,0 +1,151 @@
+//! Installs the eBPF toolchain idempotently, following shared/notes/TOOLCHAIN.md.
+
+use std::{fs, os::unix::fs::symlink, path::Path, process::Command};
+
+use anyhow::{Context, Result, bail};
+
+use crate::paths::{self, BPF_LINKER_VERSION, NIGHTLY};
+
+/// `rust-src` for `-Z build-std=core`; clippy to lint the eBPF crate on its own toolchain.
+const NIGHTLY_COMPONENTS: &[&str] = &["rust-src", "clippy"];
+
+/// Brings the machine to a state where the eBPF crate builds; prints only what it changes.
+pub fn ensure() -> Result<()> {
+    ensure_nightly()?;
+    ensure_bpf_linker()
+}
+
+fn ensure_nightly() -> Result<()> {
+    let installed = output("rustup", &["toolchain", "list"]).unwrap_or_default();
+    let components = if installed.lines().any(|l| l.starts_with(NIGHTLY)) {
+        output(
+            "rustup",
+            &["component", "list", "--installed", "--toolchain", NIGHTLY],
+        )
+        .unwrap_or_default()
+    } else {
+        String::new()
+    };
+    let missing: Vec<&str> = NIGHTLY_COMPONENTS
+        .iter()
+        .copied()
+        .filter(|c| !components.lines().any(|l| l.starts_with(c)))
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    println!("setup: installing {NIGHTLY} with {}", missing.join(", "));
+    let mut cmd = Command::new("rustup");
+    cmd.args(["toolchain", "install", NIGHTLY, "--profile", "minimal"]);
+    for component in NIGHTLY_COMPONENTS {
+        cmd.args(["--component", component]);
+    }
+    crate::build::status(&mut cmd)
+}
+
+fn ensure_bpf_linker() -> Result<()> {
+    let linker = paths::bpf_linker();
+    let toolchain = paths::bpf_toolchain();
+    let llvm = toolchain.join("llvm");
+    let sysroot = output("rustc", &[&format!("+{NIGHTLY}"), "--print", "sysroot"])?;
+    let soname = libllvm_soname(Path::new(sysroot.trim()))?;
+    // The linker's rpath points at these links, so they must exist even when the binary does.
+    link_libllvm(Path::new(sysroot.trim()), &soname, &llvm.join("lib"))?;
+    if Command::new(&linker)
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success())
+    {
+        return Ok(());
+    }
+    let version = output("rustc", &[&format!("+{NIGHTLY}"), "-vV"])?;
+    let major = version
+        .lines()
+        .find_map(|l| l.strip_prefix("LLVM version: "))
+        .and_then(|v| v.split('.').next())
+        .context("the nightly does not report its LLVM version")?
+        .to_string();
+    println!(
+        "setup: building bpf-linker {BPF_LINKER_VERSION} against {NIGHTLY}'s LLVM {major} (about 90 s)"
+    );
+    crate::build::status(
+        Command::new("cargo")
+            .args([
+                "install",
+                &format!("bpf-linker@{BPF_LINKER_VERSION}"),
+                "--locked",
+                "--no-default-features",
+                "--features",
+                &format!("llvm-{major}"),
+                "--root",
+            ])
+            .arg(&toolchain)
+            .env("LLVM_PREFIX", &llvm)
+            .env_remove("RUSTUP_TOOLCHAIN"),
+    )?;
+    let check = output(linker.to_str().context("non-UTF-8 path")?, &["--version"])?;
+    println!("setup: {}", check.trim());
+    Ok(())
+}
+
+fn libllvm_soname(sysroot: &Path) -> Result<String> {
+    let lib = sysroot.join("lib");
+    let entries = fs::read_dir(&lib).with_context(|| format!("reading {}", lib.display()))?;
+    for entry in entries {
+        let name = entry?.file_name().to_string_lossy().into_owned();
+        if name.starts_with("libLLVM.so.") || (name.starts_with("libLLVM-") && name.contains(".so"))
+        {
+            return Ok(name);
+        }
+    }
+    bail!(
+        "{NIGHTLY} ships no libLLVM shared library in {}",
+        lib.display()
+    )
+}
+
+/// Links the nightly's libLLVM under both the name the linker links against and the
+/// name it loads at run time.
+fn link_libllvm(sysroot: &Path, soname: &str, dir: &Path) -> Result<()> {
+    fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let source = sysroot.join("lib").join(soname);
+    for name in ["libLLVM.so", soname] {
+        let link = dir.join(name);
+        if fs::read_link(&link).is_ok_and(|t| t == source) {
+            continue;
+        }
+        let _ = fs::remove_file(&link);
+        symlink(&source, &link).with_context(|| format!("linking {}", link.display()))?;
+    }
+    Ok(())
+}
+
+fn output(program: &str, args: &[&str]) -> Result<String> {
+    let out = Command::new(program)
+        .args(args)
+        .env_remove("RUSTUP_TOOLCHAIN")
+        .output()
+        .with_context(|| format!("running {program}"))?;
+    if !out.status.success() {
+        bail!(
+            "{program} {} failed: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(String::from_utf8(out.stdout)?)
+}
+
+/// The network-namespace tests drive `ip` (iproute2); a minimal image may lack it.
+pub fn ensure_iproute2() -> Result<()> {
+    if Command::new("ip")
+        .arg("-V")
+        .output()
+        .is_ok_and(|o| o.status.success())
+    {
+        return Ok(());
+    }
+    println!("setup: installing iproute2");
+    crate::build::status(Command::new("apt-get").args(["update", "-q"]))?;
+    crate::build::status(Command::new("apt-get").args(["install", "-y", "-q", "iproute2"]))
+}

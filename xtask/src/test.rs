@@ -1,0 +1,148 @@
+//! `cargo xtask test` and `cargo xtask bench`.
+
+use std::{
+    io::{BufRead, BufReader},
+    path::Path,
+    process::{Command, Stdio},
+};
+
+use anyhow::{Context, Result, bail};
+
+use crate::{
+    build::{self, cargo, status},
+    paths::{self, BPF_TARGET, NIGHTLY},
+};
+
+/// The package holding every test that needs root, BPF and network namespaces.
+const PRIVILEGED: &str = "limiter-tests";
+
+pub fn run() -> Result<()> {
+    crate::setup::ensure()?;
+    step("formatting");
+    status(cargo("stable").args(["fmt", "--all", "--check"]))?;
+    step("eBPF build");
+    build::ebpf()?;
+    step("clippy (userspace)");
+    status(cargo("stable").args([
+        "clippy",
+        "--workspace",
+        "--exclude",
+        "limiter-ebpf",
+        "--all-targets",
+        "--",
+        "-D",
+        "warnings",
+    ]))?;
+    step("clippy (eBPF)");
+    status(
+        cargo(NIGHTLY)
+            .args(["clippy", "-Z", "build-std=core", "--target", BPF_TARGET])
+            .args(["--release", "-p", "limiter-ebpf", "--target-dir"])
+            .arg(paths::ebpf_target_dir())
+            .args(["--", "-D", "warnings"]),
+    )?;
+    step("unit tests");
+    status(cargo("stable").args([
+        "test",
+        "--workspace",
+        "--exclude",
+        "limiter-ebpf",
+        "--exclude",
+        PRIVILEGED,
+    ]))?;
+    step("agent build");
+    let agent = build::all()?;
+    step("privileged tests");
+    preflight()?;
+    let counts = run_counting(
+        cargo("stable")
+            .args(["test", "-p", PRIVILEGED])
+            .env("LIMITER_BIN", &agent),
+    )?;
+    // The last line, in the plain "N passed, N failed" form CI reads.
+    println!(
+        "privileged: {} passed, {} failed",
+        counts.passed, counts.failed
+    );
+    if counts.failed > 0 || counts.ignored > 0 || !counts.ok {
+        bail!(
+            "privileged tests: {} failed, {} ignored",
+            counts.failed,
+            counts.ignored
+        );
+    }
+    if counts.passed == 0 {
+        bail!("no privileged test ran");
+    }
+    Ok(())
+}
+
+pub fn bench(suite: &str) -> Result<()> {
+    let agent = build::all()?;
+    preflight()?;
+    status(
+        cargo("stable")
+            .args(["bench", "-p", PRIVILEGED, "--bench", suite])
+            .env("LIMITER_BIN", &agent),
+    )
+}
+
+fn step(name: &str) {
+    println!("==> {name}");
+}
+
+/// Privileged tests never skip: where they cannot run, say why and fail.
+fn preflight() -> Result<()> {
+    if !build::is_root() {
+        bail!(
+            "the privileged tests need root (BPF and network namespaces): run `sudo -E cargo xtask test`"
+        );
+    }
+    if !Path::new("/sys/fs/bpf").is_dir() {
+        bail!(
+            "/sys/fs/bpf is missing: this kernel has no BPF filesystem, so the privileged tests cannot run"
+        );
+    }
+    if !Path::new("/sys/kernel/btf/vmlinux").exists() {
+        bail!("this kernel exposes no BTF (/sys/kernel/btf/vmlinux): the kernel programs need it");
+    }
+    crate::setup::ensure_iproute2()
+}
+
+#[derive(Default)]
+struct Counts {
+    passed: u64,
+    failed: u64,
+    ignored: u64,
+    ok: bool,
+}
+
+/// Runs a `cargo test`, echoing its output, and adds up every "test result:" line.
+fn run_counting(cmd: &mut Command) -> Result<Counts> {
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .spawn()
+        .context("starting cargo test")?;
+    let stdout = child.stdout.take().context("no stdout")?;
+    let mut counts = Counts::default();
+    for line in BufReader::new(stdout).lines() {
+        let line = line?;
+        println!("{line}");
+        if let Some(rest) = line.strip_prefix("test result: ") {
+            for part in rest.split(['.', ';']) {
+                let mut words = part.split_whitespace();
+                if let (Some(n), Some(what)) = (words.next(), words.next()) {
+                    let n: u64 = n.parse().unwrap_or(0);
+                    match what {
+                        "passed" => counts.passed += n,
+                        "failed" => counts.failed += n,
+                        "ignored" => counts.ignored += n,
+                        _ => {}
+                    }
+                }
+            }
+        }
+    }
+    counts.ok = child.wait()?.success();
+    Ok(counts)
+}
