@@ -46,6 +46,8 @@ enum Command {
 enum BenchSuite {
     /// Nanoseconds per packet of each datapath path under BPF_PROG_TEST_RUN.
     Kernel,
+    /// Application-layer checks per second, in process and over the Unix socket.
+    App,
 }
 
 fn main() -> Result<()> {
@@ -55,7 +57,8 @@ fn main() -> Result<()> {
         Command::Run { args } => build::run(&args),
         Command::Test => test::run(),
         Command::Bench { suite } => match suite {
-            BenchSuite::Kernel => test::bench("kernel"),
+            BenchSuite::Kernel => test::bench_kernel(),
+            BenchSuite::App => test::bench_app(),
         },
     }
 }

@@ -77,14 +77,20 @@ pub fn run() -> Result<()> {
     Ok(())
 }
 
-pub fn bench(suite: &str) -> Result<()> {
+pub fn bench_kernel() -> Result<()> {
     let agent = build::all()?;
     preflight()?;
     status(
         cargo("stable")
-            .args(["bench", "-p", PRIVILEGED, "--bench", suite])
+            .args(["bench", "-p", PRIVILEGED, "--bench", "kernel"])
             .env("LIMITER_BIN", &agent),
     )
+}
+
+/// The application-layer limiter needs no privileges: it is measured from the agent's crate.
+pub fn bench_app() -> Result<()> {
+    build::ebpf()?;
+    status(cargo("stable").args(["bench", "-p", "limiter-user", "--bench", "app"]))
 }
 
 fn step(name: &str) {
