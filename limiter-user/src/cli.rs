@@ -3,10 +3,16 @@
 use std::process::ExitCode;
 
 use anyhow::{Context, Result};
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{Parser, Subcommand};
 use tracing_subscriber::EnvFilter;
 
-use crate::loader::{Datapath, XdpAttachMode};
+use crate::{
+    config::{ConfigError, KernelArgs},
+    loader::{Datapath, LoadOptions},
+};
+
+/// Exit status for settings that cannot be used, before anything is attached.
+pub const EXIT_CONFIG: u8 = 2;
 
 #[derive(Parser)]
 #[command(
@@ -23,40 +29,21 @@ pub struct Cli {
 enum Command {
     /// Load the kernel programs, attach them and enforce until stopped.
     Run(RunArgs),
+    /// Ask the running agent for one verdict: exit 0 allowed, 1 refused, 2 could not ask.
+    Check(crate::protocol::check_command::CheckArgs),
 }
 
 #[derive(clap::Args, Debug)]
 pub struct RunArgs {
-    /// Interface to protect (repeatable); default: the interface of the default route.
-    #[arg(long, env = "LIMITER_IFACE", value_delimiter = ',')]
-    pub iface: Vec<String>,
-    /// How XDP attaches: `native` needs driver support, `skb` works everywhere, `auto` tries
-    /// native first.
-    #[arg(long, env = "LIMITER_XDP_MODE", value_enum, default_value_t = XdpModeArg::Auto)]
-    pub xdp_mode: XdpModeArg,
-}
-
-#[derive(Clone, Copy, Debug, ValueEnum)]
-pub enum XdpModeArg {
-    Auto,
-    Native,
-    Skb,
-}
-
-impl From<XdpModeArg> for XdpAttachMode {
-    fn from(mode: XdpModeArg) -> Self {
-        match mode {
-            XdpModeArg::Auto => XdpAttachMode::Auto,
-            XdpModeArg::Native => XdpAttachMode::Native,
-            XdpModeArg::Skb => XdpAttachMode::Skb,
-        }
-    }
+    #[command(flatten)]
+    pub kernel: KernelArgs,
 }
 
 impl Cli {
     pub fn execute(self) -> Result<ExitCode> {
         match self.command {
             Command::Run(args) => run(args),
+            Command::Check(args) => args.execute(),
         }
     }
 }
@@ -71,16 +58,27 @@ pub fn init_tracing() {
 }
 
 fn run(args: RunArgs) -> Result<ExitCode> {
-    let ifaces = if args.iface.is_empty() {
+    let settings = match args.kernel.settings() {
+        Ok(settings) => settings,
+        Err(error) => return Ok(config_error(&error)),
+    };
+    let ifaces = if args.kernel.iface.is_empty() {
         vec![crate::loader::default_route_interface()?]
     } else {
-        args.iface
+        args.kernel.iface.clone()
     };
     let runtime = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
     runtime.block_on(async move {
-        let mut datapath = Datapath::load()?;
+        let mut datapath = Datapath::load(LoadOptions {
+            flow_table_size: settings.flow_table_size,
+            kernel_debug: args.kernel.kernel_debug,
+        })?;
+        datapath.maps.apply(&settings)?;
+        if let Some(logger) = datapath.take_logger() {
+            tokio::spawn(forward_kernel_log(logger));
+        }
         for iface in &ifaces {
-            let mode = datapath.attach(iface, args.xdp_mode.into())?;
+            let mode = datapath.attach(iface, args.kernel.xdp_mode.into())?;
             tracing::info!(iface, ?mode, "attached");
         }
         shutdown_signal().await?;
@@ -88,6 +86,35 @@ fn run(args: RunArgs) -> Result<ExitCode> {
         drop(datapath);
         Ok(ExitCode::SUCCESS)
     })
+}
+
+fn config_error(error: &ConfigError) -> ExitCode {
+    tracing::error!("{error}");
+    ExitCode::from(EXIT_CONFIG)
+}
+
+/// Reads the kernel programs' aya-log ring buffer whenever it has records; they reach
+/// `tracing` through the `log` bridge.
+async fn forward_kernel_log(logger: crate::loader::KernelLogger) {
+    // SAFETY: the ring buffer's fd is owned by `logger`, which the AsyncFd owns from here on,
+    // so the fd outlives its registration.
+    let registered = unsafe {
+        tokio::io::unix::AsyncFd::register_with_interest(logger, tokio::io::Interest::READABLE)
+    };
+    let mut fd = match registered {
+        Ok(fd) => fd,
+        Err(error) => {
+            tracing::warn!(%error, "kernel log not forwarded");
+            return;
+        }
+    };
+    loop {
+        let Ok(mut guard) = fd.readable_mut().await else {
+            return;
+        };
+        guard.get_inner_mut().flush();
+        guard.clear_ready();
+    }
 }
 
 async fn shutdown_signal() -> Result<()> {

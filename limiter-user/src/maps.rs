@@ -1,15 +1,371 @@
-//! Typed access to the kernel programs' maps.
+//! Typed access to the kernel programs' maps: writing settings, lists and bans, and reading
+//! counters, flows and per-source state. Keys and values are `limiter-common`'s types.
 
-use aya::maps::{MapError, PerCpuArray};
-use limiter_common::Stat;
+use std::{
+    net::{IpAddr, Ipv6Addr},
+    time::Duration,
+};
 
-use crate::loader::Datapath;
+use aya::{
+    Ebpf,
+    maps::{Array, HashMap, LpmTrie, MapData, MapError, PerCpuArray, lpm_trie::Key},
+};
+use ipnet::IpNet;
+use limiter_common::{
+    Ban, Blocked, Config, Direction, Event, Flow, FlowKey, Reason, SourceKey, Verdict, map_names,
+    stats::stat_slot,
+};
+use thiserror::Error;
 
-/// Sums one per-CPU statistic across CPUs.
-pub fn stat(datapath: &Datapath, stat: Stat) -> Result<u64, MapError> {
-    let map = datapath.ebpf().map("STATS").ok_or(MapError::InvalidName {
-        name: "STATS".into(),
-    })?;
-    let stats = PerCpuArray::<_, u64>::try_from(map)?;
-    Ok(stats.get(&(stat as u32), 0)?.iter().sum())
+use crate::config::{KernelSettings, mapped};
+
+#[derive(Debug, Error)]
+pub enum MapsError {
+    #[error("map {0} is missing from the eBPF object")]
+    Missing(&'static str),
+    #[error("map {name}")]
+    Map {
+        name: &'static str,
+        #[source]
+        source: MapError,
+    },
+    #[error("reading the boot-time clock")]
+    Clock(#[source] std::io::Error),
+}
+
+fn map_error(name: &'static str) -> impl FnOnce(MapError) -> MapsError {
+    move |source| MapsError::Map { name, source }
+}
+
+/// The maps, taken out of the loaded object so they can be shared apart from the programs.
+pub struct Maps {
+    config: Array<MapData, Config>,
+    ports: Array<MapData, u8>,
+    flows: HashMap<MapData, FlowKey, Flow>,
+    source_conns: HashMap<MapData, SourceKey, u64>,
+    global_conns: Array<MapData, u64>,
+    bans: HashMap<MapData, SourceKey, Ban>,
+    allow_v4: LpmTrie<MapData, [u8; 4], u8>,
+    allow_v6: LpmTrie<MapData, [u8; 16], u8>,
+    deny_v4: LpmTrie<MapData, [u8; 4], u8>,
+    deny_v6: LpmTrie<MapData, [u8; 16], u8>,
+    stats: PerCpuArray<MapData, u64>,
+    events: PerCpuArray<MapData, u64>,
+    blocked: HashMap<MapData, SourceKey, Blocked>,
+}
+
+fn take<T>(ebpf: &mut Ebpf, name: &'static str) -> Result<T, MapsError>
+where
+    T: TryFrom<aya::maps::Map, Error = MapError>,
+{
+    let map = ebpf.take_map(name).ok_or(MapsError::Missing(name))?;
+    T::try_from(map).map_err(map_error(name))
+}
+
+/// Packets counted under one (direction, verdict, reason).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PacketCount {
+    pub direction: Direction,
+    pub verdict: Verdict,
+    pub reason: Reason,
+    pub packets: u64,
+}
+
+impl Maps {
+    pub fn take(ebpf: &mut Ebpf) -> Result<Self, MapsError> {
+        use map_names::*;
+        Ok(Self {
+            config: take(ebpf, CONFIG)?,
+            ports: take(ebpf, PORTS)?,
+            flows: take(ebpf, FLOWS)?,
+            source_conns: take(ebpf, SOURCE_CONNS)?,
+            global_conns: take(ebpf, GLOBAL_CONNS)?,
+            bans: take(ebpf, BANS)?,
+            allow_v4: take(ebpf, ALLOW_V4)?,
+            allow_v6: take(ebpf, ALLOW_V6)?,
+            deny_v4: take(ebpf, DENY_V4)?,
+            deny_v6: take(ebpf, DENY_V6)?,
+            stats: take(ebpf, STATS)?,
+            events: take(ebpf, EVENTS)?,
+            blocked: take(ebpf, BLOCKED)?,
+        })
+    }
+
+    /// Applies settings to the live maps. Lists and ports go in before the config that tells
+    /// the programs to consult them, so no packet sees a half-written policy.
+    pub fn apply(&mut self, settings: &KernelSettings) -> Result<(), MapsError> {
+        let mut wanted = [0u8; 65_536];
+        for port in &settings.ports {
+            wanted[*port as usize] = 1;
+        }
+        for (port, want) in wanted.iter().enumerate() {
+            let port = port as u32;
+            if self
+                .ports
+                .get(&port, 0)
+                .map_err(map_error(map_names::PORTS))?
+                != *want
+            {
+                self.ports
+                    .set(port, want, 0)
+                    .map_err(map_error(map_names::PORTS))?;
+            }
+        }
+        sync_list(
+            &mut self.allow_v4,
+            &mut self.allow_v6,
+            &settings.allow,
+            "allow",
+        )?;
+        sync_list(&mut self.deny_v4, &mut self.deny_v6, &settings.deny, "deny")?;
+        self.config
+            .set(0, settings.config, 0)
+            .map_err(map_error(map_names::CONFIG))
+    }
+
+    pub fn config(&self) -> Result<Config, MapsError> {
+        self.config.get(&0, 0).map_err(map_error(map_names::CONFIG))
+    }
+
+    /// Bans `addr`'s source key (masked with the live prefix) for `ttl`.
+    pub fn ban(&mut self, addr: IpAddr, ttl: Duration) -> Result<SourceKey, MapsError> {
+        let key = source_key(addr, &self.config()?);
+        let expires_ns =
+            boot_time_ns()?.saturating_add(ttl.as_nanos().min(u64::MAX as u128) as u64);
+        self.bans
+            .insert(key, Ban { expires_ns }, 0)
+            .map_err(map_error(map_names::BANS))?;
+        Ok(key)
+    }
+
+    /// Lifts the ban on `addr`'s source key; false if there was none.
+    pub fn unban(&mut self, addr: IpAddr) -> Result<bool, MapsError> {
+        let key = source_key(addr, &self.config()?);
+        match self.bans.remove(&key) {
+            Ok(()) => Ok(true),
+            Err(MapError::KeyNotFound) => Ok(false),
+            Err(error) => Err(map_error(map_names::BANS)(error)),
+        }
+    }
+
+    /// Bans still in force, with the time each has left.
+    pub fn bans(&self) -> Result<Vec<(SourceKey, Duration)>, MapsError> {
+        let now = boot_time_ns()?;
+        let mut out = Vec::new();
+        for entry in self.bans.iter() {
+            let (key, ban) = entry.map_err(map_error(map_names::BANS))?;
+            if ban.expires_ns > now {
+                out.push((key, Duration::from_nanos(ban.expires_ns - now)));
+            }
+        }
+        Ok(out)
+    }
+
+    pub fn packet_counts(&self) -> Result<Vec<PacketCount>, MapsError> {
+        let mut out = Vec::new();
+        for direction in Direction::ALL {
+            for verdict in Verdict::ALL {
+                for reason in Reason::ALL {
+                    let slot = stat_slot(direction, verdict, reason);
+                    let packets = self
+                        .stats
+                        .get(&slot, 0)
+                        .map_err(map_error(map_names::STATS))?
+                        .iter()
+                        .sum();
+                    out.push(PacketCount {
+                        direction,
+                        verdict,
+                        reason,
+                        packets,
+                    });
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Packets of one (direction, verdict, reason), summed over CPUs.
+    pub fn packets(
+        &self,
+        direction: Direction,
+        verdict: Verdict,
+        reason: Reason,
+    ) -> Result<u64, MapsError> {
+        let slot = stat_slot(direction, verdict, reason);
+        Ok(self
+            .stats
+            .get(&slot, 0)
+            .map_err(map_error(map_names::STATS))?
+            .iter()
+            .sum())
+    }
+
+    pub fn events(&self, event: Event) -> Result<u64, MapsError> {
+        Ok(self
+            .events
+            .get(&(event as u32), 0)
+            .map_err(map_error(map_names::EVENTS))?
+            .iter()
+            .sum())
+    }
+
+    /// Open connections to the host, as the kernel counts them.
+    pub fn global_connections(&self) -> Result<u64, MapsError> {
+        self.global_conns
+            .get(&0, 0)
+            .map_err(map_error(map_names::GLOBAL_CONNS))
+    }
+
+    /// Open connections of one source (`addr` masked with the live prefix).
+    pub fn source_connections(&self, addr: IpAddr) -> Result<u64, MapsError> {
+        let key = source_key(addr, &self.config()?);
+        match self.source_conns.get(&key, 0) {
+            Ok(n) => Ok(n),
+            Err(MapError::KeyNotFound) => Ok(0),
+            Err(error) => Err(map_error(map_names::SOURCE_CONNS)(error)),
+        }
+    }
+
+    /// Every source's open connections, including sources at zero not yet swept.
+    pub fn all_source_connections(&self) -> Result<Vec<(SourceKey, u64)>, MapsError> {
+        self.source_conns
+            .iter()
+            .map(|entry| entry.map_err(map_error(map_names::SOURCE_CONNS)))
+            .collect()
+    }
+
+    pub fn flows(&self) -> Result<Vec<(FlowKey, Flow)>, MapsError> {
+        self.flows
+            .iter()
+            .map(|entry| entry.map_err(map_error(map_names::FLOWS)))
+            .collect()
+    }
+
+    /// Refusals per source, for top-blocked lists.
+    pub fn blocked(&self) -> Result<Vec<(SourceKey, Blocked)>, MapsError> {
+        self.blocked
+            .iter()
+            .map(|entry| entry.map_err(map_error(map_names::BLOCKED)))
+            .collect()
+    }
+}
+
+/// Makes a pair of LPM tries hold exactly `nets`: stale entries out, missing ones in.
+fn sync_list(
+    v4: &mut LpmTrie<MapData, [u8; 4], u8>,
+    v6: &mut LpmTrie<MapData, [u8; 16], u8>,
+    nets: &[IpNet],
+    what: &'static str,
+) -> Result<(), MapsError> {
+    let name = if what == "allow" {
+        map_names::ALLOW_V4
+    } else {
+        map_names::DENY_V4
+    };
+    let name6 = if what == "allow" {
+        map_names::ALLOW_V6
+    } else {
+        map_names::DENY_V6
+    };
+    let want4: Vec<(u32, [u8; 4])> = nets
+        .iter()
+        .filter_map(|n| match n {
+            IpNet::V4(n) => Some((n.prefix_len() as u32, n.network().octets())),
+            IpNet::V6(_) => None,
+        })
+        .collect();
+    let want6: Vec<(u32, [u8; 16])> = nets
+        .iter()
+        .filter_map(|n| match n {
+            IpNet::V6(n) => Some((n.prefix_len() as u32, n.network().octets())),
+            IpNet::V4(_) => None,
+        })
+        .collect();
+    // Collect first: deleting while walking GET_NEXT_KEY restarts the walk.
+    let have4: Vec<Key<[u8; 4]>> = v4
+        .keys()
+        .collect::<Result<_, _>>()
+        .map_err(map_error(name))?;
+    for key in have4 {
+        if !want4.contains(&(key.prefix_len(), key.data())) {
+            v4.remove(&key).map_err(map_error(name))?;
+        }
+    }
+    for (len, data) in want4 {
+        v4.insert(&Key::new(len, data), 1, 0)
+            .map_err(map_error(name))?;
+    }
+    let have6: Vec<Key<[u8; 16]>> = v6
+        .keys()
+        .collect::<Result<_, _>>()
+        .map_err(map_error(name6))?;
+    for key in have6 {
+        if !want6.contains(&(key.prefix_len(), key.data())) {
+            v6.remove(&key).map_err(map_error(name6))?;
+        }
+    }
+    for (len, data) in want6 {
+        v6.insert(&Key::new(len, data), 1, 0)
+            .map_err(map_error(name6))?;
+    }
+    Ok(())
+}
+
+/// The key the kernel charges `addr` to: mapped to IPv6 and masked to the live prefix.
+pub fn source_key(addr: IpAddr, config: &Config) -> SourceKey {
+    let v6 = mapped(addr);
+    let bits = match addr {
+        IpAddr::V4(_) => 96 + u32::from(config.ipv4_prefix.min(32)),
+        IpAddr::V6(_) => u32::from(config.ipv6_prefix.min(128)),
+    };
+    let mask = if bits == 0 {
+        0
+    } else {
+        u128::MAX << (128 - bits)
+    };
+    SourceKey {
+        addr: (u128::from(v6) & mask).to_be_bytes(),
+    }
+}
+
+/// A source key as an address, IPv4-mapped keys shown as plain IPv4.
+pub fn key_address(key: &SourceKey) -> IpAddr {
+    let v6 = Ipv6Addr::from(key.addr);
+    match v6.to_ipv4_mapped() {
+        Some(v4) => IpAddr::V4(v4),
+        None => IpAddr::V6(v6),
+    }
+}
+
+/// `CLOCK_BOOTTIME` in nanoseconds, the clock the kernel programs stamp with.
+pub fn boot_time_ns() -> Result<u64, MapsError> {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid out-pointer for the call's duration.
+    if unsafe { libc::clock_gettime(libc::CLOCK_BOOTTIME, &mut ts) } != 0 {
+        return Err(MapsError::Clock(std::io::Error::last_os_error()));
+    }
+    Ok(ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn source_keys_mask_to_the_prefix() {
+        let mut config = Config::UNCONFIGURED;
+        config.ipv4_prefix = 24;
+        config.ipv6_prefix = 64;
+        let k = source_key("10.1.2.3".parse().unwrap(), &config);
+        assert_eq!(key_address(&k).to_string(), "10.1.2.0");
+        let k = source_key("2001:db8:1:2:3:4:5:6".parse().unwrap(), &config);
+        assert_eq!(key_address(&k).to_string(), "2001:db8:1:2::");
+        config.ipv6_prefix = 0;
+        let k = source_key("2001:db8::1".parse().unwrap(), &config);
+        assert_eq!(k.addr, [0; 16]);
+    }
 }

@@ -1,19 +1,250 @@
-//! Frames for `BPF_PROG_TEST_RUN`, built with etherparse so that no test hand-writes headers.
+//! Frames for `BPF_PROG_TEST_RUN`, built with etherparse so no test hand-writes a header,
+//! and an independent parse of what the program sends back.
 
-use etherparse::PacketBuilder;
+use std::net::IpAddr;
+
+use etherparse::{
+    EtherType, Ethernet2Header, IpFragOffset, IpHeaders, IpNumber, Ipv4Extensions, Ipv4Header,
+    Ipv6Extensions, Ipv6FragmentHeader, Ipv6Header, Ipv6RawExtHeader, NetSlice, PacketBuilder,
+    SlicedPacket, TcpHeader, TransportSlice, VlanId,
+};
 
 pub const CLIENT_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x02];
 pub const SERVER_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x01];
 
-/// A TCP SYN from `src:sport` to `dst:dport` over IPv4.
-pub fn syn_v4(src: [u8; 4], sport: u16, dst: [u8; 4], dport: u16) -> Vec<u8> {
-    let builder = PacketBuilder::ethernet2(CLIENT_MAC, SERVER_MAC)
-        .ipv4(src, dst, 64)
-        .tcp(sport, dport, 1000, 64240)
-        .syn();
-    let mut frame = Vec::with_capacity(builder.size(0));
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Vlans {
+    #[default]
+    None,
+    One(u16),
+    /// 802.1ad outer tag, 802.1Q inner tag.
+    Two(u16, u16),
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Flags {
+    pub syn: bool,
+    pub ack: bool,
+    pub fin: bool,
+    pub rst: bool,
+}
+
+/// A TCP segment to frame. Start from [`Tcp::syn`] and adjust fields.
+#[derive(Clone, Debug)]
+pub struct Tcp {
+    pub src: IpAddr,
+    pub dst: IpAddr,
+    pub sport: u16,
+    pub dport: u16,
+    pub seq: u32,
+    pub flags: Flags,
+    pub vlans: Vlans,
+    /// IPv4 options (a multiple of 4 bytes).
+    pub ipv4_options: Vec<u8>,
+    /// IPv6: a hop-by-hop and a destination options header before TCP.
+    pub ipv6_extensions: bool,
+    /// Fragment offset in 8-byte units: non-zero makes a non-first fragment.
+    pub fragment_offset: u16,
+    /// TCP options as a SYN carries them (MSS, SACK permitted, window scale).
+    pub tcp_options: bool,
+}
+
+impl Tcp {
+    pub fn syn(src: IpAddr, sport: u16, dst: IpAddr, dport: u16) -> Self {
+        Self {
+            src,
+            dst,
+            sport,
+            dport,
+            seq: 0x1234_5678,
+            flags: Flags {
+                syn: true,
+                ..Flags::default()
+            },
+            vlans: Vlans::None,
+            ipv4_options: Vec::new(),
+            ipv6_extensions: false,
+            fragment_offset: 0,
+            tcp_options: true,
+        }
+    }
+
+    /// The same 4-tuple with other flags.
+    pub fn with_flags(&self, flags: Flags) -> Self {
+        Self {
+            flags,
+            ..self.clone()
+        }
+    }
+
+    /// The reverse direction (as the host would send it), with `flags`.
+    pub fn reply(&self, flags: Flags) -> Self {
+        Self {
+            src: self.dst,
+            dst: self.src,
+            sport: self.dport,
+            dport: self.sport,
+            flags,
+            ..self.clone()
+        }
+    }
+
+    pub fn build(&self) -> Vec<u8> {
+        let mut tcp = TcpHeader::new(self.sport, self.dport, self.seq, 64_240);
+        tcp.syn = self.flags.syn;
+        tcp.ack = self.flags.ack;
+        tcp.fin = self.flags.fin;
+        tcp.rst = self.flags.rst;
+        if self.tcp_options {
+            // MSS 1460, SACK permitted, NOP, window scale 7: 12 bytes.
+            tcp.set_options_raw(&[2, 4, 5, 180, 4, 2, 1, 3, 3, 7, 1, 1])
+                .expect("valid TCP options");
+        }
+        let ip = match (self.src, self.dst) {
+            (IpAddr::V4(src), IpAddr::V4(dst)) => {
+                let mut h = Ipv4Header::new(0, 64, IpNumber::TCP, src.octets(), dst.octets())
+                    .expect("valid IPv4 header");
+                h.options = self.ipv4_options[..]
+                    .try_into()
+                    .expect("valid IPv4 options");
+                h.fragment_offset = IpFragOffset::try_new(self.fragment_offset).expect("offset");
+                IpHeaders::Ipv4(h, Ipv4Extensions::default())
+            }
+            (IpAddr::V6(src), IpAddr::V6(dst)) => {
+                let header = Ipv6Header {
+                    hop_limit: 64,
+                    source: src.octets(),
+                    destination: dst.octets(),
+                    ..Default::default()
+                };
+                let mut exts = Ipv6Extensions::default();
+                if self.ipv6_extensions {
+                    let padding = [1, 4, 0, 0, 0, 0];
+                    exts.hop_by_hop_options =
+                        Some(Ipv6RawExtHeader::new_raw(IpNumber::TCP, &padding).expect("ext"));
+                    exts.destination_options =
+                        Some(Ipv6RawExtHeader::new_raw(IpNumber::TCP, &padding).expect("ext"));
+                }
+                if self.fragment_offset != 0 {
+                    exts.fragment = Some(Ipv6FragmentHeader::new(
+                        IpNumber::TCP,
+                        IpFragOffset::try_new(self.fragment_offset).expect("offset"),
+                        true,
+                        7,
+                    ));
+                }
+                IpHeaders::Ipv6(header, exts)
+            }
+            _ => panic!("source and destination of different families"),
+        };
+        let eth = PacketBuilder::ethernet2(CLIENT_MAC, SERVER_MAC);
+        let builder = match self.vlans {
+            Vlans::None => eth.ip(ip),
+            Vlans::One(id) => eth.single_vlan(VlanId::try_new(id).expect("vlan")).ip(ip),
+            Vlans::Two(outer, inner) => eth
+                .double_vlan(
+                    VlanId::try_new(outer).expect("vlan"),
+                    VlanId::try_new(inner).expect("vlan"),
+                )
+                .ip(ip),
+        };
+        let builder = builder.tcp_header(tcp);
+        let mut frame = Vec::with_capacity(builder.size(0));
+        builder.write(&mut frame, &[]).expect("writing to a Vec");
+        frame
+    }
+}
+
+/// A UDP datagram: traffic the programs must pass as non-TCP.
+pub fn udp(src: IpAddr, dst: IpAddr) -> Vec<u8> {
+    let builder = match (src, dst) {
+        (IpAddr::V4(s), IpAddr::V4(d)) => {
+            PacketBuilder::ethernet2(CLIENT_MAC, SERVER_MAC).ipv4(s.octets(), d.octets(), 64)
+        }
+        (IpAddr::V6(s), IpAddr::V6(d)) => {
+            PacketBuilder::ethernet2(CLIENT_MAC, SERVER_MAC).ipv6(s.octets(), d.octets(), 64)
+        }
+        _ => panic!("mixed families"),
+    }
+    .udp(5353, 5353);
+    let mut frame = Vec::new();
     builder
-        .write(&mut frame, &[])
-        .expect("writing to a Vec cannot fail");
+        .write(&mut frame, b"hello")
+        .expect("writing to a Vec");
     frame
+}
+
+/// An Ethernet frame of a local experimental EtherType: neither IPv4 nor IPv6.
+pub fn non_ip() -> Vec<u8> {
+    let header = Ethernet2Header {
+        source: CLIENT_MAC,
+        destination: SERVER_MAC,
+        ether_type: EtherType(0x88B5),
+    };
+    let mut frame = header.to_bytes().to_vec();
+    frame.extend_from_slice(&[0xAB; 46]);
+    frame
+}
+
+/// What an RST reply says, read back by etherparse (not by the code under test).
+#[derive(Debug)]
+pub struct Reply {
+    pub src_mac: [u8; 6],
+    pub dst_mac: [u8; 6],
+    pub vlan_ids: Vec<u16>,
+    pub src: IpAddr,
+    pub dst: IpAddr,
+    pub tcp: TcpHeader,
+    pub tcp_payload_len: usize,
+    /// Whether the IPv4 header checksum (where there is one) and the TCP checksum verify.
+    pub checksums_ok: bool,
+}
+
+pub fn parse_reply(frame: &[u8]) -> Reply {
+    let sliced = SlicedPacket::from_ethernet(frame).expect("the reply parses");
+    let eth = match sliced.link.expect("an Ethernet header") {
+        etherparse::LinkSlice::Ethernet2(eth) => eth.to_header(),
+        other => panic!("unexpected link {other:?}"),
+    };
+    let vlan_ids = sliced
+        .link_exts
+        .iter()
+        .filter_map(|e| match e {
+            etherparse::LinkExtSlice::Vlan(v) => Some(v.vlan_identifier().value()),
+            _ => None,
+        })
+        .collect();
+    let Some(TransportSlice::Tcp(tcp)) = sliced.transport else {
+        panic!("the reply is not TCP");
+    };
+    let header = tcp.to_header();
+    let payload = tcp.payload();
+    let (src, dst, checksums_ok) = match sliced.net.expect("an IP header") {
+        NetSlice::Ipv4(ip) => {
+            let h = ip.header().to_header();
+            let ip_ok = h.calc_header_checksum() == h.header_checksum;
+            let tcp_ok = header.calc_checksum_ipv4(&h, payload).unwrap() == header.checksum;
+            (
+                IpAddr::from(h.source),
+                IpAddr::from(h.destination),
+                ip_ok && tcp_ok,
+            )
+        }
+        NetSlice::Ipv6(ip) => {
+            let h = ip.header().to_header();
+            let tcp_ok = header.calc_checksum_ipv6(&h, payload).unwrap() == header.checksum;
+            (IpAddr::from(h.source), IpAddr::from(h.destination), tcp_ok)
+        }
+        other => panic!("unexpected network layer {other:?}"),
+    };
+    Reply {
+        src_mac: eth.source,
+        dst_mac: eth.destination,
+        vlan_ids,
+        src,
+        dst,
+        tcp: header,
+        tcp_payload_len: payload.len(),
+        checksums_ok,
+    }
 }

@@ -5,4 +5,5 @@
 //! so a failing test leaves nothing behind.
 
 pub mod frames;
+pub mod kernel;
 pub mod netns;

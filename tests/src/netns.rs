@@ -142,3 +142,89 @@ impl Pair {
         })
     }
 }
+
+/// A TCP server inside a namespace that accepts and holds every connection until told to
+/// close them, so the connections keep their slots in the kernel's counts.
+pub struct Server {
+    pub addr: std::net::SocketAddr,
+    listener: std::sync::Arc<std::net::TcpListener>,
+    conns: std::sync::Arc<std::sync::Mutex<Vec<std::net::TcpStream>>>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<thread::JoinHandle<()>>,
+}
+
+impl Server {
+    pub fn start(ns: &Netns, ip: std::net::IpAddr) -> Result<Self> {
+        use std::sync::{Arc, Mutex, atomic::AtomicBool};
+        let listener = Arc::new(ns.run(|| std::net::TcpListener::bind((ip, 0)))??);
+        listener.set_nonblocking(true)?;
+        let addr = listener.local_addr()?;
+        let conns = Arc::new(Mutex::new(Vec::new()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread = thread::spawn({
+            let conns = Arc::clone(&conns);
+            let stop = Arc::clone(&stop);
+            let listener = Arc::clone(&listener);
+            move || {
+                // Runs until the server is dropped.
+                while !stop.load(Ordering::Relaxed) {
+                    if accept_pending(&listener, &conns) == 0 {
+                        thread::sleep(std::time::Duration::from_millis(2));
+                    }
+                }
+            }
+        });
+        Ok(Self {
+            addr,
+            listener,
+            conns,
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    /// Closes every connection, accepting those still queued first (a FIN, or an RST where
+    /// data was left unread, from the server's side).
+    pub fn close_all(&self) {
+        accept_pending(&self.listener, &self.conns);
+        self.conns.lock().unwrap().clear();
+    }
+}
+
+/// Accepts every queued connection; returns how many.
+fn accept_pending(
+    listener: &std::net::TcpListener,
+    conns: &std::sync::Mutex<Vec<std::net::TcpStream>>,
+) -> usize {
+    let mut conns = conns.lock().unwrap();
+    let mut n = 0;
+    while let Ok((conn, _)) = listener.accept() {
+        conns.push(conn);
+        n += 1;
+    }
+    n
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// Connects from `src` (an address of `ns`) to `dst`, within three seconds.
+pub fn connect(
+    ns: &Netns,
+    src: std::net::IpAddr,
+    dst: std::net::SocketAddr,
+) -> Result<std::io::Result<std::net::TcpStream>> {
+    use socket2::{Domain, Socket, Type};
+    ns.run(|| {
+        let socket = Socket::new(Domain::for_address(dst), Type::STREAM, None)?;
+        socket.bind(&std::net::SocketAddr::new(src, 0).into())?;
+        socket.connect_timeout(&dst.into(), std::time::Duration::from_secs(3))?;
+        Ok(socket.into())
+    })
+}

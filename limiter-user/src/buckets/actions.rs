@@ -1,0 +1,350 @@
+//! Named actions: what each limits, keyed by what, and how its settings are read and checked.
+//!
+//! Settings arrive from three places, weakest first: the built-in defaults, the config file's
+//! `[actions.NAME]` tables, and command-line flags. Every problem is reported with the name of
+//! the setting at fault, so an operator can fix the file without reading code.
+
+use std::{collections::BTreeMap, fmt, time::Duration};
+
+use serde::{Deserialize, Deserializer, Serialize, de};
+
+use super::gcra::Rate;
+
+/// What an action's keys identify. It decides how a key is checked and stored: addresses are
+/// parsed and stored in canonical form (so `::ffff:10.0.0.1` and `10.0.0.1` share a bucket),
+/// session tokens are stored and shown only as a SHA-256 digest, anything else as given.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum KeyKind {
+    Ip,
+    Session,
+    User,
+    Other,
+}
+
+/// Tracked keys per action when the config does not say: about 100 bytes each, so a full
+/// action costs some 25 MB.
+pub const DEFAULT_MAX_KEYS: usize = 250_000;
+
+/// One `[actions.NAME]` table. Every field is optional so that a table for a built-in action
+/// overrides only what it names; a new action must give `limit` and `window`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ActionConfig {
+    /// Requests per window; 0 switches the action off, except for the security actions
+    /// (`auth`, `dashboard_auth`), where 0 refuses everything.
+    pub limit: Option<u32>,
+    /// `"60s"`, `"1m 30s"`, `"500ms"`, or a whole number of milliseconds.
+    pub window: Option<Window>,
+    /// Bucket capacity: how many may arrive at once after a quiet spell. Default: the limit.
+    pub burst: Option<u32>,
+    pub key: Option<KeyKind>,
+    /// Cap on tracked keys; past it new keys share one overflow bucket (see docs/protocol.md).
+    pub max_keys: Option<usize>,
+    /// Whether refusals count towards a kernel ban of the address (ip-keyed actions only).
+    pub escalate: Option<bool>,
+}
+
+/// A window length read from TOML as either a humantime string or milliseconds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Window(pub Duration);
+
+impl<'de> Deserialize<'de> for Window {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl de::Visitor<'_> for Visitor {
+            type Value = Window;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a duration such as \"60s\" or \"500ms\", or milliseconds as a number")
+            }
+            fn visit_u64<E: de::Error>(self, ms: u64) -> Result<Window, E> {
+                Ok(Window(Duration::from_millis(ms)))
+            }
+            fn visit_i64<E: de::Error>(self, ms: i64) -> Result<Window, E> {
+                u64::try_from(ms)
+                    .map(|ms| Window(Duration::from_millis(ms)))
+                    .map_err(|_| E::custom("a window cannot be negative"))
+            }
+            fn visit_str<E: de::Error>(self, text: &str) -> Result<Window, E> {
+                humantime::parse_duration(text)
+                    .map(Window)
+                    .map_err(|e| E::custom(format!("{text:?} is not a duration: {e}")))
+            }
+        }
+        deserializer.deserialize_any(Visitor)
+    }
+}
+
+/// A validated action, as the limiter uses it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct ActionSpec {
+    pub name: String,
+    pub limit: u32,
+    #[serde(rename = "window_ms", serialize_with = "as_millis")]
+    pub window: Duration,
+    pub burst: u32,
+    pub key: KeyKind,
+    pub max_keys: usize,
+    pub escalate: bool,
+    /// A security control: a limit of 0 refuses every attempt instead of switching it off.
+    pub security: bool,
+}
+
+fn as_millis<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_u64(u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// How an action behaves, derived once from its settings.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// Limit 0 on an ordinary action: every check passes and nothing is tracked.
+    Unlimited,
+    /// Limit 0 on a security action: every check is refused.
+    Closed,
+    Limited(Rate),
+}
+
+impl ActionSpec {
+    pub fn mode(&self) -> Mode {
+        match Rate::new(self.limit, self.window, self.burst) {
+            Some(rate) => Mode::Limited(rate),
+            None if self.security => Mode::Closed,
+            None => Mode::Unlimited,
+        }
+    }
+}
+
+/// The built-in actions with their defaults.
+pub fn builtin_actions() -> Vec<ActionSpec> {
+    let spec = |name: &str, limit, window_s, key, security| ActionSpec {
+        name: name.to_owned(),
+        limit,
+        window: Duration::from_secs(window_s),
+        burst: limit,
+        key,
+        max_keys: DEFAULT_MAX_KEYS,
+        escalate: name == "auth",
+        security,
+    };
+    vec![
+        spec("auth", 10, 60, KeyKind::Ip, true),
+        spec("dashboard_auth", 10, 60, KeyKind::Ip, true),
+        spec("dashboard_api", 300, 60, KeyKind::Session, false),
+        spec("publish", 0, 1, KeyKind::User, false),
+        spec("subscribe", 0, 60, KeyKind::User, false),
+    ]
+}
+
+/// A setting that cannot be used, named as the operator wrote it (`actions.auth.window`).
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("{setting}: {problem}")]
+pub struct ConfigError {
+    pub setting: String,
+    pub problem: String,
+}
+
+impl ConfigError {
+    pub fn new(setting: impl Into<String>, problem: impl Into<String>) -> Self {
+        Self {
+            setting: setting.into(),
+            problem: problem.into(),
+        }
+    }
+}
+
+/// Longest action name; names travel in a one-byte length field.
+pub const MAX_ACTION_NAME: usize = 64;
+
+/// Applies the config file's tables, then the flag overrides, over the built-ins.
+/// `overrides` is keyed by action name; their errors name the action's flags as a group.
+pub fn resolve_actions(
+    table: &BTreeMap<String, ActionConfig>,
+    overrides: &[(&str, ActionConfig)],
+) -> Result<Vec<ActionSpec>, ConfigError> {
+    let mut specs = builtin_actions();
+    for (name, config) in table {
+        apply(&mut specs, name, config, &format!("actions.{name}"))?;
+    }
+    for (name, config) in overrides {
+        apply(&mut specs, name, config, &format!("flags for {name}"))?;
+    }
+    Ok(specs)
+}
+
+fn apply(
+    specs: &mut Vec<ActionSpec>,
+    name: &str,
+    config: &ActionConfig,
+    origin: &str,
+) -> Result<(), ConfigError> {
+    let valid_name = !name.is_empty()
+        && name.len() <= MAX_ACTION_NAME
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.');
+    if !valid_name {
+        return Err(ConfigError::new(
+            origin,
+            format!("an action name is 1 to {MAX_ACTION_NAME} of [A-Za-z0-9_.-]"),
+        ));
+    }
+    let index = match specs.iter().position(|s| s.name == name) {
+        Some(index) => index,
+        None => {
+            let missing = |field: &str| ConfigError::new(format!("{origin}.{field}"), "required for a new action");
+            specs.push(ActionSpec {
+                name: name.to_owned(),
+                limit: config.limit.ok_or_else(|| missing("limit"))?,
+                window: config.window.ok_or_else(|| missing("window"))?.0,
+                burst: 0,
+                key: config.key.unwrap_or(KeyKind::Other),
+                max_keys: DEFAULT_MAX_KEYS,
+                escalate: false,
+                security: false,
+            });
+            specs.len() - 1
+        }
+    };
+    let spec = &mut specs[index];
+    let limit_changed = config.limit.is_some_and(|l| l != spec.limit);
+    if let Some(limit) = config.limit {
+        spec.limit = limit;
+    }
+    if let Some(window) = config.window {
+        spec.window = window.0;
+    }
+    match config.burst {
+        Some(0) => {
+            return Err(ConfigError::new(
+                format!("{origin}.burst"),
+                "must be at least 1 (leave it out to use the limit)",
+            ));
+        }
+        Some(burst) => spec.burst = burst,
+        // A burst left unset follows the limit, including a limit changed here.
+        None if limit_changed || spec.burst == 0 => spec.burst = spec.limit,
+        None => {}
+    }
+    if let Some(key) = config.key {
+        spec.key = key;
+    }
+    if let Some(max_keys) = config.max_keys {
+        if max_keys == 0 {
+            return Err(ConfigError::new(format!("{origin}.max_keys"), "must be at least 1"));
+        }
+        spec.max_keys = max_keys;
+    }
+    if let Some(escalate) = config.escalate {
+        spec.escalate = escalate;
+    }
+    if spec.window.is_zero() {
+        return Err(ConfigError::new(format!("{origin}.window"), "must be longer than zero"));
+    }
+    if spec.limit > 0 && Rate::new(spec.limit, spec.window, spec.burst).is_none() {
+        return Err(ConfigError::new(
+            format!("{origin}.limit"),
+            format!(
+                "{} per {:?} is finer than one per nanosecond",
+                spec.limit, spec.window
+            ),
+        ));
+    }
+    if spec.escalate && spec.key != KeyKind::Ip {
+        return Err(ConfigError::new(
+            format!("{origin}.escalate"),
+            "only an action keyed by ip can escalate to a ban",
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn table(text: &str) -> BTreeMap<String, ActionConfig> {
+        #[derive(Deserialize)]
+        struct File {
+            actions: BTreeMap<String, ActionConfig>,
+        }
+        toml::from_str::<File>(text).unwrap().actions
+    }
+
+    fn find<'a>(specs: &'a [ActionSpec], name: &str) -> &'a ActionSpec {
+        specs.iter().find(|s| s.name == name).unwrap()
+    }
+
+    #[test]
+    fn builtins_have_the_documented_defaults() {
+        let specs = resolve_actions(&BTreeMap::new(), &[]).unwrap();
+        let auth = find(&specs, "auth");
+        assert_eq!((auth.limit, auth.burst, auth.window), (10, 10, Duration::from_secs(60)));
+        assert_eq!(auth.key, KeyKind::Ip);
+        assert_eq!(find(&specs, "dashboard_api").key, KeyKind::Session);
+        assert_eq!(find(&specs, "dashboard_api").limit, 300);
+        assert_eq!(find(&specs, "publish").mode(), Mode::Unlimited);
+        assert_eq!(find(&specs, "subscribe").mode(), Mode::Unlimited);
+    }
+
+    #[test]
+    fn a_zero_limit_switches_off_ordinary_actions_but_closes_security_ones() {
+        let specs = resolve_actions(
+            &table("[actions.auth]\nlimit = 0\n[actions.dashboard_api]\nlimit = 0\n"),
+            &[],
+        )
+        .unwrap();
+        assert_eq!(find(&specs, "auth").mode(), Mode::Closed);
+        assert_eq!(find(&specs, "dashboard_api").mode(), Mode::Unlimited);
+    }
+
+    #[test]
+    fn tables_override_builtins_and_define_new_actions() {
+        let specs = resolve_actions(
+            &table(
+                "[actions.auth]\nwindow = \"2m\"\n\
+                 [actions.export]\nlimit = 5\nwindow = 1500\nburst = 2\nkey = \"user\"\n",
+            ),
+            &[(
+                "auth",
+                ActionConfig {
+                    limit: Some(4),
+                    ..Default::default()
+                },
+            )],
+        )
+        .unwrap();
+        let auth = find(&specs, "auth");
+        assert_eq!((auth.limit, auth.burst), (4, 4), "burst follows a changed limit");
+        assert_eq!(auth.window, Duration::from_secs(120));
+        let export = find(&specs, "export");
+        assert_eq!(export.window, Duration::from_millis(1500));
+        assert_eq!((export.limit, export.burst, export.key), (5, 2, KeyKind::User));
+    }
+
+    #[test]
+    fn errors_name_the_setting() {
+        let error = resolve_actions(&table("[actions.export]\nlimit = 5\n"), &[]).unwrap_err();
+        assert_eq!(error.setting, "actions.export.window");
+        let error = resolve_actions(&table("[actions.auth]\nburst = 0\n"), &[]).unwrap_err();
+        assert_eq!(error.setting, "actions.auth.burst");
+        let error =
+            resolve_actions(&table("[actions.publish]\nlimit = 5\nescalate = true\n"), &[])
+                .unwrap_err();
+        assert_eq!(error.setting, "actions.publish.escalate");
+        let error = resolve_actions(&table("[actions.auth]\nwindow = 0\n"), &[]).unwrap_err();
+        assert_eq!(error.to_string(), "actions.auth.window: must be longer than zero");
+    }
+
+    #[test]
+    fn unknown_fields_and_bad_windows_are_rejected_by_the_parser() {
+        #[derive(Debug, Deserialize)]
+        #[allow(dead_code)]
+        struct File {
+            actions: BTreeMap<String, ActionConfig>,
+        }
+        let error = toml::from_str::<File>("[actions.auth]\nlimt = 5\n").unwrap_err();
+        assert!(error.to_string().contains("limt"), "{error}");
+        let error = toml::from_str::<File>("[actions.auth]\nwindow = \"soon\"\n").unwrap_err();
+        assert!(error.to_string().contains("not a duration"), "{error}");
+    }
+}

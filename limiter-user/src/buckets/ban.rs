@@ -1,0 +1,33 @@
+//! The seam between the limiter and whatever enforces a ban. The agent implements it with the
+//! kernel's ban map; the limiter only decides who and for how long.
+
+use std::{net::IpAddr, time::Duration};
+
+#[derive(Debug, thiserror::Error)]
+pub enum BanError {
+    #[error("bans are not available in this process: {0}")]
+    Unavailable(&'static str),
+    #[error("banning {addr} failed: {reason}")]
+    Failed { addr: IpAddr, reason: String },
+}
+
+/// Enforces bans. Called from the check path, so implementations must not block for long.
+pub trait Banner: Send + Sync {
+    fn ban(&self, addr: IpAddr, ttl: Duration) -> Result<(), BanError>;
+    fn unban(&self, addr: IpAddr) -> Result<(), BanError>;
+}
+
+/// For a limiter running without the kernel programs (unprivileged tools, benchmarks): every
+/// ban is refused with a reason, so a ban request fails visibly instead of being dropped.
+#[derive(Debug, Default)]
+pub struct NoBans;
+
+impl Banner for NoBans {
+    fn ban(&self, _: IpAddr, _: Duration) -> Result<(), BanError> {
+        Err(BanError::Unavailable("no kernel ban map is attached"))
+    }
+
+    fn unban(&self, _: IpAddr) -> Result<(), BanError> {
+        Err(BanError::Unavailable("no kernel ban map is attached"))
+    }
+}

@@ -1,0 +1,76 @@
+//! Where the buckets get the time: the agent reads a monotonic clock, tests turn a manual one,
+//! so the arithmetic is checked to the nanosecond without sleeping.
+
+use std::{
+    sync::atomic::{AtomicU64, Ordering},
+    time::{Duration, Instant},
+};
+
+/// Nanoseconds since the clock's own origin. Only differences matter, and a monotonic origin
+/// means a wall-clock step (NTP, an operator) can neither refill nor drain a bucket.
+pub trait Clock: Send + Sync {
+    fn now_ns(&self) -> u64;
+}
+
+/// The process's monotonic clock, counted from when the limiter was built.
+#[derive(Debug)]
+pub struct MonotonicClock {
+    origin: Instant,
+}
+
+impl MonotonicClock {
+    pub fn new() -> Self {
+        Self {
+            origin: Instant::now(),
+        }
+    }
+}
+
+impl Default for MonotonicClock {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Clock for MonotonicClock {
+    fn now_ns(&self) -> u64 {
+        // u64 nanoseconds last 584 years of uptime.
+        self.origin.elapsed().as_nanos() as u64
+    }
+}
+
+/// A clock that moves only when told to, shared between a test and the limiter under test.
+#[derive(Debug, Default)]
+pub struct ManualClock {
+    now: AtomicU64,
+}
+
+impl ManualClock {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub fn advance(&self, by: Duration) {
+        self.now.fetch_add(duration_ns(by), Ordering::SeqCst);
+    }
+
+    pub fn set_ns(&self, now: u64) {
+        self.now.store(now, Ordering::SeqCst);
+    }
+}
+
+impl Clock for ManualClock {
+    fn now_ns(&self) -> u64 {
+        self.now.load(Ordering::SeqCst)
+    }
+}
+
+/// Saturating, so an absurd configured duration means "forever" rather than wrapping to zero.
+pub fn duration_ns(duration: Duration) -> u64 {
+    u64::try_from(duration.as_nanos()).unwrap_or(u64::MAX)
+}
+
+/// Rounded up: a client that waits this long is guaranteed to find what it was promised.
+pub fn ns_to_ms_ceil(ns: u64) -> u64 {
+    ns.div_ceil(1_000_000)
+}

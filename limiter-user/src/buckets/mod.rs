@@ -1,0 +1,26 @@
+//! Application-layer token buckets: named actions, each a GCRA bucket per key, checked by the
+//! broker over the local socket and, through [`Limiter`], by anything else in the agent.
+
+pub mod actions;
+pub mod ban;
+pub mod clock;
+pub mod escalation;
+pub mod gcra;
+pub mod keys;
+pub mod stats;
+pub mod store;
+pub mod verdict;
+
+pub use actions::{
+    ActionConfig, ActionSpec, ConfigError, KeyKind, MAX_ACTION_NAME, Window, resolve_actions,
+};
+pub use keys::MAX_KEY_LEN;
+pub use ban::{BanError, Banner, NoBans};
+pub use clock::{Clock, ManualClock, MonotonicClock};
+pub use escalation::{Escalation, EscalationConfig, EscalationStats};
+pub use stats::{ActionStats, BlockedKey};
+pub use store::{CheckError, Limiter, LimiterConfig};
+pub use verdict::{NEVER_MS, Outcome, Verdict};
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,79 @@
+//! Per-action counters, kept so that the agent can export them. Counters are striped across
+//! cache lines, one stripe per thread slot: a single shared counter would be written by every
+//! check on every core and undo the lock-free bucket.
+
+use std::{
+    cell::Cell,
+    sync::atomic::{AtomicU64, AtomicUsize, Ordering},
+};
+
+use serde::Serialize;
+
+use super::verdict::Outcome;
+
+const STRIPES: usize = 16;
+
+#[repr(align(128))]
+#[derive(Default)]
+struct Stripe([AtomicU64; OUTCOMES]);
+
+const OUTCOMES: usize = 5;
+
+thread_local! {
+    static SLOT: Cell<usize> = const { Cell::new(usize::MAX) };
+}
+
+static NEXT_SLOT: AtomicUsize = AtomicUsize::new(0);
+
+fn slot() -> usize {
+    SLOT.with(|slot| {
+        if slot.get() == usize::MAX {
+            slot.set(NEXT_SLOT.fetch_add(1, Ordering::Relaxed) % STRIPES);
+        }
+        slot.get()
+    })
+}
+
+/// Checks counted by outcome.
+#[derive(Default)]
+pub struct OutcomeCounters {
+    stripes: [Stripe; STRIPES],
+}
+
+impl OutcomeCounters {
+    pub fn add(&self, outcome: Outcome) {
+        self.stripes[slot()].0[outcome as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn get(&self, outcome: Outcome) -> u64 {
+        self.stripes
+            .iter()
+            .map(|s| s.0[outcome as usize].load(Ordering::Relaxed))
+            .sum()
+    }
+}
+
+/// A snapshot of one action, for `/rate_limits` and the metrics.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct ActionStats {
+    pub action: String,
+    pub allowed: u64,
+    pub unlimited: u64,
+    pub limited: u64,
+    pub cost_exceeds_burst: u64,
+    pub closed: u64,
+    /// Every refusal: limited + cost_exceeds_burst + closed.
+    pub blocked: u64,
+    pub tracked_keys: usize,
+    /// Checks for new keys made while the action was at its key cap, which shared the
+    /// overflow bucket.
+    pub overflow_checks: u64,
+}
+
+/// One of the most-blocked keys of an action, shown as an operator may see it (a session is
+/// a digest, never the token).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct BlockedKey {
+    pub key: String,
+    pub blocked: u64,
+}

@@ -1,0 +1,234 @@
+//! The limiter core driven through its public surface with a manual clock.
+
+use std::{
+    collections::BTreeMap,
+    net::IpAddr,
+    sync::{Arc, Barrier},
+    thread,
+    time::Duration,
+};
+
+use super::{escalation::tests::RecordingBanner, *};
+
+fn limiter_with(toml_actions: &str, escalation: Option<EscalationConfig>) -> (Arc<ManualClock>, Arc<RecordingBanner>, Limiter) {
+    #[derive(serde::Deserialize)]
+    struct File {
+        #[serde(default)]
+        actions: BTreeMap<String, ActionConfig>,
+    }
+    let file: File = toml::from_str(toml_actions).unwrap();
+    let actions = resolve_actions(&file.actions, &[]).unwrap();
+    let clock = Arc::new(ManualClock::new());
+    clock.set_ns(1_000_000_000);
+    let banner = Arc::new(RecordingBanner::default());
+    let limiter = Limiter::new(
+        LimiterConfig {
+            actions,
+            escalation,
+        },
+        clock.clone(),
+        banner.clone(),
+    );
+    (clock, banner, limiter)
+}
+
+fn stats_of(limiter: &Limiter, action: &str) -> ActionStats {
+    limiter.stats().into_iter().find(|s| s.action == action).unwrap()
+}
+
+#[test]
+fn auth_allows_ten_a_minute_per_address_with_retry_and_reset() {
+    let (clock, _, limiter) = limiter_with("", None);
+    for remaining in (0..10).rev() {
+        let v = limiter.check("auth", b"192.0.2.1", 1).unwrap();
+        assert_eq!((v.outcome, v.remaining, v.limit), (Outcome::Allowed, remaining, 10));
+    }
+    let refused = limiter.check("auth", b"192.0.2.1", 1).unwrap();
+    assert_eq!(refused.outcome, Outcome::Limited);
+    assert_eq!(refused.retry_after_ms, 6_000);
+    assert_eq!(refused.reset_after_ms, 60_000);
+    // Another address is untouched.
+    assert!(limiter.check("auth", b"192.0.2.2", 1).unwrap().allowed);
+    clock.advance(Duration::from_millis(5_999));
+    assert_eq!(limiter.check("auth", b"192.0.2.1", 1).unwrap().retry_after_ms, 1);
+    clock.advance(Duration::from_millis(1));
+    assert!(limiter.check("auth", b"192.0.2.1", 1).unwrap().allowed);
+    let stats = stats_of(&limiter, "auth");
+    assert_eq!((stats.allowed, stats.limited, stats.blocked), (12, 2, 2));
+}
+
+#[test]
+fn peek_consumes_nothing_and_reset_refills() {
+    let (_, _, limiter) = limiter_with("[actions.export]\nlimit = 2\nwindow = \"10s\"\nkey = \"user\"\n", None);
+    for _ in 0..5 {
+        let v = limiter.peek("export", b"alice", 2).unwrap();
+        assert!(v.allowed);
+        assert_eq!(v.remaining, 0, "remaining as if this cost were paid");
+    }
+    assert_eq!(stats_of(&limiter, "export").tracked_keys, 0, "a peek creates nothing");
+    assert!(limiter.check("export", b"alice", 2).unwrap().allowed);
+    let peek = limiter.peek("export", b"alice", 1).unwrap();
+    assert_eq!((peek.outcome, peek.retry_after_ms), (Outcome::Limited, 5_000));
+    assert!(limiter.reset("export", b"alice").unwrap());
+    assert!(!limiter.reset("export", b"alice").unwrap());
+    assert!(limiter.check("export", b"alice", 2).unwrap().allowed);
+}
+
+#[test]
+fn a_cost_above_the_burst_has_its_own_reason_and_spends_nothing() {
+    let (_, _, limiter) = limiter_with("[actions.publish]\nlimit = 100\nburst = 50\n", None);
+    let v = limiter.check("publish", b"bob", 51).unwrap();
+    assert_eq!(v.outcome, Outcome::CostExceedsBurst);
+    assert_eq!(v.retry_after_ms, NEVER_MS);
+    assert_eq!(v.remaining, 50);
+    assert_eq!(limiter.check("publish", b"bob", 50).unwrap().remaining, 0);
+}
+
+#[test]
+fn off_and_closed() {
+    let (_, _, limiter) = limiter_with("[actions.dashboard_auth]\nlimit = 0\n", None);
+    for _ in 0..1000 {
+        assert_eq!(limiter.check("publish", b"bob", 100).unwrap().outcome, Outcome::Unlimited);
+    }
+    let closed = limiter.check("dashboard_auth", b"192.0.2.1", 1).unwrap();
+    assert_eq!((closed.outcome, closed.allowed), (Outcome::Closed, false));
+    assert_eq!(stats_of(&limiter, "publish").tracked_keys, 0);
+}
+
+#[test]
+fn bad_input_is_an_error() {
+    let (_, _, limiter) = limiter_with("", None);
+    assert_eq!(
+        limiter.check("nope", b"x", 1),
+        Err(CheckError::UnknownAction("nope".into()))
+    );
+    assert!(matches!(
+        limiter.check("auth", b"not-an-ip", 1),
+        Err(CheckError::InvalidKey { .. })
+    ));
+    assert_eq!(limiter.check("auth", b"192.0.2.1", 0), Err(CheckError::ZeroCost));
+}
+
+#[test]
+fn session_keys_are_digested_in_top_blocked() {
+    let (_, _, limiter) = limiter_with("[actions.dashboard_api]\nlimit = 1\n", None);
+    for _ in 0..4 {
+        limiter.check("dashboard_api", b"tok-secret", 1).unwrap();
+    }
+    limiter.check("dashboard_api", b"other", 1).unwrap();
+    limiter.check("dashboard_api", b"other", 1).unwrap();
+    let top = limiter.top_blocked("dashboard_api", 10).unwrap();
+    assert_eq!(top.len(), 2);
+    assert_eq!(top[0].blocked, 3);
+    assert_eq!(top[1].blocked, 1);
+    assert!(top.iter().all(|k| k.key.starts_with("sha256:") && !k.key.contains("secret")));
+}
+
+#[test]
+fn sweep_evicts_only_full_buckets() {
+    let (clock, _, limiter) = limiter_with("", None);
+    limiter.check("auth", b"192.0.2.1", 1).unwrap();
+    for _ in 0..10 {
+        limiter.check("auth", b"192.0.2.2", 1).unwrap();
+    }
+    assert_eq!(limiter.sweep(), 0);
+    clock.advance(Duration::from_secs(6));
+    assert_eq!(limiter.sweep(), 1, "one token refilled: 192.0.2.1 is full");
+    assert_eq!(stats_of(&limiter, "auth").tracked_keys, 1);
+    clock.advance(Duration::from_secs(54));
+    assert_eq!(limiter.sweep(), 1);
+    assert_eq!(stats_of(&limiter, "auth").tracked_keys, 0);
+}
+
+#[test]
+fn past_the_key_cap_new_keys_share_one_overflow_bucket() {
+    let (_, _, limiter) =
+        limiter_with("[actions.auth]\nlimit = 3\nmax_keys = 2\n", None);
+    assert!(limiter.check("auth", b"192.0.2.1", 1).unwrap().allowed);
+    assert!(limiter.check("auth", b"192.0.2.2", 1).unwrap().allowed);
+    // A flood of fresh addresses gets the action's limit between them, not each.
+    let admitted = (3..100)
+        .filter(|i| {
+            let key = format!("192.0.2.{i}");
+            limiter.check("auth", key.as_bytes(), 1).unwrap().allowed
+        })
+        .count();
+    assert_eq!(admitted, 3);
+    let stats = stats_of(&limiter, "auth");
+    assert_eq!((stats.tracked_keys, stats.overflow_checks), (2, 97));
+    // Tracked keys keep their own buckets.
+    assert!(limiter.check("auth", b"192.0.2.1", 1).unwrap().allowed);
+}
+
+fn concurrent_admitted(limiter: Arc<Limiter>, keys: usize, per_key: usize) -> Vec<usize> {
+    let threads = keys * per_key;
+    let barrier = Arc::new(Barrier::new(threads));
+    let handles: Vec<_> = (0..threads)
+        .map(|i| {
+            let (limiter, barrier) = (limiter.clone(), barrier.clone());
+            thread::spawn(move || {
+                let key = format!("user-{}", i % keys);
+                barrier.wait();
+                (i % keys, limiter.check("export", key.as_bytes(), 1).unwrap().allowed)
+            })
+        })
+        .collect();
+    let mut admitted = vec![0; keys];
+    for handle in handles {
+        let (key, allowed) = handle.join().unwrap();
+        admitted[key] += usize::from(allowed);
+    }
+    admitted
+}
+
+const FIFTY: &str = "[actions.export]\nlimit = 50\nwindow = \"1h\"\nkey = \"user\"\n";
+
+#[test]
+fn four_hundred_concurrent_checks_on_one_key_admit_exactly_fifty() {
+    let (_, _, limiter) = limiter_with(FIFTY, None);
+    assert_eq!(concurrent_admitted(Arc::new(limiter), 1, 400), vec![50]);
+}
+
+#[test]
+fn four_hundred_concurrent_checks_across_four_keys_admit_exactly_fifty_each() {
+    let (_, _, limiter) = limiter_with(FIFTY, None);
+    assert_eq!(concurrent_admitted(Arc::new(limiter), 4, 100), vec![50; 4]);
+}
+
+#[test]
+fn auth_refusals_and_reported_failures_escalate_to_one_ban() {
+    let escalation = EscalationConfig {
+        after: 3,
+        window: Duration::from_secs(60),
+        ban: Duration::from_secs(900),
+        max_addresses: 100,
+    };
+    let (_, banner, limiter) = limiter_with("[actions.auth]\nlimit = 2\n", Some(escalation));
+    let addr: IpAddr = "2001:db8::9".parse().unwrap();
+    assert_eq!(limiter.report_auth_failure(addr), Escalation::Counted { failures: 1 });
+    for _ in 0..2 {
+        assert!(limiter.check("auth", b"2001:db8::9", 1).unwrap().allowed);
+    }
+    // Refusals 1 and 2 bring the count to 3; the third refusal is the fourth failure.
+    for _ in 0..3 {
+        assert!(!limiter.check("auth", b"2001:db8::9", 1).unwrap().allowed);
+    }
+    assert_eq!(limiter.report_auth_failure(addr), Escalation::AlreadyBanned);
+    assert_eq!(
+        *banner.calls.lock().unwrap(),
+        vec![(addr, Some(Duration::from_secs(900)))]
+    );
+    assert_eq!(limiter.escalation_stats().unwrap().bans, 1);
+    limiter.unban(addr).unwrap();
+    assert_eq!(limiter.report_auth_failure(addr), Escalation::Counted { failures: 1 });
+}
+
+#[test]
+fn escalation_is_off_unless_configured() {
+    let (_, banner, limiter) = limiter_with("[actions.auth]\nlimit = 1\n", None);
+    for _ in 0..50 {
+        limiter.check("auth", b"192.0.2.1", 1).unwrap();
+    }
+    assert_eq!(limiter.report_auth_failure("192.0.2.1".parse().unwrap()), Escalation::Off);
+    assert!(banner.calls.lock().unwrap().is_empty());
+}

@@ -1,0 +1,261 @@
+//! The async Rust client for the broker protocol.
+//!
+//! One connection carries any number of requests in flight: a driver task owns the socket,
+//! numbers each request, and routes each reply to its caller by correlation id, so clones of a
+//! [`Client`] used from many tasks pipeline onto the same connection.
+
+use std::{
+    collections::HashMap,
+    io,
+    net::{IpAddr, SocketAddr},
+    path::Path,
+    time::Duration,
+};
+
+use bytes::Bytes;
+use futures::{SinkExt, StreamExt};
+use tokio::{
+    io::{AsyncRead, AsyncWrite},
+    net::{TcpStream, UnixStream},
+    sync::{mpsc, oneshot},
+};
+use tokio_util::codec::{FramedRead, FramedWrite};
+
+use crate::{
+    buckets::{Escalation, Verdict},
+    protocol::{
+        ClientCodec, CodecError, DEFAULT_MAX_FRAME, ErrorCode, Request, Response,
+        frame::validate_request,
+    },
+};
+
+/// Requests in flight per connection. Bounded so that a client that stops reading cannot make
+/// both ends block on full socket buffers.
+const MAX_IN_FLIGHT: usize = 1024;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("connecting to the limiter at {target}")]
+    Connect {
+        target: String,
+        #[source]
+        source: io::Error,
+    },
+    #[error("the limiter answered {code:?}: {message}")]
+    Server { code: ErrorCode, message: String },
+    #[error("the request cannot be sent: {0}")]
+    Invalid(String),
+    #[error("the connection to the limiter closed before the reply")]
+    Closed,
+    #[error("the limiter sent an unreadable reply: {0}")]
+    Protocol(String),
+    #[error("the limiter sent a {got} reply to a {sent} request")]
+    UnexpectedReply {
+        sent: &'static str,
+        got: &'static str,
+    },
+}
+
+type Reply = oneshot::Sender<Result<Response, ClientError>>;
+
+#[derive(Clone, Debug)]
+pub struct Client {
+    calls: mpsc::Sender<(Request, Reply)>,
+}
+
+impl Client {
+    pub async fn connect_unix(path: impl AsRef<Path>) -> Result<Self, ClientError> {
+        let path = path.as_ref();
+        let stream = UnixStream::connect(path)
+            .await
+            .map_err(|source| ClientError::Connect {
+                target: path.display().to_string(),
+                source,
+            })?;
+        Ok(Self::over(stream))
+    }
+
+    pub async fn connect_tcp(addr: SocketAddr) -> Result<Self, ClientError> {
+        let stream = TcpStream::connect(addr)
+            .await
+            .map_err(|source| ClientError::Connect {
+                target: addr.to_string(),
+                source,
+            })?;
+        let _ = stream.set_nodelay(true);
+        Ok(Self::over(stream))
+    }
+
+    /// Runs the protocol over any stream; the driver task ends when every clone is dropped.
+    pub fn over<S>(stream: S) -> Self
+    where
+        S: AsyncRead + AsyncWrite + Send + 'static,
+    {
+        let (calls, rx) = mpsc::channel(MAX_IN_FLIGHT);
+        tokio::spawn(drive(stream, rx));
+        Self { calls }
+    }
+
+    pub async fn check(
+        &self,
+        action: &str,
+        key: impl AsRef<[u8]>,
+        cost: u32,
+    ) -> Result<Verdict, ClientError> {
+        let request = Request::Check {
+            action: action.to_owned(),
+            key: Bytes::copy_from_slice(key.as_ref()),
+            cost,
+        };
+        match self.call(request).await? {
+            Response::Verdict(v) => Ok(v),
+            other => Err(unexpected("check", &other)),
+        }
+    }
+
+    pub async fn peek(
+        &self,
+        action: &str,
+        key: impl AsRef<[u8]>,
+        cost: u32,
+    ) -> Result<Verdict, ClientError> {
+        let request = Request::Peek {
+            action: action.to_owned(),
+            key: Bytes::copy_from_slice(key.as_ref()),
+            cost,
+        };
+        match self.call(request).await? {
+            Response::Verdict(v) => Ok(v),
+            other => Err(unexpected("peek", &other)),
+        }
+    }
+
+    /// `true` if the key had a bucket to forget.
+    pub async fn reset(&self, action: &str, key: impl AsRef<[u8]>) -> Result<bool, ClientError> {
+        let request = Request::Reset {
+            action: action.to_owned(),
+            key: Bytes::copy_from_slice(key.as_ref()),
+        };
+        match self.call(request).await? {
+            Response::Done { changed } => Ok(changed),
+            other => Err(unexpected("reset", &other)),
+        }
+    }
+
+    pub async fn report_auth_failure(&self, addr: IpAddr) -> Result<Escalation, ClientError> {
+        match self.call(Request::AuthFailure { addr }).await? {
+            Response::Escalation(e) => Ok(e),
+            other => Err(unexpected("auth-failure", &other)),
+        }
+    }
+
+    pub async fn ban(&self, addr: IpAddr, ttl: Duration) -> Result<(), ClientError> {
+        match self.call(Request::Ban { addr, ttl }).await? {
+            Response::Done { .. } => Ok(()),
+            other => Err(unexpected("ban", &other)),
+        }
+    }
+
+    pub async fn unban(&self, addr: IpAddr) -> Result<(), ClientError> {
+        match self.call(Request::Unban { addr }).await? {
+            Response::Done { .. } => Ok(()),
+            other => Err(unexpected("unban", &other)),
+        }
+    }
+
+    /// Sends one request and waits for its reply; error replies become [`ClientError::Server`].
+    pub async fn call(&self, request: Request) -> Result<Response, ClientError> {
+        validate_request(&request).map_err(|e| ClientError::Invalid(e.message))?;
+        let (reply, answer) = oneshot::channel();
+        self.calls
+            .send((request, reply))
+            .await
+            .map_err(|_| ClientError::Closed)?;
+        match answer.await.map_err(|_| ClientError::Closed)?? {
+            Response::Error { code, message } => Err(ClientError::Server { code, message }),
+            response => Ok(response),
+        }
+    }
+}
+
+fn unexpected(sent: &'static str, got: &Response) -> ClientError {
+    ClientError::UnexpectedReply {
+        sent,
+        got: match got {
+            Response::Verdict(_) => "verdict",
+            Response::Done { .. } => "done",
+            Response::Escalation(_) => "escalation",
+            Response::Error { .. } => "error",
+        },
+    }
+}
+
+async fn drive<S>(stream: S, mut calls: mpsc::Receiver<(Request, Reply)>)
+where
+    S: AsyncRead + AsyncWrite,
+{
+    let (read, write) = tokio::io::split(stream);
+    let codec = ClientCodec::new(DEFAULT_MAX_FRAME);
+    let mut reader = FramedRead::new(read, codec);
+    let mut writer = FramedWrite::new(write, codec);
+    let mut pending: HashMap<u32, Reply> = HashMap::new();
+    let mut next_id: u32 = 0;
+    let failure = loop {
+        tokio::select! {
+            call = calls.recv(), if pending.len() < MAX_IN_FLIGHT => {
+                let Some(mut call) = call else { break None };
+                // Take everything queued, write it, flush once.
+                loop {
+                    // Id 0 is what the server uses for frames it could not read an id from.
+                    next_id = next_id.wrapping_add(1).max(1);
+                    let (request, reply) = call;
+                    if let Err(error) = writer.feed((next_id, &request)).await {
+                        let _ = reply.send(Err(ClientError::Protocol(error.to_string())));
+                        break;
+                    }
+                    pending.insert(next_id, reply);
+                    if pending.len() >= MAX_IN_FLIGHT {
+                        break;
+                    }
+                    match calls.try_recv() {
+                        Ok(more) => call = more,
+                        Err(_) => break,
+                    }
+                }
+                if writer.flush().await.is_err() {
+                    break Some(ClientError::Closed);
+                }
+            }
+            frame = reader.next() => match frame {
+                Some(Ok(received)) => {
+                    let message = received
+                        .message
+                        .map_err(|e| ClientError::Protocol(e.message));
+                    match pending.remove(&received.id) {
+                        Some(reply) => { let _ = reply.send(message); }
+                        // An id-0 error: the server could not parse a frame and is closing.
+                        None => break Some(match message {
+                            Ok(Response::Error { code, message }) => ClientError::Server { code, message },
+                            _ => ClientError::Protocol(format!("a reply to unknown request {}", received.id)),
+                        }),
+                    }
+                }
+                Some(Err(CodecError::TooLarge { len, max })) => {
+                    break Some(ClientError::Protocol(format!("reply of {len} bytes exceeds {max}")));
+                }
+                Some(Err(CodecError::Io(_))) | None => break Some(ClientError::Closed),
+            },
+        }
+    };
+    // Whatever is still waiting learns why it will never get an answer.
+    for (_, reply) in pending.drain() {
+        let error = match &failure {
+            Some(ClientError::Server { code, message }) => ClientError::Server {
+                code: *code,
+                message: message.clone(),
+            },
+            _ => ClientError::Closed,
+        };
+        let _ = reply.send(Err(error));
+    }
+}

@@ -1,0 +1,422 @@
+//! The protocol's messages and their bytes (specified in docs/protocol.md). Parsing never
+//! trusts a length it has not checked against what is left, and names what it could not read.
+
+use std::{net::IpAddr, time::Duration};
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+
+use crate::buckets::{Escalation, MAX_ACTION_NAME, MAX_KEY_LEN, Outcome, Verdict};
+
+/// Request opcodes.
+pub mod op {
+    pub const CHECK: u8 = 0x01;
+    pub const PEEK: u8 = 0x02;
+    pub const RESET: u8 = 0x03;
+    pub const AUTH_FAILURE: u8 = 0x04;
+    pub const BAN: u8 = 0x05;
+    pub const UNBAN: u8 = 0x06;
+    pub const VERDICT: u8 = 0x81;
+    pub const DONE: u8 = 0x82;
+    pub const ESCALATION: u8 = 0x83;
+    pub const ERROR: u8 = 0xFF;
+}
+
+/// Bytes in a frame before its payload: opcode and correlation id.
+pub const HEADER_LEN: usize = 5;
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Request {
+    Check { action: String, key: Bytes, cost: u32 },
+    Peek { action: String, key: Bytes, cost: u32 },
+    Reset { action: String, key: Bytes },
+    AuthFailure { addr: IpAddr },
+    Ban { addr: IpAddr, ttl: Duration },
+    Unban { addr: IpAddr },
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Response {
+    Verdict(Verdict),
+    /// Reset, ban and unban. `changed` is false for a reset of a key that had no bucket.
+    Done { changed: bool },
+    Escalation(Escalation),
+    Error { code: ErrorCode, message: String },
+}
+
+/// Error reply codes. The connection stays open after every one but `FrameTooLarge`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum ErrorCode {
+    Malformed = 1,
+    UnknownOpcode = 2,
+    UnknownAction = 3,
+    InvalidKey = 4,
+    InvalidCost = 5,
+    FrameTooLarge = 6,
+    BanFailed = 7,
+}
+
+impl ErrorCode {
+    pub fn from_wire(value: u8) -> Option<Self> {
+        Some(match value {
+            1 => ErrorCode::Malformed,
+            2 => ErrorCode::UnknownOpcode,
+            3 => ErrorCode::UnknownAction,
+            4 => ErrorCode::InvalidKey,
+            5 => ErrorCode::InvalidCost,
+            6 => ErrorCode::FrameTooLarge,
+            7 => ErrorCode::BanFailed,
+            _ => return None,
+        })
+    }
+}
+
+/// A frame body that could not be turned into a message.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct ParseError {
+    pub code: ErrorCode,
+    pub message: String,
+}
+
+impl ParseError {
+    fn malformed(message: impl Into<String>) -> Self {
+        Self {
+            code: ErrorCode::Malformed,
+            message: message.into(),
+        }
+    }
+}
+
+/// Reads fields off a frame body, turning every short read into a named error.
+struct Fields {
+    body: Bytes,
+    what: &'static str,
+}
+
+impl Fields {
+    fn need(&self, field: &str, n: usize) -> Result<(), ParseError> {
+        if self.body.remaining() < n {
+            return Err(ParseError::malformed(format!(
+                "{} frame ends inside {field}: it needs {n} bytes and {} are left",
+                self.what,
+                self.body.remaining()
+            )));
+        }
+        Ok(())
+    }
+
+    fn u8(&mut self, field: &str) -> Result<u8, ParseError> {
+        self.need(field, 1)?;
+        Ok(self.body.get_u8())
+    }
+
+    fn u16(&mut self, field: &str) -> Result<u16, ParseError> {
+        self.need(field, 2)?;
+        Ok(self.body.get_u16())
+    }
+
+    fn u32(&mut self, field: &str) -> Result<u32, ParseError> {
+        self.need(field, 4)?;
+        Ok(self.body.get_u32())
+    }
+
+    fn u64(&mut self, field: &str) -> Result<u64, ParseError> {
+        self.need(field, 8)?;
+        Ok(self.body.get_u64())
+    }
+
+    fn bytes(&mut self, field: &str, n: usize) -> Result<Bytes, ParseError> {
+        self.need(field, n)?;
+        Ok(self.body.split_to(n))
+    }
+
+    fn action(&mut self) -> Result<String, ParseError> {
+        let len = usize::from(self.u8("the action length")?);
+        if len == 0 || len > MAX_ACTION_NAME {
+            return Err(ParseError::malformed(format!(
+                "an action name is 1 to {MAX_ACTION_NAME} bytes, not {len}"
+            )));
+        }
+        let bytes = self.bytes("the action name", len)?;
+        String::from_utf8(bytes.to_vec())
+            .map_err(|_| ParseError::malformed("the action name is not UTF-8"))
+    }
+
+    fn key(&mut self) -> Result<Bytes, ParseError> {
+        let len = usize::from(self.u16("the key length")?);
+        if len == 0 || len > MAX_KEY_LEN {
+            return Err(ParseError {
+                code: ErrorCode::InvalidKey,
+                message: format!("a key is 1 to {MAX_KEY_LEN} bytes, not {len}"),
+            });
+        }
+        self.bytes("the key", len)
+    }
+
+    fn addr(&mut self) -> Result<IpAddr, ParseError> {
+        match self.u8("the address family")? {
+            4 => {
+                let b = self.bytes("the IPv4 address", 4)?;
+                Ok(IpAddr::from(<[u8; 4]>::try_from(&b[..]).expect("length checked")))
+            }
+            6 => {
+                let b = self.bytes("the IPv6 address", 16)?;
+                Ok(IpAddr::from(<[u8; 16]>::try_from(&b[..]).expect("length checked")))
+            }
+            other => Err(ParseError::malformed(format!(
+                "address family {other} is neither 4 nor 6"
+            ))),
+        }
+    }
+
+    fn end(self) -> Result<(), ParseError> {
+        if self.body.has_remaining() {
+            return Err(ParseError::malformed(format!(
+                "{} trailing bytes after a {} frame",
+                self.body.remaining(),
+                self.what
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Parses a request body (everything after the correlation id).
+pub fn parse_request(opcode: u8, body: Bytes) -> Result<Request, ParseError> {
+    let what = match opcode {
+        op::CHECK => "check",
+        op::PEEK => "peek",
+        op::RESET => "reset",
+        op::AUTH_FAILURE => "auth-failure",
+        op::BAN => "ban",
+        op::UNBAN => "unban",
+        other => {
+            return Err(ParseError {
+                code: ErrorCode::UnknownOpcode,
+                message: format!("unknown request opcode 0x{other:02x}"),
+            });
+        }
+    };
+    let mut f = Fields { body, what };
+    let request = match opcode {
+        op::CHECK | op::PEEK => {
+            let action = f.action()?;
+            let key = f.key()?;
+            let cost = f.u32("the cost")?;
+            if cost == 0 {
+                return Err(ParseError {
+                    code: ErrorCode::InvalidCost,
+                    message: "a cost must be at least 1".into(),
+                });
+            }
+            if opcode == op::CHECK {
+                Request::Check { action, key, cost }
+            } else {
+                Request::Peek { action, key, cost }
+            }
+        }
+        op::RESET => Request::Reset {
+            action: f.action()?,
+            key: f.key()?,
+        },
+        op::AUTH_FAILURE => Request::AuthFailure { addr: f.addr()? },
+        op::BAN => Request::Ban {
+            addr: f.addr()?,
+            ttl: Duration::from_millis(f.u64("the ban's ttl")?),
+        },
+        _ => Request::Unban { addr: f.addr()? },
+    };
+    f.end()?;
+    Ok(request)
+}
+
+fn put_addr(dst: &mut BytesMut, addr: IpAddr) {
+    match addr {
+        IpAddr::V4(v4) => {
+            dst.put_u8(4);
+            dst.put_slice(&v4.octets());
+        }
+        IpAddr::V6(v6) => {
+            dst.put_u8(6);
+            dst.put_slice(&v6.octets());
+        }
+    }
+}
+
+/// Writes the body of a request; the caller has checked the name and key lengths.
+pub fn put_request(dst: &mut BytesMut, request: &Request) -> u8 {
+    let put_target = |dst: &mut BytesMut, action: &str, key: &Bytes| {
+        dst.put_u8(action.len() as u8);
+        dst.put_slice(action.as_bytes());
+        dst.put_u16(key.len() as u16);
+        dst.put_slice(key);
+    };
+    match request {
+        Request::Check { action, key, cost } | Request::Peek { action, key, cost } => {
+            put_target(dst, action, key);
+            dst.put_u32(*cost);
+            if matches!(request, Request::Check { .. }) {
+                op::CHECK
+            } else {
+                op::PEEK
+            }
+        }
+        Request::Reset { action, key } => {
+            put_target(dst, action, key);
+            op::RESET
+        }
+        Request::AuthFailure { addr } => {
+            put_addr(dst, *addr);
+            op::AUTH_FAILURE
+        }
+        Request::Ban { addr, ttl } => {
+            put_addr(dst, *addr);
+            dst.put_u64(u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX));
+            op::BAN
+        }
+        Request::Unban { addr } => {
+            put_addr(dst, *addr);
+            op::UNBAN
+        }
+    }
+}
+
+/// Checks what the wire cannot carry before anything is sent.
+pub fn validate_request(request: &Request) -> Result<(), ParseError> {
+    let target = match request {
+        Request::Check { action, key, cost } | Request::Peek { action, key, cost } => {
+            if *cost == 0 {
+                return Err(ParseError {
+                    code: ErrorCode::InvalidCost,
+                    message: "a cost must be at least 1".into(),
+                });
+            }
+            Some((action, key))
+        }
+        Request::Reset { action, key } => Some((action, key)),
+        _ => None,
+    };
+    if let Some((action, key)) = target {
+        if action.is_empty() || action.len() > MAX_ACTION_NAME {
+            return Err(ParseError::malformed(format!(
+                "an action name is 1 to {MAX_ACTION_NAME} bytes, not {}",
+                action.len()
+            )));
+        }
+        if key.is_empty() || key.len() > MAX_KEY_LEN {
+            return Err(ParseError {
+                code: ErrorCode::InvalidKey,
+                message: format!("a key is 1 to {MAX_KEY_LEN} bytes, not {}", key.len()),
+            });
+        }
+    }
+    Ok(())
+}
+
+fn escalation_wire(escalation: Escalation) -> (u8, u32) {
+    match escalation {
+        Escalation::Off => (0, 0),
+        Escalation::Counted { failures } => (1, failures),
+        Escalation::Banned => (2, 0),
+        Escalation::AlreadyBanned => (3, 0),
+        Escalation::BanFailed => (4, 0),
+        Escalation::Untracked => (5, 0),
+    }
+}
+
+/// Writes the body of a response and returns its opcode.
+pub fn put_response(dst: &mut BytesMut, response: &Response) -> u8 {
+    match response {
+        Response::Verdict(v) => {
+            dst.put_u8(v.outcome as u8);
+            dst.put_u32(v.limit);
+            dst.put_u32(v.remaining);
+            dst.put_u64(v.retry_after_ms);
+            dst.put_u64(v.reset_after_ms);
+            op::VERDICT
+        }
+        Response::Done { changed } => {
+            dst.put_u8(u8::from(*changed));
+            op::DONE
+        }
+        Response::Escalation(e) => {
+            let (state, failures) = escalation_wire(*e);
+            dst.put_u8(state);
+            dst.put_u32(failures);
+            op::ESCALATION
+        }
+        Response::Error { code, message } => {
+            dst.put_u8(*code as u8);
+            // Messages are ours and short; cut rather than overflow the length field.
+            let text = &message.as_bytes()[..message.len().min(1024)];
+            dst.put_u16(text.len() as u16);
+            dst.put_slice(text);
+            op::ERROR
+        }
+    }
+}
+
+/// Parses a response body (everything after the correlation id).
+pub fn parse_response(opcode: u8, body: Bytes) -> Result<Response, ParseError> {
+    let what = match opcode {
+        op::VERDICT => "verdict",
+        op::DONE => "done",
+        op::ESCALATION => "escalation",
+        op::ERROR => "error",
+        other => {
+            return Err(ParseError {
+                code: ErrorCode::UnknownOpcode,
+                message: format!("unknown response opcode 0x{other:02x}"),
+            });
+        }
+    };
+    let mut f = Fields { body, what };
+    let response = match opcode {
+        op::VERDICT => {
+            let raw = f.u8("the outcome")?;
+            let outcome = Outcome::from_wire(raw)
+                .ok_or_else(|| ParseError::malformed(format!("unknown outcome {raw}")))?;
+            Response::Verdict(Verdict::new(
+                outcome,
+                f.u32("the limit")?,
+                f.u32("remaining")?,
+                f.u64("retry_after_ms")?,
+                f.u64("reset_after_ms")?,
+            ))
+        }
+        op::DONE => Response::Done {
+            changed: f.u8("the changed flag")? != 0,
+        },
+        op::ESCALATION => {
+            let state = f.u8("the escalation state")?;
+            let failures = f.u32("the failure count")?;
+            Response::Escalation(match state {
+                0 => Escalation::Off,
+                1 => Escalation::Counted { failures },
+                2 => Escalation::Banned,
+                3 => Escalation::AlreadyBanned,
+                4 => Escalation::BanFailed,
+                5 => Escalation::Untracked,
+                other => {
+                    return Err(ParseError::malformed(format!(
+                        "unknown escalation state {other}"
+                    )));
+                }
+            })
+        }
+        _ => {
+            let raw = f.u8("the error code")?;
+            let code = ErrorCode::from_wire(raw)
+                .ok_or_else(|| ParseError::malformed(format!("unknown error code {raw}")))?;
+            let len = usize::from(f.u16("the message length")?);
+            let text = f.bytes("the message", len)?;
+            Response::Error {
+                code,
+                message: String::from_utf8_lossy(&text).into_owned(),
+            }
+        }
+    };
+    f.end()?;
+    Ok(response)
+}

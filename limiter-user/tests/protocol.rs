@@ -1,0 +1,398 @@
+//! The broker protocol over real sockets: an in-process server on a Unix socket in a fresh
+//! temporary directory (and on loopback TCP), driven by the Rust client and by hand-made bytes.
+
+use std::{
+    collections::BTreeMap,
+    net::IpAddr,
+    os::unix::fs::PermissionsExt,
+    path::PathBuf,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use limiter::{
+    buckets::{
+        ActionConfig, BanError, Banner, Escalation, EscalationConfig, Limiter, LimiterConfig,
+        ManualClock, Outcome, resolve_actions,
+    },
+    client::{Client, ClientError},
+    protocol::{ErrorCode, ServeConfig, Server},
+};
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::UnixStream,
+    sync::oneshot,
+    task::JoinHandle,
+    time::timeout,
+};
+
+/// Every wait in these tests is bounded by this.
+const PATIENCE: Duration = Duration::from_secs(10);
+
+#[derive(Default)]
+struct RecordingBanner {
+    calls: Mutex<Vec<String>>,
+}
+
+impl Banner for RecordingBanner {
+    fn ban(&self, addr: IpAddr, ttl: Duration) -> Result<(), BanError> {
+        self.calls.lock().unwrap().push(format!("ban {addr} {}s", ttl.as_secs()));
+        Ok(())
+    }
+    fn unban(&self, addr: IpAddr) -> Result<(), BanError> {
+        self.calls.lock().unwrap().push(format!("unban {addr}"));
+        Ok(())
+    }
+}
+
+struct Running {
+    _dir: tempfile::TempDir,
+    socket: PathBuf,
+    tcp: Option<std::net::SocketAddr>,
+    banner: Arc<RecordingBanner>,
+    stop: Option<oneshot::Sender<()>>,
+    task: JoinHandle<()>,
+}
+
+impl Running {
+    async fn stop(mut self) {
+        self.stop.take().unwrap().send(()).unwrap();
+        timeout(PATIENCE, &mut self.task).await.unwrap().unwrap();
+    }
+}
+
+const ACTIONS: &str = r#"
+[actions.export]
+limit = 50
+window = "1h"
+key = "user"
+
+[actions.auth]
+limit = 3
+"#;
+
+async fn start_with(listen: bool, escalation: Option<EscalationConfig>) -> Running {
+    #[derive(serde::Deserialize)]
+    struct File {
+        actions: BTreeMap<String, ActionConfig>,
+    }
+    let file: File = toml::from_str(ACTIONS).unwrap();
+    let clock = Arc::new(ManualClock::new());
+    let banner = Arc::new(RecordingBanner::default());
+    let limiter = Arc::new(Limiter::new(
+        LimiterConfig {
+            actions: resolve_actions(&file.actions, &[]).unwrap(),
+            escalation,
+        },
+        clock,
+        banner.clone(),
+    ));
+    let dir = tempfile::tempdir().unwrap();
+    // A directory that does not exist yet: the server creates it.
+    let socket = dir.path().join("run").join("limiter.sock");
+    let mut config = ServeConfig::unix(&socket);
+    if listen {
+        config.listen = Some("127.0.0.1:0".parse().unwrap());
+    }
+    let server = Server::bind(&config, limiter).await.unwrap();
+    let tcp = server.tcp_addr();
+    let (stop, stopped) = oneshot::channel();
+    let task = tokio::spawn(server.run(async {
+        let _ = stopped.await;
+    }));
+    Running {
+        _dir: dir,
+        socket,
+        tcp,
+        banner,
+        stop: Some(stop),
+        task,
+    }
+}
+
+async fn start() -> Running {
+    start_with(false, None).await
+}
+
+#[tokio::test]
+async fn every_request_round_trips() {
+    let server = start_with(
+        false,
+        Some(EscalationConfig {
+            after: 1,
+            window: Duration::from_secs(60),
+            ban: Duration::from_secs(600),
+            max_addresses: 10,
+        }),
+    )
+    .await;
+    let client = Client::connect_unix(&server.socket).await.unwrap();
+
+    let v = client.check("export", "alice", 10).await.unwrap();
+    assert_eq!((v.outcome, v.remaining, v.limit), (Outcome::Allowed, 40, 50));
+    assert_eq!(v.reset_after_ms, 720_000, "10 tokens at 72 s each");
+    let peek = client.peek("export", "alice", 41).await.unwrap();
+    assert_eq!(peek.outcome, Outcome::Limited);
+    assert_eq!(peek.retry_after_ms, 72_000);
+    let over = client.check("export", "alice", 51).await.unwrap();
+    assert_eq!(over.outcome, Outcome::CostExceedsBurst);
+    assert!(client.reset("export", "alice").await.unwrap());
+    assert_eq!(client.check("export", "alice", 50).await.unwrap().remaining, 0);
+
+    let addr: IpAddr = "203.0.113.9".parse().unwrap();
+    assert_eq!(
+        client.report_auth_failure(addr).await.unwrap(),
+        Escalation::Counted { failures: 1 }
+    );
+    assert_eq!(client.report_auth_failure(addr).await.unwrap(), Escalation::Banned);
+    client.ban("2001:db8::5".parse().unwrap(), Duration::from_secs(30)).await.unwrap();
+    client.unban(addr).await.unwrap();
+    assert_eq!(
+        *server.banner.calls.lock().unwrap(),
+        ["ban 203.0.113.9 600s", "ban 2001:db8::5 30s", "unban 203.0.113.9"]
+    );
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn unknown_actions_and_bad_keys_get_their_own_errors() {
+    let server = start().await;
+    let client = Client::connect_unix(&server.socket).await.unwrap();
+    match client.check("nope", "k", 1).await {
+        Err(ClientError::Server { code: ErrorCode::UnknownAction, message }) => {
+            assert!(message.contains("nope"), "{message}")
+        }
+        other => panic!("{other:?}"),
+    }
+    match client.check("auth", "not-an-address", 1).await {
+        Err(ClientError::Server { code: ErrorCode::InvalidKey, .. }) => {}
+        other => panic!("{other:?}"),
+    }
+    // The connection is still good.
+    assert!(client.check("auth", "192.0.2.1", 1).await.unwrap().allowed);
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_hundred_concurrent_checks_over_the_socket_admit_exactly_fifty() {
+    let server = start().await;
+    // Eight connections, fifty requests pipelined on each, all at once.
+    let mut clients = Vec::new();
+    for _ in 0..8 {
+        clients.push(Client::connect_unix(&server.socket).await.unwrap());
+    }
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..400 {
+        let client = clients[i % 8].clone();
+        tasks.spawn(async move { client.check("export", "hot", 1).await.unwrap().allowed });
+    }
+    let mut admitted = 0;
+    while let Some(allowed) = timeout(PATIENCE, tasks.join_next()).await.unwrap() {
+        admitted += usize::from(allowed.unwrap());
+    }
+    assert_eq!(admitted, 50);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn pipelined_replies_reach_their_callers() {
+    let server = start().await;
+    let client = Client::connect_unix(&server.socket).await.unwrap();
+    // Each key is charged a different cost, so each caller can tell its own reply.
+    let calls = (1..=300u32).map(|i| {
+        let client = client.clone();
+        async move {
+            let v = client.check("export", format!("user-{i}"), i % 50 + 1).await.unwrap();
+            (i, v.remaining)
+        }
+    });
+    let results = timeout(PATIENCE, futures::future::join_all(calls)).await.unwrap();
+    for (i, remaining) in results {
+        assert_eq!(remaining, 50 - (i % 50 + 1), "reply for user-{i}");
+    }
+    server.stop().await;
+}
+
+/// A raw connection for sending bytes the client would never produce.
+async fn raw(server: &Running) -> UnixStream {
+    UnixStream::connect(&server.socket).await.unwrap()
+}
+
+/// Reads one reply frame: (opcode, id, payload).
+async fn read_reply(stream: &mut UnixStream) -> (u8, u32, Vec<u8>) {
+    let mut len = [0u8; 4];
+    timeout(PATIENCE, stream.read_exact(&mut len)).await.unwrap().unwrap();
+    let mut body = vec![0u8; u32::from_be_bytes(len) as usize];
+    timeout(PATIENCE, stream.read_exact(&mut body)).await.unwrap().unwrap();
+    let id = u32::from_be_bytes(body[1..5].try_into().unwrap());
+    (body[0], id, body[5..].to_vec())
+}
+
+fn frame(body: &[u8]) -> Vec<u8> {
+    let mut out = (body.len() as u32).to_be_bytes().to_vec();
+    out.extend_from_slice(body);
+    out
+}
+
+fn check_frame(id: u32, action: &str, key: &str, cost: u32) -> Vec<u8> {
+    let mut body = vec![0x01];
+    body.extend_from_slice(&id.to_be_bytes());
+    body.push(action.len() as u8);
+    body.extend_from_slice(action.as_bytes());
+    body.extend_from_slice(&(key.len() as u16).to_be_bytes());
+    body.extend_from_slice(key.as_bytes());
+    body.extend_from_slice(&cost.to_be_bytes());
+    frame(&body)
+}
+
+fn error_code(reply: &(u8, u32, Vec<u8>)) -> u8 {
+    assert_eq!(reply.0, 0xFF, "expected an error reply, got {reply:?}");
+    reply.2[0]
+}
+
+#[tokio::test]
+async fn malformed_frames_get_error_replies_and_the_connection_goes_on() {
+    let server = start().await;
+    let mut stream = raw(&server).await;
+    let cases: Vec<(Vec<u8>, u32, u8)> = vec![
+        // Too short for an id.
+        (frame(&[0x01, 0, 0]), 0, ErrorCode::Malformed as u8),
+        // Empty body.
+        (frame(&[]), 0, ErrorCode::Malformed as u8),
+        // Unknown opcode.
+        (frame(&[0x42, 0, 0, 0, 7]), 7, ErrorCode::UnknownOpcode as u8),
+        // Check cut off inside the key.
+        (frame(&[0x01, 0, 0, 0, 8, 4, b'a', b'u', b't', b'h', 0, 9, b'1']), 8, ErrorCode::Malformed as u8),
+        // Zero cost.
+        (check_frame(9, "auth", "192.0.2.1", 0), 9, ErrorCode::InvalidCost as u8),
+        // Key too long for the protocol.
+        (check_frame(10, "export", &"k".repeat(1025), 1), 10, ErrorCode::InvalidKey as u8),
+        // Address family 7.
+        (frame(&[0x04, 0, 0, 0, 11, 7, 1, 2, 3, 4]), 11, ErrorCode::Malformed as u8),
+        // Trailing garbage after an unban.
+        (frame(&[0x06, 0, 0, 0, 12, 4, 1, 2, 3, 4, 0xAA]), 12, ErrorCode::Malformed as u8),
+        // Unknown action.
+        (check_frame(13, "nope", "k", 1), 13, ErrorCode::UnknownAction as u8),
+    ];
+    for (bytes, id, code) in &cases {
+        stream.write_all(bytes).await.unwrap();
+        let reply = read_reply(&mut stream).await;
+        assert_eq!((reply.1, error_code(&reply)), (*id, *code), "case {bytes:02x?}");
+        let message_len = u16::from_be_bytes([reply.2[1], reply.2[2]]) as usize;
+        assert!(message_len > 0, "the error names the problem");
+    }
+    // After all that, a good request on the same connection is answered.
+    stream.write_all(&check_frame(99, "export", "bob", 1)).await.unwrap();
+    let reply = read_reply(&mut stream).await;
+    assert_eq!((reply.0, reply.1, reply.2[0]), (0x81, 99, Outcome::Allowed as u8));
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn raw_pipelined_frames_are_answered_in_order_in_one_go() {
+    let server = start().await;
+    let mut stream = raw(&server).await;
+    let mut batch = Vec::new();
+    for id in 1..=60u32 {
+        batch.extend(check_frame(id, "export", "carol", 1));
+    }
+    stream.write_all(&batch).await.unwrap();
+    for id in 1..=60u32 {
+        let (op, got, payload) = read_reply(&mut stream).await;
+        assert_eq!((op, got), (0x81, id));
+        let outcome = payload[0];
+        let expected = if id <= 50 { Outcome::Allowed } else { Outcome::Limited };
+        assert_eq!(outcome, expected as u8, "request {id}");
+    }
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn an_oversized_frame_gets_an_error_and_the_connection_closes() {
+    let server = start().await;
+    let mut stream = raw(&server).await;
+    stream.write_all(&0x0010_0000u32.to_be_bytes()).await.unwrap();
+    stream.write_all(&[0u8; 64]).await.unwrap();
+    let reply = read_reply(&mut stream).await;
+    assert_eq!((reply.1, error_code(&reply)), (0, ErrorCode::FrameTooLarge as u8));
+    let mut rest = Vec::new();
+    let read = timeout(PATIENCE, stream.read_to_end(&mut rest)).await.unwrap();
+    assert_eq!(read.unwrap(), 0, "the server closed the connection");
+    // Others are unaffected.
+    let client = Client::connect_unix(&server.socket).await.unwrap();
+    assert!(client.check("export", "dave", 1).await.unwrap().allowed);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn a_client_that_stalls_or_vanishes_mid_frame_affects_nobody_else() {
+    let server = start().await;
+    let good = Client::connect_unix(&server.socket).await.unwrap();
+    // One client stops half way through a frame and stays connected…
+    let mut stalled = raw(&server).await;
+    let half = check_frame(1, "export", "erin", 1);
+    stalled.write_all(&half[..7]).await.unwrap();
+    // …another sends half a frame and hangs up.
+    let mut vanished = raw(&server).await;
+    vanished.write_all(&half[..9]).await.unwrap();
+    drop(vanished);
+    for _ in 0..5 {
+        assert!(good.check("export", "frank", 1).await.unwrap().allowed);
+    }
+    // The stalled client's frame completes late and is still answered.
+    stalled.write_all(&half[7..]).await.unwrap();
+    let reply = read_reply(&mut stalled).await;
+    assert_eq!((reply.0, reply.1), (0x81, 1));
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn tcp_on_loopback_speaks_the_same_protocol() {
+    let server = start_with(true, None).await;
+    let addr = server.tcp.unwrap();
+    assert!(addr.ip().is_loopback());
+    let client = Client::connect_tcp(addr).await.unwrap();
+    for _ in 0..3 {
+        assert!(client.check("auth", "::ffff:192.0.2.40", 1).await.unwrap().allowed);
+    }
+    // The mapped and plain forms are one address, so this is the fourth attempt.
+    let v = client.check("auth", "192.0.2.40", 1).await.unwrap();
+    assert_eq!(v.outcome, Outcome::Limited);
+    assert_eq!(v.retry_after_ms, 20_000);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn the_socket_is_0660_a_live_one_is_not_stolen_and_it_is_removed_at_shutdown() {
+    let server = start().await;
+    let mode = std::fs::metadata(&server.socket).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o660);
+    let limiter = Arc::new(Limiter::new(
+        LimiterConfig {
+            actions: resolve_actions(&BTreeMap::new(), &[]).unwrap(),
+            escalation: None,
+        },
+        Arc::new(ManualClock::new()),
+        Arc::new(RecordingBanner::default()),
+    ));
+    let second = Server::bind(&ServeConfig::unix(&server.socket), limiter.clone()).await;
+    assert!(matches!(second, Err(limiter::protocol::ServeError::InUse(_))));
+    let socket = server.socket.clone();
+    server.stop().await;
+    assert!(!socket.exists());
+
+    // A stale socket file (no one listening) is replaced.
+    let dir = tempfile::tempdir().unwrap();
+    let stale = dir.path().join("stale.sock");
+    drop(std::os::unix::net::UnixListener::bind(&stale).unwrap());
+    assert!(stale.exists());
+    let server = Server::bind(&ServeConfig::unix(&stale), limiter).await.unwrap();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(server.run(async {
+        let _ = stopped.await;
+    }));
+    let client = Client::connect_unix(&stale).await.unwrap();
+    assert!(client.check("auth", "192.0.2.1", 1).await.unwrap().allowed);
+    stop.send(()).unwrap();
+    timeout(PATIENCE, task).await.unwrap().unwrap();
+}

@@ -1,0 +1,162 @@
+//! The datapath loaded for `BPF_PROG_TEST_RUN`: settings given as `limiter run` flags.
+
+use aya::{
+    TestRun,
+    programs::{SchedClassifier, TestRunOptions, Xdp},
+};
+use clap::Parser;
+use limiter::{
+    config::{KernelArgs, KernelSettings},
+    loader::{Datapath, LoadOptions, TC_PROGRAM, XDP_PROGRAM},
+};
+use limiter_common::{Direction, Reason, Verdict};
+
+pub const XDP_DROP: u32 = 1;
+pub const XDP_PASS: u32 = 2;
+pub const XDP_TX: u32 = 3;
+pub const TC_ACT_OK: u32 = 0;
+
+#[derive(Parser)]
+struct Flags {
+    #[command(flatten)]
+    kernel: KernelArgs,
+}
+
+/// Parses `limiter run` flags into settings, as the agent would.
+pub fn settings(flags: &[&str]) -> KernelSettings {
+    let mut argv = vec!["limiter"];
+    argv.extend_from_slice(flags);
+    Flags::try_parse_from(argv)
+        .expect("valid flags")
+        .kernel
+        .settings()
+        .expect("valid settings")
+}
+
+pub struct Kernel {
+    pub dp: Datapath,
+}
+
+/// One run of the XDP program.
+pub struct XdpRun {
+    pub action: u32,
+    /// The frame as the program left it (the RST reply for `XDP_TX`).
+    pub frame: Vec<u8>,
+}
+
+impl Kernel {
+    /// Loads the programs (attached nowhere) and applies `flags` to their maps.
+    pub fn new(flags: &[&str]) -> Self {
+        let settings = settings(flags);
+        let mut dp = Datapath::load(LoadOptions {
+            flow_table_size: settings.flow_table_size,
+            kernel_debug: false,
+        })
+        .expect("loading the programs");
+        dp.maps.apply(&settings).expect("applying the settings");
+        Self { dp }
+    }
+
+    pub fn xdp(&self, frame: &[u8]) -> XdpRun {
+        let prog: &Xdp = self
+            .dp
+            .ebpf()
+            .program(XDP_PROGRAM)
+            .expect("the XDP program")
+            .try_into()
+            .expect("an XDP program");
+        let mut out = vec![0u8; frame.len() + 256];
+        let result = prog
+            .test_run(TestRunOptions {
+                data_in: Some(frame),
+                data_out: Some(&mut out),
+                ..Default::default()
+            })
+            .expect("BPF_PROG_TEST_RUN");
+        out.truncate(result.data_size_out as usize);
+        XdpRun {
+            action: result.return_value,
+            frame: out,
+        }
+    }
+
+    pub fn tc(&self, frame: &[u8]) -> u32 {
+        let prog: &SchedClassifier = self
+            .dp
+            .ebpf()
+            .program(TC_PROGRAM)
+            .expect("the TC program")
+            .try_into()
+            .expect("a TC program");
+        prog.test_run(TestRunOptions {
+            data_in: Some(frame),
+            ..Default::default()
+        })
+        .expect("BPF_PROG_TEST_RUN")
+        .return_value
+    }
+
+    pub fn packets(&self, direction: Direction, verdict: Verdict, reason: Reason) -> u64 {
+        self.dp.maps.packets(direction, verdict, reason).unwrap()
+    }
+
+    pub fn ingress(&self, verdict: Verdict, reason: Reason) -> u64 {
+        self.packets(Direction::Ingress, verdict, reason)
+    }
+
+    pub fn global(&self) -> u64 {
+        self.dp.maps.global_connections().unwrap()
+    }
+}
+
+/// The programs attached to the server end of a fresh namespace pair, with `flags` applied.
+pub struct Attached {
+    pub dp: Datapath,
+    /// The client end needs an XDP program of its own for `XDP_TX` replies to reach it: a veth
+    /// delivers XDP_TX frames only to a peer with NAPI running. This one is left unconfigured,
+    /// so it protects no port and passes everything.
+    _peer: Datapath,
+    pub pair: crate::netns::Pair,
+}
+
+impl Attached {
+    pub fn new(flags: &[&str]) -> anyhow::Result<Self> {
+        let pair = crate::netns::Pair::new()?;
+        let settings = settings(flags);
+        let dp = pair.server.run(|| {
+            let mut dp = Datapath::load(LoadOptions {
+                flow_table_size: settings.flow_table_size,
+                kernel_debug: false,
+            })?;
+            dp.maps.apply(&settings)?;
+            dp.attach(&pair.server_if, limiter::loader::XdpAttachMode::Native)?;
+            anyhow::Ok(dp)
+        })??;
+        let peer = pair.client.run(|| {
+            let mut dp = Datapath::load(LoadOptions::default())?;
+            dp.attach(&pair.client_if, limiter::loader::XdpAttachMode::Native)?;
+            anyhow::Ok(dp)
+        })??;
+        Ok(Self {
+            dp,
+            _peer: peer,
+            pair,
+        })
+    }
+
+    pub fn global(&self) -> u64 {
+        self.dp.maps.global_connections().unwrap()
+    }
+
+    /// Waits (bounded) until the kernel's global count reads `want`; returns the last reading.
+    pub fn wait_global(&self, want: u64) -> u64 {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        loop {
+            let now = self.global();
+            if now == want || std::time::Instant::now() > deadline {
+                return now;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+    }
+}
