@@ -186,6 +186,20 @@ pub struct ReleaseRequest {
     pub flow: FlowKey,
 }
 
+/// Input of the `limiter_adjust` program, run by the agent through `BPF_PROG_TEST_RUN` to
+/// repair a counter that drifted from the flow table: the kernel adds `delta` atomically, so
+/// the repair cannot lose a concurrent admission or release.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AdjustRequest {
+    pub source: SourceKey,
+    /// Added to the counter (two's complement: negative lowers it).
+    pub delta: i64,
+    /// Non-zero: adjust the global counter, not `source`'s.
+    pub global: u32,
+    pub _pad: u32,
+}
+
 /// What `limiter_release` returns.
 pub mod release {
     /// The flow was in the table and this call removed it and released its slots.
@@ -209,4 +223,5 @@ mod pod {
     unsafe impl aya::Pod for Ban {}
     unsafe impl aya::Pod for Blocked {}
     unsafe impl aya::Pod for ReleaseRequest {}
+    unsafe impl aya::Pod for AdjustRequest {}
 }

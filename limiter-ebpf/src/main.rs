@@ -17,7 +17,7 @@ use aya_ebpf::{
     programs::{TcContext, XdpContext},
 };
 use aya_log_ebpf::debug;
-use limiter_common::{Direction, Event, FlowKey, ReleaseRequest, release};
+use limiter_common::{AdjustRequest, Direction, Event, FlowKey, ReleaseRequest, release};
 use parsing::Window;
 use policy::Action;
 
@@ -82,6 +82,31 @@ pub fn limiter_release(ctx: XdpContext) -> u32 {
     match maps::FLOWS.get_ptr_mut(&key) {
         Some(flow) if policy::close(&key, flow, Event::Released) => release::RELEASED,
         _ => release::ABSENT,
+    }
+}
+
+/// Not attached anywhere: the agent runs it through `BPF_PROG_TEST_RUN` with an
+/// [`AdjustRequest`] as the packet, to repair a drifted counter with an atomic add.
+#[xdp]
+pub fn limiter_adjust(ctx: XdpContext) -> u32 {
+    let window = Window {
+        start: ctx.data(),
+        end: ctx.data_end(),
+    };
+    let Some(request) = window.read::<AdjustRequest>(0) else {
+        return release::INVALID;
+    };
+    let counter = if request.global != 0 {
+        maps::GLOBAL_CONNS.get_ptr_mut(0)
+    } else {
+        maps::get_or_insert(&maps::SOURCE_CONNS, &request.source, &0)
+    };
+    match counter {
+        Some(counter) => {
+            atomics::fetch_add(counter, request.delta as u64);
+            release::RELEASED
+        }
+        None => release::ABSENT,
     }
 }
 

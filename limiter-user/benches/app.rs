@@ -16,7 +16,10 @@ use std::{
 use futures::{SinkExt, StreamExt, stream::FuturesUnordered};
 use governor::{Quota, RateLimiter};
 use limiter::{
-    buckets::{ActionConfig, KeyKind, Limiter, LimiterConfig, MonotonicClock, NoBans, Window, resolve_actions},
+    buckets::{
+        ActionConfig, KeyKind, Limiter, LimiterConfig, MonotonicClock, NoBans, Window,
+        resolve_actions,
+    },
     client::Client,
     protocol::{ServeConfig, Server},
 };
@@ -80,7 +83,9 @@ fn line(what: &str, ours: f64, anchor_name: &str, anchor: f64) {
 }
 
 fn in_process() {
-    let keys: Vec<Vec<u8>> = (0..DISTINCT_KEYS).map(|i| format!("user-{i}").into_bytes()).collect();
+    let keys: Vec<Vec<u8>> = (0..DISTINCT_KEYS)
+        .map(|i| format!("user-{i}").into_bytes())
+        .collect();
     for threads in [1, 2] {
         let ours = limiter();
         let theirs = governor();
@@ -95,7 +100,12 @@ fn in_process() {
                 let _ = black_box(theirs.check_key(&hot));
             }
         });
-        line(&format!("in process, one hot key, {threads} thread(s)"), ours_rate, "governor", theirs_rate);
+        line(
+            &format!("in process, one hot key, {threads} thread(s)"),
+            ours_rate,
+            "governor",
+            theirs_rate,
+        );
 
         let ours = limiter();
         let theirs = governor();
@@ -109,7 +119,12 @@ fn in_process() {
                 let _ = black_box(theirs.check_key(&keys[i]));
             }
         });
-        line(&format!("in process, 1M new keys, {threads} thread(s)"), first, "governor", theirs_first);
+        line(
+            &format!("in process, 1M new keys, {threads} thread(s)"),
+            first,
+            "governor",
+            theirs_first,
+        );
         let again = rate(threads, DISTINCT_KEYS, |_, range| {
             for i in range {
                 black_box(ours.check("bench", &keys[i], 1).unwrap());
@@ -120,7 +135,12 @@ fn in_process() {
                 let _ = black_box(theirs.check_key(&keys[i]));
             }
         });
-        line(&format!("in process, 1M tracked keys, {threads} thread(s)"), again, "governor", theirs_again);
+        line(
+            &format!("in process, 1M tracked keys, {threads} thread(s)"),
+            again,
+            "governor",
+            theirs_again,
+        );
     }
 }
 
@@ -191,7 +211,9 @@ fn over_the_socket() {
     runtime.block_on(async {
         let dir = tempfile::tempdir().unwrap();
         let socket = dir.path().join("bench.sock");
-        let server = Server::bind(&ServeConfig::unix(&socket), limiter()).await.unwrap();
+        let server = Server::bind(&ServeConfig::unix(&socket), limiter())
+            .await
+            .unwrap();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let task = tokio::spawn(server.run(async {
             let _ = stopped.await;
@@ -200,7 +222,12 @@ fn over_the_socket() {
         for (depth, checks) in [(1, 50_000), (64, 500_000)] {
             let ours = client_rate(&client, checks, depth).await;
             let anchor = echo_rate(&dir.path().join("echo.sock"), checks, depth).await;
-            line(&format!("Unix socket, pipelining depth {depth}"), ours, "bare echo", anchor);
+            line(
+                &format!("Unix socket, pipelining depth {depth}"),
+                ours,
+                "bare echo",
+                anchor,
+            );
         }
         stop.send(()).unwrap();
         task.await.unwrap();

@@ -1,6 +1,7 @@
 //! The limiter agent as a library: the binary in `main.rs` is a thin shell over it, and the
 //! privileged tests drive the same code.
 
+pub mod agent;
 pub mod buckets;
 pub mod cli;
 pub mod client;
@@ -8,3 +9,4 @@ pub mod config;
 pub mod loader;
 pub mod maps;
 pub mod protocol;
+pub mod sweeper;

@@ -52,7 +52,10 @@ fn exit_status_is_the_verdict() {
     assert!(out.starts_with("limited remaining=1"), "{out}");
     let (code, out, _) = limiter_check(&socket, &["auth", "198.51.100.4", "--cost", "11"]);
     assert_eq!(code, 1);
-    assert!(out.contains("cost_exceeds_burst") && out.contains("retry_after_ms=never"), "{out}");
+    assert!(
+        out.contains("cost_exceeds_burst") && out.contains("retry_after_ms=never"),
+        "{out}"
+    );
     let (code, _, err) = limiter_check(&socket, &["nope", "x"]);
     assert_eq!(code, 2);
     assert!(err.contains("unknown action"), "{err}");

@@ -36,7 +36,10 @@ struct RecordingBanner {
 
 impl Banner for RecordingBanner {
     fn ban(&self, addr: IpAddr, ttl: Duration) -> Result<(), BanError> {
-        self.calls.lock().unwrap().push(format!("ban {addr} {}s", ttl.as_secs()));
+        self.calls
+            .lock()
+            .unwrap()
+            .push(format!("ban {addr} {}s", ttl.as_secs()));
         Ok(())
     }
     fn unban(&self, addr: IpAddr) -> Result<(), BanError> {
@@ -129,7 +132,10 @@ async fn every_request_round_trips() {
     let client = Client::connect_unix(&server.socket).await.unwrap();
 
     let v = client.check("export", "alice", 10).await.unwrap();
-    assert_eq!((v.outcome, v.remaining, v.limit), (Outcome::Allowed, 40, 50));
+    assert_eq!(
+        (v.outcome, v.remaining, v.limit),
+        (Outcome::Allowed, 40, 50)
+    );
     assert_eq!(v.reset_after_ms, 720_000, "10 tokens at 72 s each");
     let peek = client.peek("export", "alice", 41).await.unwrap();
     assert_eq!(peek.outcome, Outcome::Limited);
@@ -137,19 +143,32 @@ async fn every_request_round_trips() {
     let over = client.check("export", "alice", 51).await.unwrap();
     assert_eq!(over.outcome, Outcome::CostExceedsBurst);
     assert!(client.reset("export", "alice").await.unwrap());
-    assert_eq!(client.check("export", "alice", 50).await.unwrap().remaining, 0);
+    assert_eq!(
+        client.check("export", "alice", 50).await.unwrap().remaining,
+        0
+    );
 
     let addr: IpAddr = "203.0.113.9".parse().unwrap();
     assert_eq!(
         client.report_auth_failure(addr).await.unwrap(),
         Escalation::Counted { failures: 1 }
     );
-    assert_eq!(client.report_auth_failure(addr).await.unwrap(), Escalation::Banned);
-    client.ban("2001:db8::5".parse().unwrap(), Duration::from_secs(30)).await.unwrap();
+    assert_eq!(
+        client.report_auth_failure(addr).await.unwrap(),
+        Escalation::Banned
+    );
+    client
+        .ban("2001:db8::5".parse().unwrap(), Duration::from_secs(30))
+        .await
+        .unwrap();
     client.unban(addr).await.unwrap();
     assert_eq!(
         *server.banner.calls.lock().unwrap(),
-        ["ban 203.0.113.9 600s", "ban 2001:db8::5 30s", "unban 203.0.113.9"]
+        [
+            "ban 203.0.113.9 600s",
+            "ban 2001:db8::5 30s",
+            "unban 203.0.113.9"
+        ]
     );
     server.stop().await;
 }
@@ -159,13 +178,19 @@ async fn unknown_actions_and_bad_keys_get_their_own_errors() {
     let server = start().await;
     let client = Client::connect_unix(&server.socket).await.unwrap();
     match client.check("nope", "k", 1).await {
-        Err(ClientError::Server { code: ErrorCode::UnknownAction, message }) => {
+        Err(ClientError::Server {
+            code: ErrorCode::UnknownAction,
+            message,
+        }) => {
             assert!(message.contains("nope"), "{message}")
         }
         other => panic!("{other:?}"),
     }
     match client.check("auth", "not-an-address", 1).await {
-        Err(ClientError::Server { code: ErrorCode::InvalidKey, .. }) => {}
+        Err(ClientError::Server {
+            code: ErrorCode::InvalidKey,
+            ..
+        }) => {}
         other => panic!("{other:?}"),
     }
     // The connection is still good.
@@ -202,11 +227,16 @@ async fn pipelined_replies_reach_their_callers() {
     let calls = (1..=300u32).map(|i| {
         let client = client.clone();
         async move {
-            let v = client.check("export", format!("user-{i}"), i % 50 + 1).await.unwrap();
+            let v = client
+                .check("export", format!("user-{i}"), i % 50 + 1)
+                .await
+                .unwrap();
             (i, v.remaining)
         }
     });
-    let results = timeout(PATIENCE, futures::future::join_all(calls)).await.unwrap();
+    let results = timeout(PATIENCE, futures::future::join_all(calls))
+        .await
+        .unwrap();
     for (i, remaining) in results {
         assert_eq!(remaining, 50 - (i % 50 + 1), "reply for user-{i}");
     }
@@ -221,9 +251,15 @@ async fn raw(server: &Running) -> UnixStream {
 /// Reads one reply frame: (opcode, id, payload).
 async fn read_reply(stream: &mut UnixStream) -> (u8, u32, Vec<u8>) {
     let mut len = [0u8; 4];
-    timeout(PATIENCE, stream.read_exact(&mut len)).await.unwrap().unwrap();
+    timeout(PATIENCE, stream.read_exact(&mut len))
+        .await
+        .unwrap()
+        .unwrap();
     let mut body = vec![0u8; u32::from_be_bytes(len) as usize];
-    timeout(PATIENCE, stream.read_exact(&mut body)).await.unwrap().unwrap();
+    timeout(PATIENCE, stream.read_exact(&mut body))
+        .await
+        .unwrap()
+        .unwrap();
     let id = u32::from_be_bytes(body[1..5].try_into().unwrap());
     (body[0], id, body[5..].to_vec())
 }
@@ -260,31 +296,69 @@ async fn malformed_frames_get_error_replies_and_the_connection_goes_on() {
         // Empty body.
         (frame(&[]), 0, ErrorCode::Malformed as u8),
         // Unknown opcode.
-        (frame(&[0x42, 0, 0, 0, 7]), 7, ErrorCode::UnknownOpcode as u8),
+        (
+            frame(&[0x42, 0, 0, 0, 7]),
+            7,
+            ErrorCode::UnknownOpcode as u8,
+        ),
         // Check cut off inside the key.
-        (frame(&[0x01, 0, 0, 0, 8, 4, b'a', b'u', b't', b'h', 0, 9, b'1']), 8, ErrorCode::Malformed as u8),
+        (
+            frame(&[0x01, 0, 0, 0, 8, 4, b'a', b'u', b't', b'h', 0, 9, b'1']),
+            8,
+            ErrorCode::Malformed as u8,
+        ),
         // Zero cost.
-        (check_frame(9, "auth", "192.0.2.1", 0), 9, ErrorCode::InvalidCost as u8),
+        (
+            check_frame(9, "auth", "192.0.2.1", 0),
+            9,
+            ErrorCode::InvalidCost as u8,
+        ),
         // Key too long for the protocol.
-        (check_frame(10, "export", &"k".repeat(1025), 1), 10, ErrorCode::InvalidKey as u8),
+        (
+            check_frame(10, "export", &"k".repeat(1025), 1),
+            10,
+            ErrorCode::InvalidKey as u8,
+        ),
         // Address family 7.
-        (frame(&[0x04, 0, 0, 0, 11, 7, 1, 2, 3, 4]), 11, ErrorCode::Malformed as u8),
+        (
+            frame(&[0x04, 0, 0, 0, 11, 7, 1, 2, 3, 4]),
+            11,
+            ErrorCode::Malformed as u8,
+        ),
         // Trailing garbage after an unban.
-        (frame(&[0x06, 0, 0, 0, 12, 4, 1, 2, 3, 4, 0xAA]), 12, ErrorCode::Malformed as u8),
+        (
+            frame(&[0x06, 0, 0, 0, 12, 4, 1, 2, 3, 4, 0xAA]),
+            12,
+            ErrorCode::Malformed as u8,
+        ),
         // Unknown action.
-        (check_frame(13, "nope", "k", 1), 13, ErrorCode::UnknownAction as u8),
+        (
+            check_frame(13, "nope", "k", 1),
+            13,
+            ErrorCode::UnknownAction as u8,
+        ),
     ];
     for (bytes, id, code) in &cases {
         stream.write_all(bytes).await.unwrap();
         let reply = read_reply(&mut stream).await;
-        assert_eq!((reply.1, error_code(&reply)), (*id, *code), "case {bytes:02x?}");
+        assert_eq!(
+            (reply.1, error_code(&reply)),
+            (*id, *code),
+            "case {bytes:02x?}"
+        );
         let message_len = u16::from_be_bytes([reply.2[1], reply.2[2]]) as usize;
         assert!(message_len > 0, "the error names the problem");
     }
     // After all that, a good request on the same connection is answered.
-    stream.write_all(&check_frame(99, "export", "bob", 1)).await.unwrap();
+    stream
+        .write_all(&check_frame(99, "export", "bob", 1))
+        .await
+        .unwrap();
     let reply = read_reply(&mut stream).await;
-    assert_eq!((reply.0, reply.1, reply.2[0]), (0x81, 99, Outcome::Allowed as u8));
+    assert_eq!(
+        (reply.0, reply.1, reply.2[0]),
+        (0x81, 99, Outcome::Allowed as u8)
+    );
     server.stop().await;
 }
 
@@ -301,7 +375,11 @@ async fn raw_pipelined_frames_are_answered_in_order_in_one_go() {
         let (op, got, payload) = read_reply(&mut stream).await;
         assert_eq!((op, got), (0x81, id));
         let outcome = payload[0];
-        let expected = if id <= 50 { Outcome::Allowed } else { Outcome::Limited };
+        let expected = if id <= 50 {
+            Outcome::Allowed
+        } else {
+            Outcome::Limited
+        };
         assert_eq!(outcome, expected as u8, "request {id}");
     }
     server.stop().await;
@@ -311,12 +389,20 @@ async fn raw_pipelined_frames_are_answered_in_order_in_one_go() {
 async fn an_oversized_frame_gets_an_error_and_the_connection_closes() {
     let server = start().await;
     let mut stream = raw(&server).await;
-    stream.write_all(&0x0010_0000u32.to_be_bytes()).await.unwrap();
+    stream
+        .write_all(&0x0010_0000u32.to_be_bytes())
+        .await
+        .unwrap();
     stream.write_all(&[0u8; 64]).await.unwrap();
     let reply = read_reply(&mut stream).await;
-    assert_eq!((reply.1, error_code(&reply)), (0, ErrorCode::FrameTooLarge as u8));
+    assert_eq!(
+        (reply.1, error_code(&reply)),
+        (0, ErrorCode::FrameTooLarge as u8)
+    );
     let mut rest = Vec::new();
-    let read = timeout(PATIENCE, stream.read_to_end(&mut rest)).await.unwrap();
+    let read = timeout(PATIENCE, stream.read_to_end(&mut rest))
+        .await
+        .unwrap();
     assert_eq!(read.unwrap(), 0, "the server closed the connection");
     // Others are unaffected.
     let client = Client::connect_unix(&server.socket).await.unwrap();
@@ -353,7 +439,13 @@ async fn tcp_on_loopback_speaks_the_same_protocol() {
     assert!(addr.ip().is_loopback());
     let client = Client::connect_tcp(addr).await.unwrap();
     for _ in 0..3 {
-        assert!(client.check("auth", "::ffff:192.0.2.40", 1).await.unwrap().allowed);
+        assert!(
+            client
+                .check("auth", "::ffff:192.0.2.40", 1)
+                .await
+                .unwrap()
+                .allowed
+        );
     }
     // The mapped and plain forms are one address, so this is the fourth attempt.
     let v = client.check("auth", "192.0.2.40", 1).await.unwrap();
@@ -365,7 +457,10 @@ async fn tcp_on_loopback_speaks_the_same_protocol() {
 #[tokio::test]
 async fn the_socket_is_0660_a_live_one_is_not_stolen_and_it_is_removed_at_shutdown() {
     let server = start().await;
-    let mode = std::fs::metadata(&server.socket).unwrap().permissions().mode();
+    let mode = std::fs::metadata(&server.socket)
+        .unwrap()
+        .permissions()
+        .mode();
     assert_eq!(mode & 0o777, 0o660);
     let limiter = Arc::new(Limiter::new(
         LimiterConfig {
@@ -376,7 +471,10 @@ async fn the_socket_is_0660_a_live_one_is_not_stolen_and_it_is_removed_at_shutdo
         Arc::new(RecordingBanner::default()),
     ));
     let second = Server::bind(&ServeConfig::unix(&server.socket), limiter.clone()).await;
-    assert!(matches!(second, Err(limiter::protocol::ServeError::InUse(_))));
+    assert!(matches!(
+        second,
+        Err(limiter::protocol::ServeError::InUse(_))
+    ));
     let socket = server.socket.clone();
     server.stop().await;
     assert!(!socket.exists());
@@ -386,7 +484,9 @@ async fn the_socket_is_0660_a_live_one_is_not_stolen_and_it_is_removed_at_shutdo
     let stale = dir.path().join("stale.sock");
     drop(std::os::unix::net::UnixListener::bind(&stale).unwrap());
     assert!(stale.exists());
-    let server = Server::bind(&ServeConfig::unix(&stale), limiter).await.unwrap();
+    let server = Server::bind(&ServeConfig::unix(&stale), limiter)
+        .await
+        .unwrap();
     let (stop, stopped) = oneshot::channel::<()>();
     let task = tokio::spawn(server.run(async {
         let _ = stopped.await;

@@ -6,7 +6,7 @@ use aya::{
 };
 use clap::Parser;
 use limiter::{
-    config::{KernelArgs, KernelSettings},
+    config::{KernelSettings, Layer},
     loader::{Datapath, LoadOptions, TC_PROGRAM, XDP_PROGRAM},
 };
 use limiter_common::{Direction, Reason, Verdict};
@@ -19,7 +19,7 @@ pub const TC_ACT_OK: u32 = 0;
 #[derive(Parser)]
 struct Flags {
     #[command(flatten)]
-    kernel: KernelArgs,
+    layer: Layer,
 }
 
 /// Parses `limiter run` flags into settings, as the agent would.
@@ -28,9 +28,10 @@ pub fn settings(flags: &[&str]) -> KernelSettings {
     argv.extend_from_slice(flags);
     Flags::try_parse_from(argv)
         .expect("valid flags")
-        .kernel
-        .settings()
+        .layer
+        .resolve()
         .expect("valid settings")
+        .kernel
 }
 
 pub struct Kernel {
@@ -50,7 +51,7 @@ impl Kernel {
         let settings = settings(flags);
         let mut dp = Datapath::load(LoadOptions {
             flow_table_size: settings.flow_table_size,
-            kernel_debug: false,
+            ..LoadOptions::default()
         })
         .expect("loading the programs");
         dp.maps.apply(&settings).expect("applying the settings");
@@ -126,7 +127,7 @@ impl Attached {
         let dp = pair.server.run(|| {
             let mut dp = Datapath::load(LoadOptions {
                 flow_table_size: settings.flow_table_size,
-                kernel_debug: false,
+                ..LoadOptions::default()
             })?;
             dp.maps.apply(&settings)?;
             dp.attach(&pair.server_if, limiter::loader::XdpAttachMode::Native)?;

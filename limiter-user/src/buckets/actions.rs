@@ -191,7 +191,9 @@ fn apply(
     let index = match specs.iter().position(|s| s.name == name) {
         Some(index) => index,
         None => {
-            let missing = |field: &str| ConfigError::new(format!("{origin}.{field}"), "required for a new action");
+            let missing = |field: &str| {
+                ConfigError::new(format!("{origin}.{field}"), "required for a new action")
+            };
             specs.push(ActionSpec {
                 name: name.to_owned(),
                 limit: config.limit.ok_or_else(|| missing("limit"))?,
@@ -230,7 +232,10 @@ fn apply(
     }
     if let Some(max_keys) = config.max_keys {
         if max_keys == 0 {
-            return Err(ConfigError::new(format!("{origin}.max_keys"), "must be at least 1"));
+            return Err(ConfigError::new(
+                format!("{origin}.max_keys"),
+                "must be at least 1",
+            ));
         }
         spec.max_keys = max_keys;
     }
@@ -238,7 +243,10 @@ fn apply(
         spec.escalate = escalate;
     }
     if spec.window.is_zero() {
-        return Err(ConfigError::new(format!("{origin}.window"), "must be longer than zero"));
+        return Err(ConfigError::new(
+            format!("{origin}.window"),
+            "must be longer than zero",
+        ));
     }
     if spec.limit > 0 && Rate::new(spec.limit, spec.window, spec.burst).is_none() {
         return Err(ConfigError::new(
@@ -278,7 +286,10 @@ mod tests {
     fn builtins_have_the_documented_defaults() {
         let specs = resolve_actions(&BTreeMap::new(), &[]).unwrap();
         let auth = find(&specs, "auth");
-        assert_eq!((auth.limit, auth.burst, auth.window), (10, 10, Duration::from_secs(60)));
+        assert_eq!(
+            (auth.limit, auth.burst, auth.window),
+            (10, 10, Duration::from_secs(60))
+        );
         assert_eq!(auth.key, KeyKind::Ip);
         assert_eq!(find(&specs, "dashboard_api").key, KeyKind::Session);
         assert_eq!(find(&specs, "dashboard_api").limit, 300);
@@ -314,11 +325,18 @@ mod tests {
         )
         .unwrap();
         let auth = find(&specs, "auth");
-        assert_eq!((auth.limit, auth.burst), (4, 4), "burst follows a changed limit");
+        assert_eq!(
+            (auth.limit, auth.burst),
+            (4, 4),
+            "burst follows a changed limit"
+        );
         assert_eq!(auth.window, Duration::from_secs(120));
         let export = find(&specs, "export");
         assert_eq!(export.window, Duration::from_millis(1500));
-        assert_eq!((export.limit, export.burst, export.key), (5, 2, KeyKind::User));
+        assert_eq!(
+            (export.limit, export.burst, export.key),
+            (5, 2, KeyKind::User)
+        );
     }
 
     #[test]
@@ -327,12 +345,17 @@ mod tests {
         assert_eq!(error.setting, "actions.export.window");
         let error = resolve_actions(&table("[actions.auth]\nburst = 0\n"), &[]).unwrap_err();
         assert_eq!(error.setting, "actions.auth.burst");
-        let error =
-            resolve_actions(&table("[actions.publish]\nlimit = 5\nescalate = true\n"), &[])
-                .unwrap_err();
+        let error = resolve_actions(
+            &table("[actions.publish]\nlimit = 5\nescalate = true\n"),
+            &[],
+        )
+        .unwrap_err();
         assert_eq!(error.setting, "actions.publish.escalate");
         let error = resolve_actions(&table("[actions.auth]\nwindow = 0\n"), &[]).unwrap_err();
-        assert_eq!(error.to_string(), "actions.auth.window: must be longer than zero");
+        assert_eq!(
+            error.to_string(),
+            "actions.auth.window: must be longer than zero"
+        );
     }
 
     #[test]

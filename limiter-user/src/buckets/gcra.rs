@@ -203,7 +203,10 @@ mod tests {
                 assert!(e.allowed, "refused at step {step}, token {taken}");
                 taken += 1;
             }
-            assert!(!cell.take(&rate, now, 1, true).allowed, "got ahead at step {step}");
+            assert!(
+                !cell.take(&rate, now, 1, true).allowed,
+                "got ahead at step {step}"
+            );
         }
     }
 

@@ -85,8 +85,12 @@ pub fn address_key(addr: IpAddr) -> StoredKey<'static> {
 
 fn address_of(bytes: &[u8]) -> Option<IpAddr> {
     match bytes.len() {
-        4 => <[u8; 4]>::try_from(bytes).ok().map(|b| IpAddr::V4(Ipv4Addr::from(b))),
-        16 => <[u8; 16]>::try_from(bytes).ok().map(|b| IpAddr::V6(Ipv6Addr::from(b))),
+        4 => <[u8; 4]>::try_from(bytes)
+            .ok()
+            .map(|b| IpAddr::V4(Ipv4Addr::from(b))),
+        16 => <[u8; 16]>::try_from(bytes)
+            .ok()
+            .map(|b| IpAddr::V6(Ipv6Addr::from(b))),
         _ => None,
     }
 }

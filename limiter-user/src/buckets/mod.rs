@@ -14,10 +14,10 @@ pub mod verdict;
 pub use actions::{
     ActionConfig, ActionSpec, ConfigError, KeyKind, MAX_ACTION_NAME, Window, resolve_actions,
 };
-pub use keys::MAX_KEY_LEN;
 pub use ban::{BanError, Banner, NoBans};
 pub use clock::{Clock, ManualClock, MonotonicClock};
 pub use escalation::{Escalation, EscalationConfig, EscalationStats};
+pub use keys::MAX_KEY_LEN;
 pub use stats::{ActionStats, BlockedKey};
 pub use store::{CheckError, Limiter, LimiterConfig};
 pub use verdict::{NEVER_MS, Outcome, Verdict};

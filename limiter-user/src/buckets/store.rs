@@ -7,7 +7,6 @@
 //! lock.
 
 use std::{
-    collections::HashMap,
     net::IpAddr,
     sync::{
         Arc,
@@ -70,8 +69,8 @@ struct Action {
 
 pub struct Limiter {
     clock: Arc<dyn Clock>,
+    /// A handful of actions: a scan comparing names beats hashing the name.
     actions: Vec<Action>,
-    by_name: HashMap<String, usize>,
     escalator: Option<Escalator>,
     banner: Arc<dyn Banner>,
 }
@@ -91,18 +90,12 @@ impl Limiter {
                 overflow_checks: AtomicU64::new(0),
             })
             .collect();
-        let by_name = actions
-            .iter()
-            .enumerate()
-            .map(|(i, a)| (a.spec.name.clone(), i))
-            .collect();
         let escalator = config
             .escalation
             .map(|c| Escalator::new(c, clock.clone(), banner.clone()));
         Self {
             clock,
             actions,
-            by_name,
             escalator,
             banner,
         }
@@ -222,9 +215,9 @@ impl Limiter {
     }
 
     fn action(&self, name: &str) -> Result<&Action, CheckError> {
-        self.by_name
-            .get(name)
-            .map(|&i| &self.actions[i])
+        self.actions
+            .iter()
+            .find(|a| a.spec.name == name)
             .ok_or_else(|| CheckError::UnknownAction(name.to_owned()))
     }
 
@@ -234,10 +227,11 @@ impl Limiter {
         key: &'k [u8],
     ) -> Result<(&Action, StoredKey<'k>), CheckError> {
         let action = self.action(name)?;
-        let stored = keys::store(action.spec.key, key).map_err(|source| CheckError::InvalidKey {
-            action: name.to_owned(),
-            source,
-        })?;
+        let stored =
+            keys::store(action.spec.key, key).map_err(|source| CheckError::InvalidKey {
+                action: name.to_owned(),
+                source,
+            })?;
         Ok((action, stored))
     }
 

@@ -10,7 +10,10 @@ use std::{
 
 use super::{escalation::tests::RecordingBanner, *};
 
-fn limiter_with(toml_actions: &str, escalation: Option<EscalationConfig>) -> (Arc<ManualClock>, Arc<RecordingBanner>, Limiter) {
+fn limiter_with(
+    toml_actions: &str,
+    escalation: Option<EscalationConfig>,
+) -> (Arc<ManualClock>, Arc<RecordingBanner>, Limiter) {
     #[derive(serde::Deserialize)]
     struct File {
         #[serde(default)]
@@ -33,7 +36,11 @@ fn limiter_with(toml_actions: &str, escalation: Option<EscalationConfig>) -> (Ar
 }
 
 fn stats_of(limiter: &Limiter, action: &str) -> ActionStats {
-    limiter.stats().into_iter().find(|s| s.action == action).unwrap()
+    limiter
+        .stats()
+        .into_iter()
+        .find(|s| s.action == action)
+        .unwrap()
 }
 
 #[test]
@@ -41,7 +48,10 @@ fn auth_allows_ten_a_minute_per_address_with_retry_and_reset() {
     let (clock, _, limiter) = limiter_with("", None);
     for remaining in (0..10).rev() {
         let v = limiter.check("auth", b"192.0.2.1", 1).unwrap();
-        assert_eq!((v.outcome, v.remaining, v.limit), (Outcome::Allowed, remaining, 10));
+        assert_eq!(
+            (v.outcome, v.remaining, v.limit),
+            (Outcome::Allowed, remaining, 10)
+        );
     }
     let refused = limiter.check("auth", b"192.0.2.1", 1).unwrap();
     assert_eq!(refused.outcome, Outcome::Limited);
@@ -50,7 +60,13 @@ fn auth_allows_ten_a_minute_per_address_with_retry_and_reset() {
     // Another address is untouched.
     assert!(limiter.check("auth", b"192.0.2.2", 1).unwrap().allowed);
     clock.advance(Duration::from_millis(5_999));
-    assert_eq!(limiter.check("auth", b"192.0.2.1", 1).unwrap().retry_after_ms, 1);
+    assert_eq!(
+        limiter
+            .check("auth", b"192.0.2.1", 1)
+            .unwrap()
+            .retry_after_ms,
+        1
+    );
     clock.advance(Duration::from_millis(1));
     assert!(limiter.check("auth", b"192.0.2.1", 1).unwrap().allowed);
     let stats = stats_of(&limiter, "auth");
@@ -59,16 +75,26 @@ fn auth_allows_ten_a_minute_per_address_with_retry_and_reset() {
 
 #[test]
 fn peek_consumes_nothing_and_reset_refills() {
-    let (_, _, limiter) = limiter_with("[actions.export]\nlimit = 2\nwindow = \"10s\"\nkey = \"user\"\n", None);
+    let (_, _, limiter) = limiter_with(
+        "[actions.export]\nlimit = 2\nwindow = \"10s\"\nkey = \"user\"\n",
+        None,
+    );
     for _ in 0..5 {
         let v = limiter.peek("export", b"alice", 2).unwrap();
         assert!(v.allowed);
         assert_eq!(v.remaining, 0, "remaining as if this cost were paid");
     }
-    assert_eq!(stats_of(&limiter, "export").tracked_keys, 0, "a peek creates nothing");
+    assert_eq!(
+        stats_of(&limiter, "export").tracked_keys,
+        0,
+        "a peek creates nothing"
+    );
     assert!(limiter.check("export", b"alice", 2).unwrap().allowed);
     let peek = limiter.peek("export", b"alice", 1).unwrap();
-    assert_eq!((peek.outcome, peek.retry_after_ms), (Outcome::Limited, 5_000));
+    assert_eq!(
+        (peek.outcome, peek.retry_after_ms),
+        (Outcome::Limited, 5_000)
+    );
     assert!(limiter.reset("export", b"alice").unwrap());
     assert!(!limiter.reset("export", b"alice").unwrap());
     assert!(limiter.check("export", b"alice", 2).unwrap().allowed);
@@ -88,7 +114,10 @@ fn a_cost_above_the_burst_has_its_own_reason_and_spends_nothing() {
 fn off_and_closed() {
     let (_, _, limiter) = limiter_with("[actions.dashboard_auth]\nlimit = 0\n", None);
     for _ in 0..1000 {
-        assert_eq!(limiter.check("publish", b"bob", 100).unwrap().outcome, Outcome::Unlimited);
+        assert_eq!(
+            limiter.check("publish", b"bob", 100).unwrap().outcome,
+            Outcome::Unlimited
+        );
     }
     let closed = limiter.check("dashboard_auth", b"192.0.2.1", 1).unwrap();
     assert_eq!((closed.outcome, closed.allowed), (Outcome::Closed, false));
@@ -106,7 +135,10 @@ fn bad_input_is_an_error() {
         limiter.check("auth", b"not-an-ip", 1),
         Err(CheckError::InvalidKey { .. })
     ));
-    assert_eq!(limiter.check("auth", b"192.0.2.1", 0), Err(CheckError::ZeroCost));
+    assert_eq!(
+        limiter.check("auth", b"192.0.2.1", 0),
+        Err(CheckError::ZeroCost)
+    );
 }
 
 #[test]
@@ -121,7 +153,10 @@ fn session_keys_are_digested_in_top_blocked() {
     assert_eq!(top.len(), 2);
     assert_eq!(top[0].blocked, 3);
     assert_eq!(top[1].blocked, 1);
-    assert!(top.iter().all(|k| k.key.starts_with("sha256:") && !k.key.contains("secret")));
+    assert!(
+        top.iter()
+            .all(|k| k.key.starts_with("sha256:") && !k.key.contains("secret"))
+    );
 }
 
 #[test]
@@ -142,8 +177,7 @@ fn sweep_evicts_only_full_buckets() {
 
 #[test]
 fn past_the_key_cap_new_keys_share_one_overflow_bucket() {
-    let (_, _, limiter) =
-        limiter_with("[actions.auth]\nlimit = 3\nmax_keys = 2\n", None);
+    let (_, _, limiter) = limiter_with("[actions.auth]\nlimit = 3\nmax_keys = 2\n", None);
     assert!(limiter.check("auth", b"192.0.2.1", 1).unwrap().allowed);
     assert!(limiter.check("auth", b"192.0.2.2", 1).unwrap().allowed);
     // A flood of fresh addresses gets the action's limit between them, not each.
@@ -169,7 +203,10 @@ fn concurrent_admitted(limiter: Arc<Limiter>, keys: usize, per_key: usize) -> Ve
             thread::spawn(move || {
                 let key = format!("user-{}", i % keys);
                 barrier.wait();
-                (i % keys, limiter.check("export", key.as_bytes(), 1).unwrap().allowed)
+                (
+                    i % keys,
+                    limiter.check("export", key.as_bytes(), 1).unwrap().allowed,
+                )
             })
         })
         .collect();
@@ -205,7 +242,10 @@ fn auth_refusals_and_reported_failures_escalate_to_one_ban() {
     };
     let (_, banner, limiter) = limiter_with("[actions.auth]\nlimit = 2\n", Some(escalation));
     let addr: IpAddr = "2001:db8::9".parse().unwrap();
-    assert_eq!(limiter.report_auth_failure(addr), Escalation::Counted { failures: 1 });
+    assert_eq!(
+        limiter.report_auth_failure(addr),
+        Escalation::Counted { failures: 1 }
+    );
     for _ in 0..2 {
         assert!(limiter.check("auth", b"2001:db8::9", 1).unwrap().allowed);
     }
@@ -220,7 +260,10 @@ fn auth_refusals_and_reported_failures_escalate_to_one_ban() {
     );
     assert_eq!(limiter.escalation_stats().unwrap().bans, 1);
     limiter.unban(addr).unwrap();
-    assert_eq!(limiter.report_auth_failure(addr), Escalation::Counted { failures: 1 });
+    assert_eq!(
+        limiter.report_auth_failure(addr),
+        Escalation::Counted { failures: 1 }
+    );
 }
 
 #[test]
@@ -229,6 +272,9 @@ fn escalation_is_off_unless_configured() {
     for _ in 0..50 {
         limiter.check("auth", b"192.0.2.1", 1).unwrap();
     }
-    assert_eq!(limiter.report_auth_failure("192.0.2.1".parse().unwrap()), Escalation::Off);
+    assert_eq!(
+        limiter.report_auth_failure("192.0.2.1".parse().unwrap()),
+        Escalation::Off
+    );
     assert!(banner.calls.lock().unwrap().is_empty());
 }

@@ -111,7 +111,11 @@ impl Decoder for ServerCodec {
 impl Encoder<(u32, Response)> for ServerCodec {
     type Error = CodecError;
 
-    fn encode(&mut self, (id, response): (u32, Response), dst: &mut BytesMut) -> Result<(), CodecError> {
+    fn encode(
+        &mut self,
+        (id, response): (u32, Response),
+        dst: &mut BytesMut,
+    ) -> Result<(), CodecError> {
         put_frame(dst, id, |dst| frame::put_response(dst, &response));
         Ok(())
     }
@@ -141,7 +145,11 @@ impl Decoder for ClientCodec {
 impl Encoder<(u32, &Request)> for ClientCodec {
     type Error = CodecError;
 
-    fn encode(&mut self, (id, request): (u32, &Request), dst: &mut BytesMut) -> Result<(), CodecError> {
+    fn encode(
+        &mut self,
+        (id, request): (u32, &Request),
+        dst: &mut BytesMut,
+    ) -> Result<(), CodecError> {
         put_frame(dst, id, |dst| frame::put_request(dst, request));
         Ok(())
     }
@@ -234,13 +242,15 @@ mod tests {
             .unwrap();
         assert_eq!(
             hex(&buf),
-            "00000019 01 00000001 04 61757468 0009 3139322e302e322e31 00000001"
-                .replace(' ', "")
+            "00000019 01 00000001 04 61757468 0009 3139322e302e322e31 00000001".replace(' ', "")
         );
         let mut buf = BytesMut::new();
         ServerCodec::new(DEFAULT_MAX_FRAME)
             .encode(
-                (1, Response::Verdict(Verdict::new(Outcome::Allowed, 10, 9, 0, 6000))),
+                (
+                    1,
+                    Response::Verdict(Verdict::new(Outcome::Allowed, 10, 9, 0, 6000)),
+                ),
                 &mut buf,
             )
             .unwrap();

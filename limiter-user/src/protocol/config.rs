@@ -10,8 +10,7 @@ use std::{
 };
 
 use crate::buckets::{
-    ActionConfig, ConfigError, EscalationConfig, LimiterConfig, Window, escalation,
-    resolve_actions,
+    ActionConfig, ConfigError, EscalationConfig, LimiterConfig, Window, escalation, resolve_actions,
 };
 
 use super::codec::DEFAULT_MAX_FRAME;
@@ -121,7 +120,10 @@ impl AppArgs {
                 flag(self.dashboard_api_limit, self.dashboard_api_window),
             ),
             ("publish", flag(self.publish_limit, self.publish_window)),
-            ("subscribe", flag(self.subscribe_limit, self.subscribe_window)),
+            (
+                "subscribe",
+                flag(self.subscribe_limit, self.subscribe_window),
+            ),
         ];
         let overrides: Vec<_> = overrides
             .into_iter()
@@ -183,7 +185,10 @@ mod tests {
         let args = parse(&[]);
         assert_eq!(args.socket, PathBuf::from(DEFAULT_SOCKET));
         assert_eq!(args.listen, None);
-        assert_eq!(args.limiter_config(&BTreeMap::new()).unwrap().escalation, None);
+        assert_eq!(
+            args.limiter_config(&BTreeMap::new()).unwrap().escalation,
+            None
+        );
         assert_eq!(
             parse(&["--listen", "7070"]).listen,
             Some("127.0.0.1:7070".parse().unwrap())

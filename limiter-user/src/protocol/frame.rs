@@ -26,21 +26,44 @@ pub const HEADER_LEN: usize = 5;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Request {
-    Check { action: String, key: Bytes, cost: u32 },
-    Peek { action: String, key: Bytes, cost: u32 },
-    Reset { action: String, key: Bytes },
-    AuthFailure { addr: IpAddr },
-    Ban { addr: IpAddr, ttl: Duration },
-    Unban { addr: IpAddr },
+    Check {
+        action: String,
+        key: Bytes,
+        cost: u32,
+    },
+    Peek {
+        action: String,
+        key: Bytes,
+        cost: u32,
+    },
+    Reset {
+        action: String,
+        key: Bytes,
+    },
+    AuthFailure {
+        addr: IpAddr,
+    },
+    Ban {
+        addr: IpAddr,
+        ttl: Duration,
+    },
+    Unban {
+        addr: IpAddr,
+    },
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Response {
     Verdict(Verdict),
     /// Reset, ban and unban. `changed` is false for a reset of a key that had no bucket.
-    Done { changed: bool },
+    Done {
+        changed: bool,
+    },
     Escalation(Escalation),
-    Error { code: ErrorCode, message: String },
+    Error {
+        code: ErrorCode,
+        message: String,
+    },
 }
 
 /// Error reply codes. The connection stays open after every one but `FrameTooLarge`.
@@ -158,11 +181,15 @@ impl Fields {
         match self.u8("the address family")? {
             4 => {
                 let b = self.bytes("the IPv4 address", 4)?;
-                Ok(IpAddr::from(<[u8; 4]>::try_from(&b[..]).expect("length checked")))
+                Ok(IpAddr::from(
+                    <[u8; 4]>::try_from(&b[..]).expect("length checked"),
+                ))
             }
             6 => {
                 let b = self.bytes("the IPv6 address", 16)?;
-                Ok(IpAddr::from(<[u8; 16]>::try_from(&b[..]).expect("length checked")))
+                Ok(IpAddr::from(
+                    <[u8; 16]>::try_from(&b[..]).expect("length checked"),
+                ))
             }
             other => Err(ParseError::malformed(format!(
                 "address family {other} is neither 4 nor 6"

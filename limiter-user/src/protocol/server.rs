@@ -199,6 +199,8 @@ where
                 ),
                 Err(CodecError::Io(error)) => {
                     tracing::debug!(%error, "connection ended mid-frame or failed");
+                    // Requests that arrived whole before the break are still answered.
+                    let _ = framed.flush().await;
                     return;
                 }
             };
