@@ -330,6 +330,16 @@ pub fn run(args: crate::cli::RunArgs) -> anyhow::Result<std::process::ExitCode> 
                 }
             });
         }
+        {
+            let agent = Arc::clone(&agent);
+            let stop = stop.clone();
+            tasks.spawn(async move {
+                if let Err(error) = crate::http::serve(agent, stop.cancelled_owned()).await {
+                    let error = anyhow::Error::from(error);
+                    tracing::error!("the HTTP listener failed: {error:#}");
+                }
+            });
+        }
         wait_for_signals(&agent).await?;
         tracing::info!("stopping; the programs stay attached (limiter detach removes them)");
         stop.cancel();

@@ -30,6 +30,18 @@ enum Command {
     Detach(DetachArgs),
     /// Ask the running agent for one verdict: exit 0 allowed, 1 refused, 2 could not ask.
     Check(crate::protocol::check_command::CheckArgs),
+    /// Show the running agent's state (or, when none answers, the pinned maps').
+    Status(crate::ops::StatusArgs),
+    /// Show the sources with the most connections and the most refusals.
+    Top(crate::ops::TopArgs),
+    /// Ban an address for a while (needs the admin token).
+    Ban(crate::ops::BanArgs),
+    /// Lift a ban (needs the admin token).
+    Unban(crate::ops::UnbanArgs),
+    /// Add or remove an allowlist entry (needs the admin token).
+    Allow(crate::ops::ListArgs),
+    /// Add or remove a denylist entry (needs the admin token).
+    Deny(crate::ops::ListArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -59,6 +71,12 @@ impl Cli {
             Command::Run(args) => crate::agent::run(*args),
             Command::Detach(args) => detach(&args),
             Command::Check(args) => args.execute(),
+            Command::Status(args) => args.execute(),
+            Command::Top(args) => args.execute(),
+            Command::Ban(args) => args.execute(),
+            Command::Unban(args) => args.execute(),
+            Command::Allow(args) => args.execute(crate::ops::List::Allow),
+            Command::Deny(args) => args.execute(crate::ops::List::Deny),
         }
     }
 }
@@ -69,6 +87,7 @@ pub fn init_tracing() {
             EnvFilter::try_from_env("LIMITER_LOG").unwrap_or_else(|_| EnvFilter::new("info")),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
 }
 

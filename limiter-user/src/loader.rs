@@ -175,6 +175,7 @@ impl Datapath {
             .map_max_entries(map_names::BLOCKED, options.flow_table_size)
             .override_global(aya_log::LEVEL, &log_level, true);
         if let Some(dir) = &options.pin_dir {
+            ensure_bpffs(dir)?;
             let maps = pins::maps(dir);
             std::fs::create_dir_all(&maps)
                 .map_err(|source| LoadError::Pin { path: maps, source })?;
@@ -371,6 +372,44 @@ where
         path: path.to_path_buf(),
         source: std::io::Error::other(e),
     })
+}
+
+/// Where the BPF filesystem is conventionally mounted.
+const BPFFS: &str = "/sys/fs/bpf";
+
+/// Makes sure `pin_dir` lies on a BPF filesystem, mounting one at /sys/fs/bpf when the pin
+/// directory is under it and nothing is mounted there yet (minimal hosts and containers often
+/// boot without it). Pins anywhere else must already be on a BPF filesystem.
+fn ensure_bpffs(pin_dir: &Path) -> Result<(), LoadError> {
+    let on_bpffs = |path: &Path| {
+        nix::sys::statfs::statfs(path).is_ok_and(|fs| fs.filesystem_type() == nix::sys::statfs::BPF_FS_MAGIC)
+    };
+    let mut existing = pin_dir;
+    while !existing.exists() {
+        match existing.parent() {
+            Some(parent) => existing = parent,
+            None => break,
+        }
+    }
+    if on_bpffs(existing) {
+        return Ok(());
+    }
+    let not_bpffs = |why: String| LoadError::Pin {
+        path: pin_dir.to_path_buf(),
+        source: std::io::Error::other(why),
+    };
+    if !pin_dir.starts_with(BPFFS) {
+        return Err(not_bpffs(format!("{} is not on a BPF filesystem", existing.display())));
+    }
+    tracing::info!("mounting the BPF filesystem at {BPFFS}");
+    nix::mount::mount(
+        Some("bpf"),
+        BPFFS,
+        Some("bpf"),
+        nix::mount::MsFlags::empty(),
+        Some("mode=0700"),
+    )
+    .map_err(|e| not_bpffs(format!("mounting a BPF filesystem at {BPFFS}: {e}")))
 }
 
 /// Detaches limiter from `iface` (or every interface with pinned links when `None`) by

@@ -103,6 +103,37 @@ impl Maps {
         })
     }
 
+    /// The maps another agent pinned under `pin_dir`: how the operator commands read and
+    /// change enforcement when no agent runs.
+    pub fn open_pinned(pin_dir: &std::path::Path) -> Result<Self, MapsError> {
+        fn open<T>(pin_dir: &std::path::Path, name: &'static str) -> Result<T, MapsError>
+        where
+            T: TryFrom<aya::maps::Map, Error = MapError>,
+        {
+            let data = MapData::from_pin(crate::loader::pins::map(pin_dir, name))
+                .map_err(map_error(name))?;
+            let map = aya::maps::Map::from_map_data(data).map_err(map_error(name))?;
+            T::try_from(map).map_err(map_error(name))
+        }
+        use map_names::*;
+        Ok(Self {
+            config: open(pin_dir, CONFIG)?,
+            ports: open(pin_dir, PORTS)?,
+            flows: open(pin_dir, FLOWS)?,
+            source_conns: open(pin_dir, SOURCE_CONNS)?,
+            global_conns: open(pin_dir, GLOBAL_CONNS)?,
+            syn_buckets: open(pin_dir, SYN_BUCKETS)?,
+            bans: open(pin_dir, BANS)?,
+            allow_v4: open(pin_dir, ALLOW_V4)?,
+            allow_v6: open(pin_dir, ALLOW_V6)?,
+            deny_v4: open(pin_dir, DENY_V4)?,
+            deny_v6: open(pin_dir, DENY_V6)?,
+            stats: open(pin_dir, STATS)?,
+            events: open(pin_dir, EVENTS)?,
+            blocked: open(pin_dir, BLOCKED)?,
+        })
+    }
+
     /// Applies settings to the live maps. Lists and ports go in before the config that tells
     /// the programs to consult them, so no packet sees a half-written policy.
     pub fn apply(&mut self, settings: &KernelSettings) -> Result<(), MapsError> {
@@ -540,5 +571,16 @@ impl Maps {
             .info()
             .map(|info| info.max_entries())
             .map_err(map_error(map_names::FLOWS))
+    }
+
+    /// Entries in the flow table, counted by walking keys only (half the syscalls of
+    /// [`Maps::flows`], which a metrics scrape of a full table would feel).
+    pub fn flow_count(&self) -> Result<usize, MapsError> {
+        let mut n = 0;
+        for key in self.flows.keys() {
+            key.map_err(map_error(map_names::FLOWS))?;
+            n += 1;
+        }
+        Ok(n)
     }
 }

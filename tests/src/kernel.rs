@@ -113,11 +113,20 @@ impl Kernel {
 /// The programs attached to the server end of a fresh namespace pair, with `flags` applied.
 pub struct Attached {
     pub dp: Datapath,
-    /// The client end needs an XDP program of its own for `XDP_TX` replies to reach it: a veth
-    /// delivers XDP_TX frames only to a peer with NAPI running. This one is left unconfigured,
-    /// so it protects no port and passes everything.
+    /// See [`peer`].
     _peer: Datapath,
     pub pair: crate::netns::Pair,
+}
+
+/// Attaches the programs, unconfigured (they protect no port and pass everything), to the
+/// client end of `pair`: a veth delivers `XDP_TX` frames only to a peer with NAPI running,
+/// which an XDP program on the peer turns on. Keep the result alive as long as the pair.
+pub fn peer(pair: &crate::netns::Pair) -> anyhow::Result<Datapath> {
+    pair.client.run(|| {
+        let mut dp = Datapath::load(LoadOptions::default())?;
+        dp.attach(&pair.client_if, limiter::loader::XdpAttachMode::Native)?;
+        anyhow::Ok(dp)
+    })?
 }
 
 impl Attached {
@@ -133,11 +142,7 @@ impl Attached {
             dp.attach(&pair.server_if, limiter::loader::XdpAttachMode::Native)?;
             anyhow::Ok(dp)
         })??;
-        let peer = pair.client.run(|| {
-            let mut dp = Datapath::load(LoadOptions::default())?;
-            dp.attach(&pair.client_if, limiter::loader::XdpAttachMode::Native)?;
-            anyhow::Ok(dp)
-        })??;
+        let peer = peer(&pair)?;
         Ok(Self {
             dp,
             _peer: peer,

@@ -4,6 +4,7 @@
 //! Every namespace and link gets a name unique to this process and test, and is removed on drop,
 //! so a failing test leaves nothing behind.
 
+pub mod agent;
 pub mod frames;
 pub mod kernel;
 pub mod netns;

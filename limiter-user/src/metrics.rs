@@ -1,0 +1,398 @@
+//! The agent's Prometheus metrics. Kernel counters live in per-CPU BPF maps and the broker
+//! limiter keeps its own striped counters, so both are read at scrape time by custom collectors
+//! instead of being mirrored into registered metrics that could drift from the truth. The
+//! sweeper's metrics are ordinary registered ones: it updates them as it works.
+
+use std::sync::{Arc, Mutex};
+
+use limiter_common::Event;
+use prometheus::{
+    IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
+    core::{Collector, Desc},
+    proto::MetricFamily,
+};
+use thiserror::Error;
+
+use crate::{
+    agent::Agent,
+    buckets::{Limiter, Outcome},
+    maps::MapsError,
+};
+
+#[derive(Debug, Error)]
+pub enum MetricsError {
+    #[error("registering the metrics")]
+    Register(#[source] prometheus::Error),
+    #[error("encoding the metrics")]
+    Encode(#[source] prometheus::Error),
+}
+
+/// The registry `/metrics` renders.
+pub struct Metrics {
+    registry: Registry,
+}
+
+/// The content type of the text exposition format.
+pub const CONTENT_TYPE: &str = prometheus::TEXT_FORMAT;
+
+impl Metrics {
+    pub fn new(agent: &Arc<Agent>) -> Result<Self, MetricsError> {
+        let registry = Registry::new();
+        let sweep = &agent.sweep;
+        let collectors: [Box<dyn Collector>; 6] = [
+            Box::new(sweep.evictions.clone()),
+            Box::new(sweep.repairs.clone()),
+            Box::new(sweep.duration.clone()),
+            Box::new(build_info()?),
+            Box::new(KernelCollector::new(Arc::clone(agent))?),
+            Box::new(LimiterCollector::new(Arc::clone(&agent.limiter))?),
+        ];
+        for collector in collectors {
+            registry
+                .register(collector)
+                .map_err(MetricsError::Register)?;
+        }
+        Ok(Self { registry })
+    }
+
+    /// The text exposition. Reads the kernel maps: call it off the async runtime's threads.
+    pub fn render(&self) -> Result<String, MetricsError> {
+        TextEncoder::new()
+            .encode_to_string(&self.registry.gather())
+            .map_err(MetricsError::Encode)
+    }
+}
+
+fn build_info() -> Result<IntGaugeVec, MetricsError> {
+    let info = IntGaugeVec::new(
+        Opts::new(
+            "limiter_build_info",
+            "Always 1; the labels say which build of the agent is running.",
+        ),
+        &["version"],
+    )
+    .map_err(MetricsError::Register)?;
+    info.with_label_values(&[env!("CARGO_PKG_VERSION")]).set(1);
+    Ok(info)
+}
+
+/// Metric families rebuilt from scratch on every scrape. The lock serialises scrapes, since
+/// each one resets and refills the same families.
+struct Families<T> {
+    lock: Mutex<()>,
+    families: T,
+}
+
+struct Kernel {
+    packets: IntCounterVec,
+    events: IntCounterVec,
+    connections: IntGauge,
+    tracked_sources: IntGauge,
+    flow_entries: IntGauge,
+    flow_capacity: IntGauge,
+    bans: IntGauge,
+    readable: IntGauge,
+}
+
+/// Reads the kernel maps at scrape time.
+struct KernelCollector {
+    agent: Arc<Agent>,
+    inner: Families<Kernel>,
+    descs: Vec<Desc>,
+}
+
+fn descs_of(collectors: &[&dyn Collector]) -> Vec<Desc> {
+    collectors
+        .iter()
+        .flat_map(|c| c.desc().into_iter().cloned())
+        .collect()
+}
+
+impl KernelCollector {
+    fn new(agent: Arc<Agent>) -> Result<Self, MetricsError> {
+        let r = MetricsError::Register;
+        let gauge = |name: &str, help: &str| IntGauge::new(name, help).map_err(r);
+        let families = Kernel {
+            packets: IntCounterVec::new(
+                Opts::new(
+                    "limiter_packets_total",
+                    "Packets the kernel programs handled, by direction, verdict and reason.",
+                ),
+                &["direction", "verdict", "reason"],
+            )
+            .map_err(r)?,
+            events: IntCounterVec::new(
+                Opts::new(
+                    "limiter_flow_events_total",
+                    "Flow table events: opened, closed by RST, closed by FINs, released by the agent.",
+                ),
+                &["event"],
+            )
+            .map_err(r)?,
+            connections: gauge(
+                "limiter_connections",
+                "Open connections to the host, as the kernel counts them.",
+            )?,
+            tracked_sources: gauge(
+                "limiter_tracked_sources",
+                "Sources (addresses masked to their prefix) holding at least one connection.",
+            )?,
+            flow_entries: gauge(
+                "limiter_flow_table_entries",
+                "Connections in the kernel flow table.",
+            )?,
+            flow_capacity: gauge(
+                "limiter_flow_table_capacity",
+                "Connections the kernel flow table can hold.",
+            )?,
+            bans: gauge("limiter_bans_active", "Bans in force.")?,
+            readable: gauge(
+                "limiter_maps_readable",
+                "1 when every kernel map read of this scrape succeeded; 0 when the kernel metrics are missing or partial.",
+            )?,
+        };
+        let descs = {
+            let k = &families;
+            descs_of(&[
+                &k.packets,
+                &k.events,
+                &k.connections,
+                &k.tracked_sources,
+                &k.flow_entries,
+                &k.flow_capacity,
+                &k.bans,
+                &k.readable,
+            ])
+        };
+        Ok(Self {
+            agent,
+            inner: Families {
+                lock: Mutex::new(()),
+                families,
+            },
+            descs,
+        })
+    }
+
+    /// Fills the families; each map is read under its own short hold of the datapath lock so
+    /// that a scrape never stalls the sweeper or an admin call for the whole read.
+    fn fill(&self, k: &Kernel) -> Result<(), MapsError> {
+        let agent = &self.agent;
+        for count in agent.with_maps(|m| m.packet_counts())? {
+            k.packets
+                .with_label_values(&[
+                    count.direction.label(),
+                    count.verdict.label(),
+                    count.reason.label(),
+                ])
+                .inc_by(count.packets);
+        }
+        for event in Event::ALL {
+            let n = agent.with_maps(|m| m.events(event))?;
+            k.events.with_label_values(&[event.label()]).inc_by(n);
+        }
+        k.connections
+            .set(gauge_value(agent.with_maps(|m| m.global_connections())?));
+        let sources = agent.with_maps(|m| m.all_source_connections())?;
+        k.tracked_sources.set(gauge_value(
+            sources.iter().filter(|(_, n)| *n > 0).count() as u64
+        ));
+        k.flow_entries
+            .set(gauge_value(agent.with_maps(|m| m.flow_count())? as u64));
+        k.flow_capacity
+            .set(i64::from(agent.with_maps(|m| m.flow_capacity())?));
+        k.bans
+            .set(gauge_value(agent.with_maps(|m| m.bans())?.len() as u64));
+        Ok(())
+    }
+}
+
+fn gauge_value(n: u64) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
+impl Collector for KernelCollector {
+    fn desc(&self) -> Vec<&Desc> {
+        self.descs.iter().collect()
+    }
+
+    fn collect(&self) -> Vec<MetricFamily> {
+        let _serial = self.inner.lock.lock().unwrap_or_else(|e| e.into_inner());
+        let k = &self.inner.families;
+        k.packets.reset();
+        k.events.reset();
+        let readable = match self.fill(k) {
+            Ok(()) => true,
+            Err(error) => {
+                tracing::warn!(error = %error_chain(&error), "metrics: reading the kernel maps");
+                false
+            }
+        };
+        k.readable.set(readable.into());
+        let mut out = Vec::new();
+        out.extend(k.readable.collect());
+        if readable {
+            for c in [
+                &k.packets as &dyn Collector,
+                &k.events,
+                &k.connections,
+                &k.tracked_sources,
+                &k.flow_entries,
+                &k.flow_capacity,
+                &k.bans,
+            ] {
+                out.extend(c.collect());
+            }
+        }
+        out
+    }
+}
+
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
+struct Broker {
+    checks: IntCounterVec,
+    blocked: IntCounterVec,
+    keys: IntGaugeVec,
+    overflow: IntCounterVec,
+    escalation_bans: IntCounter,
+}
+
+/// Reads the broker limiter's counters at scrape time.
+struct LimiterCollector {
+    limiter: Arc<Limiter>,
+    inner: Families<Broker>,
+    descs: Vec<Desc>,
+}
+
+const OUTCOMES: [Outcome; 5] = [
+    Outcome::Allowed,
+    Outcome::Unlimited,
+    Outcome::Limited,
+    Outcome::CostExceedsBurst,
+    Outcome::Closed,
+];
+
+impl LimiterCollector {
+    fn new(limiter: Arc<Limiter>) -> Result<Self, MetricsError> {
+        let r = MetricsError::Register;
+        let families = Broker {
+            checks: IntCounterVec::new(
+                Opts::new(
+                    "limiter_rate_limit_checks_total",
+                    "Broker rate-limit checks, by action and outcome.",
+                ),
+                &["action", "outcome"],
+            )
+            .map_err(r)?,
+            blocked: IntCounterVec::new(
+                Opts::new(
+                    "limiter_rate_limit_blocked_total",
+                    "Broker rate-limit checks refused (limited, cost over the burst, or closed), by action.",
+                ),
+                &["action"],
+            )
+            .map_err(r)?,
+            keys: IntGaugeVec::new(
+                Opts::new(
+                    "limiter_rate_limit_keys",
+                    "Keys with a live bucket, by action.",
+                ),
+                &["action"],
+            )
+            .map_err(r)?,
+            overflow: IntCounterVec::new(
+                Opts::new(
+                    "limiter_rate_limit_overflow_checks_total",
+                    "Checks of new keys that shared the overflow bucket because the action was at its key cap.",
+                ),
+                &["action"],
+            )
+            .map_err(r)?,
+            escalation_bans: IntCounter::new(
+                "limiter_escalation_bans_total",
+                "Kernel bans placed because an address failed authentication too often.",
+            )
+            .map_err(r)?,
+        };
+        let descs = {
+            let b = &families;
+            descs_of(&[
+                &b.checks,
+                &b.blocked,
+                &b.keys,
+                &b.overflow,
+                &b.escalation_bans,
+            ])
+        };
+        Ok(Self {
+            limiter,
+            inner: Families {
+                lock: Mutex::new(()),
+                families,
+            },
+            descs,
+        })
+    }
+}
+
+impl Collector for LimiterCollector {
+    fn desc(&self) -> Vec<&Desc> {
+        self.descs.iter().collect()
+    }
+
+    fn collect(&self) -> Vec<MetricFamily> {
+        let _serial = self.inner.lock.lock().unwrap_or_else(|e| e.into_inner());
+        let b = &self.inner.families;
+        b.checks.reset();
+        b.blocked.reset();
+        b.keys.reset();
+        b.overflow.reset();
+        b.escalation_bans.reset();
+        for stats in self.limiter.stats() {
+            let action = stats.action.as_str();
+            for outcome in OUTCOMES {
+                let n = match outcome {
+                    Outcome::Allowed => stats.allowed,
+                    Outcome::Unlimited => stats.unlimited,
+                    Outcome::Limited => stats.limited,
+                    Outcome::CostExceedsBurst => stats.cost_exceeds_burst,
+                    Outcome::Closed => stats.closed,
+                };
+                b.checks
+                    .with_label_values(&[action, outcome.as_str()])
+                    .inc_by(n);
+            }
+            b.blocked.with_label_values(&[action]).inc_by(stats.blocked);
+            b.keys
+                .with_label_values(&[action])
+                .set(gauge_value(stats.tracked_keys as u64));
+            b.overflow
+                .with_label_values(&[action])
+                .inc_by(stats.overflow_checks);
+        }
+        if let Some(escalation) = self.limiter.escalation_stats() {
+            b.escalation_bans.inc_by(escalation.bans);
+        }
+        let mut out = Vec::new();
+        for c in [
+            &b.checks as &dyn Collector,
+            &b.blocked,
+            &b.keys,
+            &b.overflow,
+            &b.escalation_bans,
+        ] {
+            out.extend(c.collect());
+        }
+        out
+    }
+}

@@ -1,0 +1,617 @@
+//! The operator commands: `limiter status`, `top`, `ban`, `unban`, `allow` and `deny`. They
+//! talk to a running agent over its HTTP listener; `status` and `top` read the pinned maps
+//! instead when no agent answers, since enforcement outlives the agent.
+
+use std::{
+    fmt::Write as _,
+    net::{IpAddr, SocketAddr},
+    path::{Path, PathBuf},
+    process::ExitCode,
+    time::Duration,
+};
+
+use anyhow::{Context, Result, anyhow};
+use reqwest::{Method, StatusCode, Url};
+use serde::{Serialize, de::DeserializeOwned};
+
+use crate::{
+    config::{DEFAULT_HTTP, DEFAULT_PIN_DIR},
+    http::{
+        BanAnswer, BanRequest, Connections, KernelLimits, ListAnswer, ListRequest, RateLimits,
+        Status, connections_view, kernel_rate_limits, kernel_status,
+    },
+    maps::Maps,
+};
+
+/// How to reach the agent.
+#[derive(clap::Args, Clone, Debug)]
+pub struct Connect {
+    /// The agent's HTTP listener.
+    #[arg(long, env = "LIMITER_HTTP", default_value_t = DEFAULT_HTTP)]
+    pub http: SocketAddr,
+    /// How long to wait for the agent's answer.
+    #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
+    pub timeout: Duration,
+}
+
+/// How to reach the agent's admin endpoints.
+#[derive(clap::Args, Clone, Debug)]
+pub struct AdminConnect {
+    #[command(flatten)]
+    pub connect: Connect,
+    /// The agent's admin bearer token.
+    #[arg(long, env = "LIMITER_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
+}
+
+/// Where `status` and `top` look when no agent answers.
+#[derive(clap::Args, Clone, Debug)]
+pub struct Fallback {
+    /// The pin directory read when no agent answers.
+    #[arg(long, env = "LIMITER_PIN_DIR", default_value = DEFAULT_PIN_DIR)]
+    pub pin_dir: PathBuf,
+    /// Print the JSON the agent serves instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(clap::Args, Clone, Debug)]
+pub struct StatusArgs {
+    #[command(flatten)]
+    pub connect: Connect,
+    #[command(flatten)]
+    pub fallback: Fallback,
+}
+
+#[derive(clap::Args, Clone, Debug)]
+pub struct TopArgs {
+    #[command(flatten)]
+    pub connect: Connect,
+    #[command(flatten)]
+    pub fallback: Fallback,
+    /// Entries per list.
+    #[arg(long, short = 'n', default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..))]
+    pub limit: u32,
+}
+
+#[derive(clap::Args, Clone, Debug)]
+pub struct BanArgs {
+    /// The address to ban (its source key, masked to the configured prefix, is banned).
+    pub addr: IpAddr,
+    /// How long the ban lasts, e.g. `10m` or `2h`.
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub ttl: Duration,
+    #[command(flatten)]
+    pub admin: AdminConnect,
+}
+
+#[derive(clap::Args, Clone, Debug)]
+pub struct UnbanArgs {
+    pub addr: IpAddr,
+    #[command(flatten)]
+    pub admin: AdminConnect,
+}
+
+#[derive(clap::Args, Clone, Debug)]
+pub struct ListArgs {
+    #[command(subcommand)]
+    pub change: ListChange,
+}
+
+#[derive(clap::Subcommand, Clone, Debug)]
+pub enum ListChange {
+    /// Add an entry (until the agent restarts; lasting entries belong in the configuration).
+    Add(ListEntry),
+    /// Remove an entry added through the agent.
+    Del(ListEntry),
+}
+
+#[derive(clap::Args, Clone, Debug)]
+pub struct ListEntry {
+    /// A CIDR such as `10.1.0.0/16` or `2001:db8::/48`; a bare address is one host.
+    pub cidr: String,
+    #[command(flatten)]
+    pub admin: AdminConnect,
+}
+
+/// Which list `limiter allow` / `limiter deny` changes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum List {
+    Allow,
+    Deny,
+}
+
+impl List {
+    fn name(self) -> &'static str {
+        match self {
+            List::Allow => "allow",
+            List::Deny => "deny",
+        }
+    }
+}
+
+/// Why a request to the agent got no answer of its own.
+enum AskError {
+    /// Nothing listens, or nothing answered in time: worth falling back to the pinned maps.
+    Unreachable(reqwest::Error),
+    /// The agent answered, with an error or something unreadable.
+    Failed(anyhow::Error),
+}
+
+impl From<AskError> for anyhow::Error {
+    fn from(error: AskError) -> Self {
+        match error {
+            AskError::Unreachable(e) => anyhow!(e),
+            AskError::Failed(e) => e,
+        }
+    }
+}
+
+/// The running agent, over HTTP.
+struct Remote {
+    base: Url,
+    client: reqwest::Client,
+    token: Option<String>,
+}
+
+impl Remote {
+    fn new(connect: &Connect, token: Option<String>) -> Result<Self> {
+        let base = Url::parse(&format!("http://{}/", connect.http))
+            .with_context(|| format!("{} as a URL", connect.http))?;
+        let client = reqwest::Client::builder()
+            .timeout(connect.timeout)
+            .no_proxy()
+            .build()
+            .context("building the HTTP client")?;
+        Ok(Self {
+            base,
+            client,
+            token,
+        })
+    }
+
+    fn url(&self, segments: &[&str]) -> Url {
+        let mut url = self.base.clone();
+        if let Ok(mut path) = url.path_segments_mut() {
+            path.clear().extend(segments);
+        }
+        url
+    }
+
+    async fn ask<T: DeserializeOwned>(
+        &self,
+        method: Method,
+        url: Url,
+        query: &[(&str, String)],
+        body: Option<&impl Serialize>,
+    ) -> Result<T, AskError> {
+        let mut request = self.client.request(method, url.clone()).query(query);
+        if let Some(body) = body {
+            request = request.json(body);
+        }
+        if let Some(token) = &self.token {
+            request = request.bearer_auth(token);
+        }
+        let response = request.send().await.map_err(|e| {
+            if e.is_connect() || e.is_timeout() {
+                AskError::Unreachable(e)
+            } else {
+                AskError::Failed(anyhow!(e).context(format!("asking {url}")))
+            }
+        })?;
+        let status = response.status();
+        let text = response
+            .text()
+            .await
+            .map_err(|e| AskError::Failed(anyhow!(e).context(format!("reading {url}"))))?;
+        if !status.is_success() {
+            return Err(AskError::Failed(refusal(status, &text)));
+        }
+        serde_json::from_str(&text)
+            .map_err(|e| AskError::Failed(anyhow!(e).context(format!("reading {url}'s answer"))))
+    }
+
+    async fn get<T: DeserializeOwned>(
+        &self,
+        path: &[&str],
+        query: &[(&str, String)],
+    ) -> Result<T, AskError> {
+        self.ask(Method::GET, self.url(path), query, None::<&()>)
+            .await
+    }
+}
+
+/// An error answer in words: the problem's detail when there is one.
+fn refusal(status: StatusCode, body: &str) -> anyhow::Error {
+    let detail = serde_json::from_str::<serde_json::Value>(body)
+        .ok()
+        .and_then(|v| v.get("detail").and_then(|d| d.as_str()).map(str::to_owned))
+        .unwrap_or_else(|| body.trim().to_owned());
+    let hint = match status {
+        StatusCode::UNAUTHORIZED => " (pass --admin-token or set LIMITER_ADMIN_TOKEN)",
+        _ => "",
+    };
+    anyhow!("the agent refused ({status}): {detail}{hint}")
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the tokio runtime")
+}
+
+fn open_pinned(pin_dir: &Path, http: SocketAddr, why: &reqwest::Error) -> Result<Maps> {
+    let maps = Maps::open_pinned(pin_dir).map_err(|e| {
+        anyhow!(
+            "no agent answers at {http} ({}) and the pinned maps under {} cannot be read ({})",
+            error_chain(why),
+            pin_dir.display(),
+            error_chain(&e),
+        )
+    })?;
+    eprintln!(
+        "no agent answers at {http} ({}); reading the pinned maps under {}",
+        error_chain(why),
+        pin_dir.display()
+    );
+    Ok(maps)
+}
+
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
+fn print(text: &str) -> ExitCode {
+    print!("{text}");
+    ExitCode::SUCCESS
+}
+
+fn to_json(value: &impl Serialize) -> Result<String> {
+    let mut text = serde_json::to_string_pretty(value)?;
+    text.push('\n');
+    Ok(text)
+}
+
+impl StatusArgs {
+    pub fn execute(&self) -> Result<ExitCode> {
+        self.output().map(|text| print(&text))
+    }
+
+    /// What `limiter status` prints.
+    pub fn output(&self) -> Result<String> {
+        let status = runtime()?.block_on(self.fetch())?;
+        if self.fallback.json {
+            return to_json(&status);
+        }
+        Ok(render_status(&status, self.connect.http))
+    }
+
+    async fn fetch(&self) -> Result<Status> {
+        let remote = Remote::new(&self.connect, None)?;
+        match remote.get(&["v1", "status"], &[]).await {
+            Ok(status) => Ok(status),
+            Err(AskError::Unreachable(why)) => {
+                let maps = open_pinned(&self.fallback.pin_dir, self.connect.http, &why)?;
+                kernel_status(&maps).context("reading the pinned maps")
+            }
+            Err(AskError::Failed(e)) => Err(e),
+        }
+    }
+}
+
+fn limit_text(n: u32) -> String {
+    if n == 0 {
+        "no limit".to_owned()
+    } else {
+        n.to_string()
+    }
+}
+
+fn render_limits(l: &KernelLimits) -> String {
+    let rate = if l.syn_rate == 0 {
+        "no limit".to_owned()
+    } else {
+        format!("{}/s (burst {})", l.syn_rate, l.syn_burst)
+    };
+    format!(
+        "per source {} ({}), total {} ({}), SYN rate {} ({}), sources keyed by IPv4 /{} and IPv6 /{}, {} when the flow table is full",
+        limit_text(l.max_conn_per_ip),
+        l.reject_conn,
+        limit_text(l.max_conn_total),
+        l.reject_conn,
+        rate,
+        l.reject_rate,
+        l.ipv4_prefix,
+        l.ipv6_prefix,
+        if l.fail_closed { "refuse" } else { "pass" },
+    )
+}
+
+/// `limiter status` as text.
+pub fn render_status(status: &Status, http: SocketAddr) -> String {
+    let mut out = String::new();
+    let _ = match (&status.version, status.ready) {
+        (Some(version), Some(ready)) => writeln!(
+            out,
+            "agent       limiter {version} at {http}, {}",
+            if ready { "ready" } else { "NOT READY" }
+        ),
+        _ => writeln!(out, "agent       not running (read from the pinned maps)"),
+    };
+    let _ = writeln!(
+        out,
+        "connections {} open, from {} sources",
+        status.connections, status.tracked_sources
+    );
+    let _ = writeln!(
+        out,
+        "flow table  {} of {} entries",
+        status.flow_table_entries, status.flow_table_capacity
+    );
+    let _ = writeln!(out, "bans        {} active", status.bans_active);
+    let _ = writeln!(out, "limits      {}", render_limits(&status.limits));
+    let refused: Vec<String> = status
+        .refused
+        .iter()
+        .map(|(reason, n)| format!("{reason} {n}"))
+        .collect();
+    let _ = writeln!(out, "refused     {}", refused.join(", "));
+    out
+}
+
+/// What `limiter top` shows, as JSON with `--json`.
+#[derive(Serialize)]
+struct Top {
+    connections: Connections,
+    rate_limits: RateLimits,
+}
+
+impl TopArgs {
+    pub fn execute(&self) -> Result<ExitCode> {
+        self.output().map(|text| print(&text))
+    }
+
+    /// What `limiter top` prints.
+    pub fn output(&self) -> Result<String> {
+        let (connections, rate_limits) = runtime()?.block_on(self.fetch())?;
+        if self.fallback.json {
+            return to_json(&Top {
+                connections,
+                rate_limits,
+            });
+        }
+        Ok(render_top(&connections, &rate_limits))
+    }
+
+    async fn fetch(&self) -> Result<(Connections, RateLimits)> {
+        let remote = Remote::new(&self.connect, None)?;
+        let limit = [("limit", self.limit.to_string())];
+        let connections = match remote.get(&["connections"], &limit).await {
+            Ok(connections) => connections,
+            Err(AskError::Unreachable(why)) => {
+                let maps = open_pinned(&self.fallback.pin_dir, self.connect.http, &why)?;
+                let n = self.limit as usize;
+                let connections = connections_view(&maps, n).context("reading the pinned maps")?;
+                let kernel = kernel_rate_limits(&maps, n).context("reading the pinned maps")?;
+                return Ok((
+                    connections,
+                    RateLimits {
+                        enabled: kernel.limits.enabled(),
+                        kernel,
+                        broker: None,
+                    },
+                ));
+            }
+            Err(AskError::Failed(e)) => return Err(e),
+        };
+        let rate_limits = remote.get(&["rate_limits"], &limit).await?;
+        Ok((connections, rate_limits))
+    }
+}
+
+/// `limiter top` as text.
+pub fn render_top(connections: &Connections, limits: &RateLimits) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "Sources by open connections ({} open, {} sources)",
+        connections.connections, connections.tracked_sources
+    );
+    if connections.sources.is_empty() {
+        let _ = writeln!(out, "  (none)");
+    } else {
+        let _ = writeln!(out, "  {:<40} {:>11}", "SOURCE", "CONNECTIONS");
+        for s in &connections.sources {
+            let _ = writeln!(out, "  {:<40} {:>11}", s.source, s.connections);
+        }
+    }
+    let _ = writeln!(out, "\nSources refused by the kernel, by reason");
+    let mut any = false;
+    for (reason, top) in &limits.kernel.top_blocked {
+        if top.is_empty() {
+            continue;
+        }
+        any = true;
+        let _ = writeln!(out, "  {reason}");
+        for b in top {
+            let _ = writeln!(out, "    {:<38} {:>11}", b.source, b.blocked);
+        }
+    }
+    if !any {
+        let _ = writeln!(out, "  (none)");
+    }
+    if !limits.kernel.bans.is_empty() {
+        let _ = writeln!(
+            out,
+            "\nBans ({} active, longest first)",
+            limits.kernel.bans_active
+        );
+        for ban in &limits.kernel.bans {
+            let left =
+                humantime::format_duration(Duration::from_secs(ban.expires_in_ms.div_ceil(1000)));
+            let _ = writeln!(out, "  {:<40} {left} left", ban.source);
+        }
+    }
+    if let Some(broker) = &limits.broker {
+        let _ = writeln!(out, "\nBroker keys refused, by action");
+        let mut any = false;
+        for action in &broker.actions {
+            if action.top_blocked.is_empty() {
+                continue;
+            }
+            any = true;
+            let _ = writeln!(out, "  {} ({} refused in all)", action.name, action.blocked);
+            for b in &action.top_blocked {
+                let _ = writeln!(out, "    {:<38} {:>11}", b.key, b.blocked);
+            }
+        }
+        if !any {
+            let _ = writeln!(out, "  (none)");
+        }
+    }
+    out
+}
+
+impl BanArgs {
+    pub fn execute(&self) -> Result<ExitCode> {
+        self.output().map(|text| print(&text))
+    }
+
+    pub fn output(&self) -> Result<String> {
+        let remote = Remote::new(&self.admin.connect, self.admin.admin_token.clone())?;
+        let request = BanRequest {
+            addr: self.addr.to_string(),
+            ttl: humantime::format_duration(self.ttl).to_string(),
+        };
+        let answer: BanAnswer = runtime()?
+            .block_on(remote.ask(
+                Method::POST,
+                remote.url(&["v1", "bans"]),
+                &[],
+                Some(&request),
+            ))
+            .map_err(|e| unreachable_admin(e, self.admin.connect.http))?;
+        Ok(format!(
+            "banned {} (source {}) for {}\n",
+            answer.addr, answer.source, request.ttl
+        ))
+    }
+}
+
+impl UnbanArgs {
+    pub fn execute(&self) -> Result<ExitCode> {
+        self.output().map(|text| print(&text))
+    }
+
+    pub fn output(&self) -> Result<String> {
+        let remote = Remote::new(&self.admin.connect, self.admin.admin_token.clone())?;
+        let addr = self.addr.to_string();
+        let answer: BanAnswer = runtime()?
+            .block_on(remote.ask(
+                Method::DELETE,
+                remote.url(&["v1", "bans", &addr]),
+                &[],
+                None::<&()>,
+            ))
+            .map_err(|e| unreachable_admin(e, self.admin.connect.http))?;
+        Ok(if answer.lifted == Some(true) {
+            format!(
+                "lifted the ban on {} (source {})\n",
+                answer.addr, answer.source
+            )
+        } else {
+            format!(
+                "{} (source {}) was not banned\n",
+                answer.addr, answer.source
+            )
+        })
+    }
+}
+
+fn unreachable_admin(error: AskError, http: SocketAddr) -> anyhow::Error {
+    match error {
+        AskError::Unreachable(e) => anyhow!(
+            "no agent answers at {http} ({}); admin changes need a running agent (--http or LIMITER_HTTP)",
+            error_chain(&e)
+        ),
+        AskError::Failed(e) => e,
+    }
+}
+
+impl ListArgs {
+    pub fn execute(&self, list: List) -> Result<ExitCode> {
+        self.output(list).map(|text| print(&text))
+    }
+
+    pub fn output(&self, list: List) -> Result<String> {
+        let (entry, add) = match &self.change {
+            ListChange::Add(entry) => (entry, true),
+            ListChange::Del(entry) => (entry, false),
+        };
+        let remote = Remote::new(&entry.admin.connect, entry.admin.admin_token.clone())?;
+        let url = remote.url(&["v1", list.name()]);
+        let request = ListRequest {
+            cidr: entry.cidr.clone(),
+        };
+        let answer: ListAnswer = runtime()?
+            .block_on(async {
+                if add {
+                    remote.ask(Method::POST, url, &[], Some(&request)).await
+                } else {
+                    let query = [("cidr", request.cidr.clone())];
+                    remote.ask(Method::DELETE, url, &query, None::<&()>).await
+                }
+            })
+            .map_err(|e| unreachable_admin(e, entry.admin.connect.http))?;
+        let name = list.name();
+        Ok(match (add, answer.changed) {
+            (true, true) => format!("added {} to the {name} list\n", answer.cidr),
+            (true, false) => format!("{} was already on the {name} list\n", answer.cidr),
+            (false, true) => format!("removed {} from the {name} list\n", answer.cidr),
+            (false, false) => format!("{} was not on the {name} list\n", answer.cidr),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn refusals_carry_the_problem_detail() {
+        let error = refusal(
+            StatusCode::UNAUTHORIZED,
+            r#"{"title":"Unauthorized","status":401,"detail":"a valid bearer token is required"}"#,
+        );
+        let text = error.to_string();
+        assert!(text.contains("401"), "{text}");
+        assert!(text.contains("a valid bearer token is required"), "{text}");
+        assert!(text.contains("--admin-token"), "{text}");
+        let error = refusal(StatusCode::BAD_GATEWAY, "upstream gone\n");
+        assert!(error.to_string().ends_with("upstream gone"), "{error}");
+    }
+
+    #[test]
+    fn urls_escape_path_segments() {
+        let remote = Remote::new(
+            &Connect {
+                http: "[::1]:9090".parse().unwrap(),
+                timeout: Duration::from_secs(1),
+            },
+            None,
+        )
+        .unwrap();
+        assert_eq!(
+            remote.url(&["v1", "bans", "2001:db8::1"]).as_str(),
+            "http://[::1]:9090/v1/bans/2001:db8::1"
+        );
+    }
+}

@@ -1,0 +1,183 @@
+//! The real `limiter` binary, run inside a test's namespace with its own pin directory.
+
+use std::{
+    io::{BufRead, BufReader},
+    path::{Path, PathBuf},
+    process::{Child, Command, ExitStatus, Stdio},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU32, Ordering},
+        mpsc::{self, Receiver},
+    },
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, Result, bail};
+use limiter::maps::Maps;
+
+use crate::netns::Netns;
+
+/// The agent binary: `LIMITER_BIN` (set by `cargo xtask test`), else the release build.
+pub fn binary() -> PathBuf {
+    std::env::var_os("LIMITER_BIN").map(PathBuf::from).unwrap_or_else(|| {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/release/limiter")
+    })
+}
+
+/// A pin directory of this test's own under /sys/fs/bpf, detached and removed on drop.
+pub struct PinDir(pub PathBuf);
+
+impl PinDir {
+    pub fn new() -> Self {
+        static NEXT: AtomicU32 = AtomicU32::new(0);
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        Self(PathBuf::from(format!(
+            "/sys/fs/bpf/limiter-test-{}-{n}",
+            std::process::id()
+        )))
+    }
+
+    pub fn arg(&self) -> &str {
+        self.0.to_str().expect("UTF-8 pin path")
+    }
+
+    /// The pinned maps, as the operator commands read them.
+    pub fn maps(&self) -> Maps {
+        Maps::open_pinned(&self.0).expect("opening the pinned maps")
+    }
+
+    pub fn global(&self) -> u64 {
+        self.maps().global_connections().unwrap()
+    }
+
+    /// Waits (bounded) until the pinned global count reads `want`; returns the last reading.
+    pub fn wait_global(&self, want: u64, within: Duration) -> u64 {
+        let deadline = Instant::now() + within;
+        loop {
+            let now = self.global();
+            if now == want || Instant::now() > deadline {
+                return now;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Default for PinDir {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Drop for PinDir {
+    fn drop(&mut self) {
+        let _ = limiter::loader::detach(&self.0, None);
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A running agent; killed on drop. Its log lines are collected as they come.
+pub struct AgentProcess {
+    child: Child,
+    lines: Receiver<String>,
+    log: Arc<Mutex<Vec<String>>>,
+    reader: Option<std::thread::JoinHandle<()>>,
+}
+
+impl AgentProcess {
+    /// `limiter run ARGS` inside `ns`'s network namespace. Only the network namespace is
+    /// entered (`ip netns exec` would also remount /sys, hiding the BPF filesystem and so
+    /// every pin).
+    pub fn start(ns: &Netns, args: &[&str]) -> Result<Self> {
+        use std::os::unix::process::CommandExt;
+        let netns = std::fs::File::open(format!("/run/netns/{}", ns.name()))?;
+        let mut command = Command::new(binary());
+        // SAFETY: only async-signal-safe work between fork and exec: one setns call.
+        unsafe {
+            command.pre_exec(move || {
+                nix::sched::setns(&netns, nix::sched::CloneFlags::CLONE_NEWNET)
+                    .map_err(std::io::Error::from)
+            });
+        }
+        let mut child = command
+            .arg("run")
+            .args(args)
+            .env("LIMITER_LOG", "info,limiter=debug")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .with_context(|| format!("starting {}", binary().display()))?;
+        let stderr = child.stderr.take().context("no stderr")?;
+        let (tx, lines) = mpsc::channel();
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let keep = Arc::clone(&log);
+        let reader = std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                keep.lock().unwrap().push(line.clone());
+                // The receiver may be gone; the log keeps every line regardless.
+                let _ = tx.send(line);
+            }
+        });
+        Ok(Self {
+            child,
+            lines,
+            log,
+            reader: Some(reader),
+        })
+    }
+
+    /// Waits for a log line containing `needle`, failing after `within`.
+    pub fn wait_for(&self, needle: &str, within: Duration) -> Result<String> {
+        let deadline = Instant::now() + within;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) if line.contains(needle) => return Ok(line),
+                Ok(_) => {}
+                Err(_) => bail!(
+                    "no log line with {needle:?} within {within:?}; the log:\n{}",
+                    self.log()
+                ),
+            }
+        }
+    }
+
+    pub fn log(&self) -> String {
+        self.log.lock().unwrap().join("\n")
+    }
+
+    pub fn signal(&self, signal: nix::sys::signal::Signal) {
+        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
+        nix::sys::signal::kill(pid, signal).expect("signalling the agent");
+    }
+
+    /// Waits for the agent to exit, failing after `within`.
+    pub fn wait_exit(&mut self, within: Duration) -> Result<ExitStatus> {
+        let deadline = Instant::now() + within;
+        loop {
+            if let Some(status) = self.child.try_wait()? {
+                // The log is complete once the reader has seen the end of stderr.
+                if let Some(reader) = self.reader.take() {
+                    let _ = reader.join();
+                }
+                return Ok(status);
+            }
+            if Instant::now() > deadline {
+                bail!("the agent did not exit within {within:?}; the log:\n{}", self.log());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for AgentProcess {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}

@@ -1,0 +1,209 @@
+//! The real `limiter` binary on a veth in namespaces the test made: enforcement that outlives
+//! the agent, adoption by a new agent, live reload, the sweeper, and configuration errors.
+
+use std::{
+    io::ErrorKind,
+    net::{IpAddr, Ipv4Addr, SocketAddr, TcpStream},
+    time::Duration,
+};
+
+use limiter_common::{Event, Reason};
+use limiter_tests::{
+    agent::{AgentProcess, PinDir},
+    netns::{CLIENT_V4, Pair, SERVER_V4, Server, connect},
+};
+use nix::sys::signal::Signal;
+
+const STARTUP: Duration = Duration::from_secs(20);
+
+/// Namespaces, a server holding connections, a pin directory and a socket directory.
+struct Setup {
+    _peer: limiter::loader::Datapath,
+    pair: Pair,
+    server: Server,
+    pins: PinDir,
+    sockets: tempfile::TempDir,
+}
+
+impl Setup {
+    fn new() -> Self {
+        let pair = Pair::new().expect("namespaces");
+        let server = Server::start(&pair.server, IpAddr::V4(SERVER_V4)).unwrap();
+        Self {
+            _peer: limiter_tests::kernel::peer(&pair).unwrap(),
+            pair,
+            server,
+            pins: PinDir::new(),
+            sockets: tempfile::tempdir().unwrap(),
+        }
+    }
+
+    /// Starts `limiter run` on the server's veth with this setup's pins and socket, plus `args`.
+    fn agent(&self, args: &[&str]) -> AgentProcess {
+        let socket = self.sockets.path().join("limiter.sock");
+        let mut all = vec![
+            "--iface",
+            &self.pair.server_if,
+            "--pin-dir",
+            self.pins.arg(),
+            "--socket",
+            socket.to_str().unwrap(),
+        ];
+        all.extend_from_slice(args);
+        AgentProcess::start(&self.pair.server, &all).expect("starting the agent")
+    }
+
+    fn connect(&self) -> std::io::Result<TcpStream> {
+        connect(&self.pair.client, IpAddr::V4(CLIENT_V4), self.server.addr).unwrap()
+    }
+
+    /// Whether a new connection from the client is refused at once (the XDP RST).
+    fn refused(&self) -> bool {
+        match self.connect() {
+            Ok(_) => false,
+            Err(e) => {
+                assert_eq!(e.kind(), ErrorKind::ConnectionRefused, "{e}");
+                true
+            }
+        }
+    }
+}
+
+#[test]
+fn a_killed_agent_leaves_enforcement_on_and_a_new_one_adopts_the_counts() {
+    let s = Setup::new();
+    let mut agent = s.agent(&["--max-conn-per-ip", "2"]);
+    agent.wait_for("enforcing", STARTUP).unwrap();
+    let first = s.connect().expect("first connection");
+    let _second = s.connect().expect("second connection");
+    assert!(s.refused(), "the cap is 2");
+
+    agent.signal(Signal::SIGKILL);
+    agent.wait_exit(Duration::from_secs(5)).unwrap();
+    assert!(s.refused(), "the kernel keeps enforcing without the agent");
+    assert_eq!(s.pins.global(), 2);
+
+    let next = s.agent(&["--max-conn-per-ip", "2"]);
+    let line = next.wait_for("enforcing", STARTUP).unwrap();
+    assert!(line.contains("Adopted"), "{line}");
+    assert_eq!(s.pins.global(), 2, "counts carried over, none counted twice");
+    assert!(s.refused(), "still at the cap after the hand-over");
+    drop(first);
+    s.server.close_all();
+    // The server closed both; the client's second one is closed by the server's FIN only, so
+    // wait for the first to be fully gone and check the carried-over count went down.
+    assert!(s.pins.wait_global(1, Duration::from_secs(5)) <= 1);
+    assert!(s.connect().is_ok(), "a released slot is usable under the new agent");
+}
+
+#[test]
+fn sighup_lowers_a_cap_live_and_a_bad_file_changes_nothing() {
+    let s = Setup::new();
+    let file = s.sockets.path().join("limiter.toml");
+    std::fs::write(&file, "max-conn-per-ip = 5\n").unwrap();
+    let agent = s.agent(&["--config", file.to_str().unwrap()]);
+    agent.wait_for("enforcing", STARTUP).unwrap();
+    let conns: Vec<_> = (0..3).map(|_| s.connect().expect("under the cap")).collect();
+
+    std::fs::write(&file, "max-conn-per-ip = 3\n").unwrap();
+    agent.signal(Signal::SIGHUP);
+    agent.wait_for("configuration reloaded", Duration::from_secs(10)).unwrap();
+    assert!(s.refused(), "the lowered cap applies at once");
+
+    std::fs::write(&file, "max-conn-per-ip = 10\nno-such-setting = 1\n").unwrap();
+    agent.signal(Signal::SIGHUP);
+    let line = agent.wait_for("reload refused", Duration::from_secs(10)).unwrap();
+    assert!(line.contains("no-such-setting"), "{line}");
+    assert!(s.refused(), "the old settings stay");
+    assert_eq!(s.pins.maps().config().unwrap().max_conn_per_ip, 3);
+    drop(conns);
+}
+
+#[test]
+fn a_half_open_client_has_its_slot_freed_by_the_sweeper() {
+    let s = Setup::new();
+    let agent = s.agent(&[
+        "--syn-timeout",
+        "1s",
+        "--sweep-interval",
+        "200ms",
+        "--max-conn-per-ip",
+        "1",
+    ]);
+    agent.wait_for("enforcing", STARTUP).unwrap();
+    // A SYN from an address nobody answers for: the SYN-ACK finds no one, so no RST comes
+    // back and the flow stays half-open, as a client that vanished would leave it.
+    let ghost = Ipv4Addr::new(10, 77, 0, 50);
+    send_raw_syn(&s.pair, ghost, SocketAddr::new(IpAddr::V4(SERVER_V4), s.server.addr.port()));
+    assert_eq!(s.pins.wait_global(1, Duration::from_secs(5)), 1, "the SYN was admitted");
+    assert_eq!(s.pins.wait_global(0, Duration::from_secs(10)), 0, "the sweeper freed the slot");
+    let maps = s.pins.maps();
+    assert_eq!(maps.events(Event::Released).unwrap(), 1);
+    assert!(maps.flows().unwrap().is_empty());
+    // A real client is unaffected.
+    assert!(s.connect().is_ok());
+}
+
+/// Sends one TCP SYN with a forged source address from the client namespace (raw socket).
+fn send_raw_syn(pair: &Pair, src: Ipv4Addr, dst: SocketAddr) {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let IpAddr::V4(dst_ip) = dst.ip() else { panic!("IPv4 only") };
+    let builder = etherparse::PacketBuilder::ipv4(src.octets(), dst_ip.octets(), 64)
+        .tcp(40_000, dst.port(), 7, 64_240)
+        .syn();
+    let mut packet = Vec::new();
+    builder.write(&mut packet, &[]).unwrap();
+    pair.client
+        .run(|| {
+            // IPPROTO_RAW: the packet carries its own IP header.
+            let socket = Socket::new(Domain::IPV4, Type::RAW, Some(Protocol::from(255)))?;
+            socket.send_to(&packet, &dst.into())
+        })
+        .unwrap()
+        .expect("sending the raw SYN");
+}
+
+#[test]
+fn bad_configuration_exits_2_and_attaches_nothing() {
+    let s = Setup::new();
+    let file = s.sockets.path().join("bad.toml");
+    std::fs::write(&file, "max-conn-per-ip = 5\nmax-conn-per-ipp = 6\n").unwrap();
+    for (args, named) in [
+        (vec!["--ports", "70000"], "ports"),
+        (vec!["--allow", "10.0.0.0/33"], "allow"),
+        (vec!["--ipv6-prefix", "129"], "ipv6-prefix"),
+        (vec!["--config", file.to_str().unwrap()], "max-conn-per-ipp"),
+    ] {
+        let mut agent = s.agent(&args);
+        let status = agent.wait_exit(STARTUP).unwrap();
+        assert_eq!(status.code(), Some(2), "{args:?}: {}", agent.log());
+        assert!(agent.log().contains(named), "{args:?} should name {named}: {}", agent.log());
+        assert!(!s.pins.0.exists(), "nothing pinned");
+    }
+    let links = std::process::Command::new("ip")
+        .args(["netns", "exec", s.pair.server.name(), "ip", "link", "show", &s.pair.server_if])
+        .output()
+        .unwrap();
+    assert!(!String::from_utf8_lossy(&links.stdout).contains("xdp"), "nothing attached");
+}
+
+#[test]
+fn detach_removes_programs_links_and_pins() {
+    let s = Setup::new();
+    let mut agent = s.agent(&["--max-conn-per-ip", "1"]);
+    agent.wait_for("enforcing", STARTUP).unwrap();
+    let _held = s.connect().unwrap();
+    assert!(s.refused());
+    agent.signal(Signal::SIGTERM);
+    assert!(agent.wait_exit(Duration::from_secs(10)).unwrap().success());
+    assert!(s.refused(), "a clean stop leaves enforcement on too");
+    let out = std::process::Command::new(limiter_tests::agent::binary())
+        .args(["detach", "--pin-dir", s.pins.arg()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).contains(&s.pair.server_if));
+    assert!(!s.pins.0.exists(), "pins removed");
+    assert!(s.connect().is_ok(), "no longer limited");
+    let _ = Reason::Admitted;
+}
