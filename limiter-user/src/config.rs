@@ -19,7 +19,7 @@ use thiserror::Error;
 use crate::loader::XdpAttachMode;
 
 /// A setting that cannot be used; the agent exits with status 2 on it.
-#[derive(Debug, Error)]
+#[derive(Debug, Error, PartialEq, Eq)]
 #[error("invalid setting `{setting}`: {message}")]
 pub struct ConfigError {
     pub setting: String,
@@ -32,12 +32,6 @@ impl ConfigError {
             setting: setting.into(),
             message: message.to_string(),
         }
-    }
-}
-
-impl From<crate::buckets::ConfigError> for ConfigError {
-    fn from(e: crate::buckets::ConfigError) -> Self {
-        Self::new(e.setting, e.problem)
     }
 }
 
@@ -453,6 +447,14 @@ pub fn parse_cidr(setting: &'static str, text: &str) -> Result<IpNet, ConfigErro
             Err(_) => return Err(ConfigError::new(setting, format!("`{text}` is not a CIDR"))),
         },
     };
+    // An IPv4-mapped network is the IPv4 network it maps: IPv4 packets consult the IPv4 tries.
+    let net = match net {
+        IpNet::V6(v6) if v6.prefix_len() >= 96 => match v6.addr().to_ipv4_mapped() {
+            Some(v4) => IpNet::new(IpAddr::V4(v4), v6.prefix_len() - 96).unwrap_or(net),
+            None => net,
+        },
+        _ => net,
+    };
     if net.trunc() != net {
         return Err(ConfigError::new(
             setting,
@@ -546,6 +548,8 @@ mod tests {
         assert_eq!(s.config.has_deny, 0);
         assert_eq!(s.config.fail_closed, 1);
         assert_eq!(s.allow[1].to_string(), "::1/128");
+        let mapped = settings(&["--deny", "::ffff:10.9.0.0/112"]).unwrap();
+        assert_eq!(mapped.deny[0].to_string(), "10.9.0.0/16");
     }
 
     #[test]

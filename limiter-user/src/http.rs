@@ -138,7 +138,10 @@ pub fn router(agent: Arc<Agent>) -> Result<Router, HttpError> {
 /// An error answer: `application/problem+json` with a status, a title and a detail that names
 /// the field at fault, plus any extension members.
 #[derive(Debug)]
-pub struct Problem {
+pub struct Problem(Box<ProblemDetails>);
+
+#[derive(Debug)]
+struct ProblemDetails {
     status: StatusCode,
     detail: String,
     extra: serde_json::Map<String, serde_json::Value>,
@@ -149,12 +152,12 @@ pub const PROBLEM_JSON: &str = "application/problem+json";
 
 impl Problem {
     pub fn new(status: StatusCode, detail: impl Into<String>) -> Self {
-        Self {
+        Self(Box::new(ProblemDetails {
             status,
             detail: detail.into(),
             extra: serde_json::Map::new(),
             headers: HeaderMap::new(),
-        }
+        }))
     }
 
     fn bad_request(field: &str, detail: impl std::fmt::Display) -> Self {
@@ -162,7 +165,7 @@ impl Problem {
     }
 
     fn with(mut self, key: &str, value: impl Into<serde_json::Value>) -> Self {
-        self.extra.insert(key.to_owned(), value.into());
+        self.0.extra.insert(key.to_owned(), value.into());
         self
     }
 
@@ -175,25 +178,27 @@ impl Problem {
 
 impl IntoResponse for Problem {
     fn into_response(self) -> Response {
+        let problem = *self.0;
         let mut body = serde_json::Map::new();
         body.insert(
             "title".into(),
-            self.status
+            problem
+                .status
                 .canonical_reason()
                 .unwrap_or("Error")
                 .to_owned()
                 .into(),
         );
-        body.insert("status".into(), self.status.as_u16().into());
-        body.insert("detail".into(), self.detail.into());
-        body.extend(self.extra);
+        body.insert("status".into(), problem.status.as_u16().into());
+        body.insert("detail".into(), problem.detail.into());
+        body.extend(problem.extra);
         let mut response = (
-            self.status,
+            problem.status,
             [(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON))],
             serde_json::Value::Object(body).to_string(),
         )
             .into_response();
-        response.headers_mut().extend(self.headers);
+        response.headers_mut().extend(problem.headers);
         response
     }
 }
@@ -209,8 +214,16 @@ fn error_chain(error: &dyn std::error::Error) -> String {
     text
 }
 
+/// A body that is not the JSON expected is a bad request (400) whether it fails to parse or
+/// to fit the fields; axum's text names the field. A wrong content type keeps its 415.
 fn json_rejection(rejection: JsonRejection) -> Problem {
-    Problem::new(rejection.status(), rejection.body_text())
+    let status = match &rejection {
+        JsonRejection::JsonDataError(_) | JsonRejection::JsonSyntaxError(_) => {
+            StatusCode::BAD_REQUEST
+        }
+        other => other.status(),
+    };
+    Problem::new(status, rejection.body_text())
 }
 
 fn query_rejection(rejection: QueryRejection) -> Problem {
@@ -740,7 +753,7 @@ async fn check(
     let verdict = state
         .agent
         .limiter
-        .check(&request.action, request.key.as_bytes(), cost)
+        .check_unescalated(&request.action, request.key.as_bytes(), cost)
         .map_err(|error| match error {
             CheckError::UnknownAction(action) => Problem::new(
                 StatusCode::NOT_FOUND,
@@ -798,7 +811,7 @@ async fn check(
         .with("retry_after_ms", answer.retry_after_ms)
         .with("reset_after_ms", answer.reset_after_ms)
         .with("remaining", answer.remaining);
-    problem.headers = headers;
+    problem.0.headers = headers;
     Ok(problem.into_response())
 }
 
@@ -832,6 +845,7 @@ async fn require_admin(
             "a valid bearer token is required (Authorization: Bearer <admin token>)",
         );
         problem
+            .0
             .headers
             .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         return Err(problem);
@@ -1047,8 +1061,12 @@ mod tests {
             "2001:db8::1"
         );
         let problem = parse_addr("10.0.0.0/8").unwrap_err();
-        assert_eq!(problem.status, StatusCode::BAD_REQUEST);
-        assert!(problem.detail.starts_with("addr: "), "{}", problem.detail);
+        assert_eq!(problem.0.status, StatusCode::BAD_REQUEST);
+        assert!(
+            problem.0.detail.starts_with("addr: "),
+            "{}",
+            problem.0.detail
+        );
     }
 
     #[test]

@@ -382,7 +382,8 @@ const BPFFS: &str = "/sys/fs/bpf";
 /// boot without it). Pins anywhere else must already be on a BPF filesystem.
 fn ensure_bpffs(pin_dir: &Path) -> Result<(), LoadError> {
     let on_bpffs = |path: &Path| {
-        nix::sys::statfs::statfs(path).is_ok_and(|fs| fs.filesystem_type() == nix::sys::statfs::BPF_FS_MAGIC)
+        nix::sys::statfs::statfs(path)
+            .is_ok_and(|fs| fs.filesystem_type() == nix::sys::statfs::BPF_FS_MAGIC)
     };
     let mut existing = pin_dir;
     while !existing.exists() {
@@ -399,7 +400,10 @@ fn ensure_bpffs(pin_dir: &Path) -> Result<(), LoadError> {
         source: std::io::Error::other(why),
     };
     if !pin_dir.starts_with(BPFFS) {
-        return Err(not_bpffs(format!("{} is not on a BPF filesystem", existing.display())));
+        return Err(not_bpffs(format!(
+            "{} is not on a BPF filesystem",
+            existing.display()
+        )));
     }
     tracing::info!("mounting the BPF filesystem at {BPFFS}");
     nix::mount::mount(

@@ -187,6 +187,10 @@ impl Maps {
         match self.bans.remove(&key) {
             Ok(()) => Ok(true),
             Err(MapError::KeyNotFound) => Ok(false),
+            // aya's `remove` reports a missing key as the syscall's ENOENT.
+            Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => {
+                Ok(false)
+            }
             Err(error) => Err(map_error(map_names::BANS)(error)),
         }
     }
@@ -357,6 +361,8 @@ fn sync_list(
 
 /// The key the kernel charges `addr` to: mapped to IPv6 and masked to the live prefix.
 pub fn source_key(addr: IpAddr, config: &Config) -> SourceKey {
+    // `::ffff:a.b.c.d` is the IPv4 client it maps, and takes the IPv4 prefix.
+    let addr = addr.to_canonical();
     let v6 = mapped(addr);
     let bits = match addr {
         IpAddr::V4(_) => 96 + u32::from(config.ipv4_prefix.min(32)),
@@ -404,6 +410,8 @@ mod tests {
         config.ipv4_prefix = 24;
         config.ipv6_prefix = 64;
         let k = source_key("10.1.2.3".parse().unwrap(), &config);
+        assert_eq!(key_address(&k).to_string(), "10.1.2.0");
+        let k = source_key("::ffff:10.1.2.3".parse().unwrap(), &config);
         assert_eq!(key_address(&k).to_string(), "10.1.2.0");
         let k = source_key("2001:db8:1:2:3:4:5:6".parse().unwrap(), &config);
         assert_eq!(key_address(&k).to_string(), "2001:db8:1:2::");

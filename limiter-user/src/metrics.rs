@@ -396,3 +396,69 @@ impl Collector for LimiterCollector {
         out
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::{collections::BTreeMap, time::Duration};
+
+    use super::*;
+    use crate::buckets::{
+        ActionConfig, KeyKind, LimiterConfig, ManualClock, NoBans, Window, resolve_actions,
+    };
+
+    #[test]
+    fn broker_counters_are_read_at_scrape_time() {
+        let mut table = BTreeMap::new();
+        table.insert(
+            "export".to_owned(),
+            ActionConfig {
+                limit: Some(1),
+                window: Some(Window(Duration::from_secs(60))),
+                key: Some(KeyKind::User),
+                ..ActionConfig::default()
+            },
+        );
+        let limiter = Arc::new(Limiter::new(
+            LimiterConfig {
+                actions: resolve_actions(&table, &[]).unwrap(),
+                escalation: None,
+            },
+            Arc::new(ManualClock::new()),
+            Arc::new(NoBans),
+        ));
+        let registry = Registry::new();
+        registry
+            .register(Box::new(
+                LimiterCollector::new(Arc::clone(&limiter)).unwrap(),
+            ))
+            .unwrap();
+        let scrape = || {
+            TextEncoder::new()
+                .encode_to_string(&registry.gather())
+                .unwrap()
+        };
+        let before = scrape();
+        assert!(before.contains(
+            "limiter_rate_limit_checks_total{action=\"export\",outcome=\"limited\"} 0\n"
+        ));
+        assert!(before.contains("limiter_escalation_bans_total 0\n"));
+        for _ in 0..3 {
+            limiter.check("export", b"alice", 1).unwrap();
+        }
+        limiter.check("export", b"bob", 5).unwrap();
+        let after = scrape();
+        for line in [
+            "limiter_rate_limit_checks_total{action=\"export\",outcome=\"allowed\"} 1\n",
+            "limiter_rate_limit_checks_total{action=\"export\",outcome=\"limited\"} 2\n",
+            "limiter_rate_limit_checks_total{action=\"export\",outcome=\"cost_exceeds_burst\"} 1\n",
+            "limiter_rate_limit_blocked_total{action=\"export\"} 3\n",
+            "limiter_rate_limit_keys{action=\"export\"} 2\n",
+            "# TYPE limiter_rate_limit_checks_total counter\n",
+            "# TYPE limiter_rate_limit_keys gauge\n",
+        ] {
+            assert!(after.contains(line), "{line:?} missing from:\n{after}");
+        }
+        // A second scrape reports the same totals, not twice them.
+        assert_eq!(scrape(), after);
+    }
+}

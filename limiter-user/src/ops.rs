@@ -245,17 +245,27 @@ fn open_pinned(pin_dir: &Path, http: SocketAddr, why: &reqwest::Error) -> Result
     let maps = Maps::open_pinned(pin_dir).map_err(|e| {
         anyhow!(
             "no agent answers at {http} ({}) and the pinned maps under {} cannot be read ({})",
-            error_chain(why),
+            root_cause(why),
             pin_dir.display(),
             error_chain(&e),
         )
     })?;
     eprintln!(
         "no agent answers at {http} ({}); reading the pinned maps under {}",
-        error_chain(why),
+        root_cause(why),
         pin_dir.display()
     );
     Ok(maps)
+}
+
+/// The innermost cause: for a refused connection, "Connection refused" rather than every
+/// layer of the HTTP client's wrapping.
+fn root_cause(error: &dyn std::error::Error) -> String {
+    let mut cause = error;
+    while let Some(source) = cause.source() {
+        cause = source;
+    }
+    cause.to_string()
 }
 
 fn error_chain(error: &dyn std::error::Error) -> String {
@@ -540,7 +550,7 @@ fn unreachable_admin(error: AskError, http: SocketAddr) -> anyhow::Error {
     match error {
         AskError::Unreachable(e) => anyhow!(
             "no agent answers at {http} ({}); admin changes need a running agent (--http or LIMITER_HTTP)",
-            error_chain(&e)
+            root_cause(&e)
         ),
         AskError::Failed(e) => e,
     }

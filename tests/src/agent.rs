@@ -19,9 +19,9 @@ use crate::netns::Netns;
 
 /// The agent binary: `LIMITER_BIN` (set by `cargo xtask test`), else the release build.
 pub fn binary() -> PathBuf {
-    std::env::var_os("LIMITER_BIN").map(PathBuf::from).unwrap_or_else(|| {
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/release/limiter")
-    })
+    std::env::var_os("LIMITER_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/release/limiter"))
 }
 
 /// A pin directory of this test's own under /sys/fs/bpf, detached and removed on drop.
@@ -164,7 +164,10 @@ impl AgentProcess {
                 return Ok(status);
             }
             if Instant::now() > deadline {
-                bail!("the agent did not exit within {within:?}; the log:\n{}", self.log());
+                bail!(
+                    "the agent did not exit within {within:?}; the log:\n{}",
+                    self.log()
+                );
             }
             std::thread::sleep(Duration::from_millis(20));
         }

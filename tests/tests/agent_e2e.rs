@@ -40,7 +40,7 @@ impl Setup {
 
     /// Starts `limiter run` on the server's veth with this setup's pins and socket, plus `args`.
     fn agent(&self, args: &[&str]) -> AgentProcess {
-        let socket = self.sockets.path().join("limiter.sock");
+        let socket = self.socket();
         let mut all = vec![
             "--iface",
             &self.pair.server_if,
@@ -51,6 +51,10 @@ impl Setup {
         ];
         all.extend_from_slice(args);
         AgentProcess::start(&self.pair.server, &all).expect("starting the agent")
+    }
+
+    fn socket(&self) -> std::path::PathBuf {
+        self.sockets.path().join("limiter.sock")
     }
 
     fn connect(&self) -> std::io::Result<TcpStream> {
@@ -86,14 +90,21 @@ fn a_killed_agent_leaves_enforcement_on_and_a_new_one_adopts_the_counts() {
     let next = s.agent(&["--max-conn-per-ip", "2"]);
     let line = next.wait_for("enforcing", STARTUP).unwrap();
     assert!(line.contains("Adopted"), "{line}");
-    assert_eq!(s.pins.global(), 2, "counts carried over, none counted twice");
+    assert_eq!(
+        s.pins.global(),
+        2,
+        "counts carried over, none counted twice"
+    );
     assert!(s.refused(), "still at the cap after the hand-over");
     drop(first);
     s.server.close_all();
     // The server closed both; the client's second one is closed by the server's FIN only, so
     // wait for the first to be fully gone and check the carried-over count went down.
     assert!(s.pins.wait_global(1, Duration::from_secs(5)) <= 1);
-    assert!(s.connect().is_ok(), "a released slot is usable under the new agent");
+    assert!(
+        s.connect().is_ok(),
+        "a released slot is usable under the new agent"
+    );
 }
 
 #[test]
@@ -103,16 +114,22 @@ fn sighup_lowers_a_cap_live_and_a_bad_file_changes_nothing() {
     std::fs::write(&file, "max-conn-per-ip = 5\n").unwrap();
     let agent = s.agent(&["--config", file.to_str().unwrap()]);
     agent.wait_for("enforcing", STARTUP).unwrap();
-    let conns: Vec<_> = (0..3).map(|_| s.connect().expect("under the cap")).collect();
+    let conns: Vec<_> = (0..3)
+        .map(|_| s.connect().expect("under the cap"))
+        .collect();
 
     std::fs::write(&file, "max-conn-per-ip = 3\n").unwrap();
     agent.signal(Signal::SIGHUP);
-    agent.wait_for("configuration reloaded", Duration::from_secs(10)).unwrap();
+    agent
+        .wait_for("configuration reloaded", Duration::from_secs(10))
+        .unwrap();
     assert!(s.refused(), "the lowered cap applies at once");
 
     std::fs::write(&file, "max-conn-per-ip = 10\nno-such-setting = 1\n").unwrap();
     agent.signal(Signal::SIGHUP);
-    let line = agent.wait_for("reload refused", Duration::from_secs(10)).unwrap();
+    let line = agent
+        .wait_for("reload refused", Duration::from_secs(10))
+        .unwrap();
     assert!(line.contains("no-such-setting"), "{line}");
     assert!(s.refused(), "the old settings stay");
     assert_eq!(s.pins.maps().config().unwrap().max_conn_per_ip, 3);
@@ -134,9 +151,21 @@ fn a_half_open_client_has_its_slot_freed_by_the_sweeper() {
     // A SYN from an address nobody answers for: the SYN-ACK finds no one, so no RST comes
     // back and the flow stays half-open, as a client that vanished would leave it.
     let ghost = Ipv4Addr::new(10, 77, 0, 50);
-    send_raw_syn(&s.pair, ghost, SocketAddr::new(IpAddr::V4(SERVER_V4), s.server.addr.port()));
-    assert_eq!(s.pins.wait_global(1, Duration::from_secs(5)), 1, "the SYN was admitted");
-    assert_eq!(s.pins.wait_global(0, Duration::from_secs(10)), 0, "the sweeper freed the slot");
+    send_raw_syn(
+        &s.pair,
+        ghost,
+        SocketAddr::new(IpAddr::V4(SERVER_V4), s.server.addr.port()),
+    );
+    assert_eq!(
+        s.pins.wait_global(1, Duration::from_secs(5)),
+        1,
+        "the SYN was admitted"
+    );
+    assert_eq!(
+        s.pins.wait_global(0, Duration::from_secs(10)),
+        0,
+        "the sweeper freed the slot"
+    );
     let maps = s.pins.maps();
     assert_eq!(maps.events(Event::Released).unwrap(), 1);
     assert!(maps.flows().unwrap().is_empty());
@@ -147,7 +176,9 @@ fn a_half_open_client_has_its_slot_freed_by_the_sweeper() {
 /// Sends one TCP SYN with a forged source address from the client namespace (raw socket).
 fn send_raw_syn(pair: &Pair, src: Ipv4Addr, dst: SocketAddr) {
     use socket2::{Domain, Protocol, Socket, Type};
-    let IpAddr::V4(dst_ip) = dst.ip() else { panic!("IPv4 only") };
+    let IpAddr::V4(dst_ip) = dst.ip() else {
+        panic!("IPv4 only")
+    };
     let builder = etherparse::PacketBuilder::ipv4(src.octets(), dst_ip.octets(), 64)
         .tcp(40_000, dst.port(), 7, 64_240)
         .syn();
@@ -177,14 +208,29 @@ fn bad_configuration_exits_2_and_attaches_nothing() {
         let mut agent = s.agent(&args);
         let status = agent.wait_exit(STARTUP).unwrap();
         assert_eq!(status.code(), Some(2), "{args:?}: {}", agent.log());
-        assert!(agent.log().contains(named), "{args:?} should name {named}: {}", agent.log());
+        assert!(
+            agent.log().contains(named),
+            "{args:?} should name {named}: {}",
+            agent.log()
+        );
         assert!(!s.pins.0.exists(), "nothing pinned");
     }
     let links = std::process::Command::new("ip")
-        .args(["netns", "exec", s.pair.server.name(), "ip", "link", "show", &s.pair.server_if])
+        .args([
+            "netns",
+            "exec",
+            s.pair.server.name(),
+            "ip",
+            "link",
+            "show",
+            &s.pair.server_if,
+        ])
         .output()
         .unwrap();
-    assert!(!String::from_utf8_lossy(&links.stdout).contains("xdp"), "nothing attached");
+    assert!(
+        !String::from_utf8_lossy(&links.stdout).contains("xdp"),
+        "nothing attached"
+    );
 }
 
 #[test]
@@ -201,9 +247,64 @@ fn detach_removes_programs_links_and_pins() {
         .args(["detach", "--pin-dir", s.pins.arg()])
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(String::from_utf8_lossy(&out.stdout).contains(&s.pair.server_if));
     assert!(!s.pins.0.exists(), "pins removed");
     assert!(s.connect().is_ok(), "no longer limited");
     let _ = Reason::Admitted;
+}
+
+#[test]
+fn repeated_auth_refusals_become_a_kernel_ban() {
+    let s = Setup::new();
+    let agent = s.agent(&[
+        "--auth-limit",
+        "2",
+        "--escalate-after",
+        "3",
+        "--escalate-ban",
+        "10m",
+        "--reject-ban",
+        "rst",
+    ]);
+    agent.wait_for("enforcing", STARTUP).unwrap();
+    assert!(s.connect().is_ok(), "not banned yet");
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let refused = runtime.block_on(async {
+        let client = limiter::client::Client::connect_unix(s.socket())
+            .await
+            .unwrap();
+        let key = CLIENT_V4.to_string();
+        let mut refused = 0;
+        // Two attempts pass the limit; more than three refusals escalate.
+        for _ in 0..6 {
+            if !client
+                .check("auth", key.as_bytes(), 1)
+                .await
+                .unwrap()
+                .allowed
+            {
+                refused += 1;
+            }
+        }
+        refused
+    });
+    assert_eq!(refused, 4);
+    let bans = s.pins.maps().bans().unwrap();
+    assert_eq!(bans.len(), 1, "one kernel ban");
+    assert_eq!(
+        limiter::maps::key_address(&bans[0].0),
+        IpAddr::V4(CLIENT_V4)
+    );
+    assert!(
+        s.refused(),
+        "the banned client no longer reaches the broker"
+    );
 }

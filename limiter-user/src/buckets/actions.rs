@@ -135,22 +135,8 @@ pub fn builtin_actions() -> Vec<ActionSpec> {
     ]
 }
 
-/// A setting that cannot be used, named as the operator wrote it (`actions.auth.window`).
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
-#[error("{setting}: {problem}")]
-pub struct ConfigError {
-    pub setting: String,
-    pub problem: String,
-}
-
-impl ConfigError {
-    pub fn new(setting: impl Into<String>, problem: impl Into<String>) -> Self {
-        Self {
-            setting: setting.into(),
-            problem: problem.into(),
-        }
-    }
-}
+/// Errors name the setting as the operator wrote it (`actions.auth.window`).
+pub use crate::config::ConfigError;
 
 /// Longest action name; names travel in a one-byte length field.
 pub const MAX_ACTION_NAME: usize = 64;
@@ -354,7 +340,7 @@ mod tests {
         let error = resolve_actions(&table("[actions.auth]\nwindow = 0\n"), &[]).unwrap_err();
         assert_eq!(
             error.to_string(),
-            "actions.auth.window: must be longer than zero"
+            "invalid setting `actions.auth.window`: must be longer than zero"
         );
     }
 

@@ -107,12 +107,24 @@ impl Limiter {
 
     /// Spends `cost` tokens of `key`'s bucket if it holds them; a refusal spends nothing.
     pub fn check(&self, action: &str, key: &[u8], cost: u32) -> Result<Verdict, CheckError> {
-        self.decide(action, key, cost, true)
+        self.decide(action, key, cost, true, true)
+    }
+
+    /// `check` for callers outside the broker's trust boundary (the HTTP endpoint, which any
+    /// local user can reach): it spends and counts the same, but its refusals never escalate,
+    /// so such a caller cannot get someone else's address banned in the kernel.
+    pub fn check_unescalated(
+        &self,
+        action: &str,
+        key: &[u8],
+        cost: u32,
+    ) -> Result<Verdict, CheckError> {
+        self.decide(action, key, cost, true, false)
     }
 
     /// What `check` would answer, spending nothing and counting nothing.
     pub fn peek(&self, action: &str, key: &[u8], cost: u32) -> Result<Verdict, CheckError> {
-        self.decide(action, key, cost, false)
+        self.decide(action, key, cost, false, false)
     }
 
     /// Forgets a key's bucket, so its next check finds it full. `Ok(false)` if it had none.
@@ -241,6 +253,7 @@ impl Limiter {
         key: &[u8],
         cost: u32,
         consume: bool,
+        escalate: bool,
     ) -> Result<Verdict, CheckError> {
         if cost == 0 {
             return Err(CheckError::ZeroCost);
@@ -276,6 +289,7 @@ impl Limiter {
         if consume {
             action.outcomes.add(verdict.outcome);
             if !verdict.allowed
+                && escalate
                 && action.spec.escalate
                 && action.spec.key == KeyKind::Ip
                 && let (Some(escalator), Some(addr)) = (&self.escalator, stored.address())

@@ -1,0 +1,955 @@
+//! The agent's HTTP listener against a real agent: the programs loaded (attached nowhere; SYNs
+//! are run through the XDP program with BPF_PROG_TEST_RUN so the maps hold real state), the
+//! listener on a loopback port of its own, and requests from a real HTTP client. The operator
+//! commands are run against the same listener, and against pinned maps with no agent.
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream},
+    path::PathBuf,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use aya::{
+    TestRun,
+    programs::{TestRunOptions, Xdp},
+};
+use clap::Parser;
+use limiter::{
+    agent::{Agent, KernelBans},
+    buckets::{
+        ActionConfig, EscalationConfig, KeyKind, Limiter, LimiterConfig, MonotonicClock, Window,
+        resolve_actions,
+    },
+    config::Layer,
+    http::{HttpError, HttpServer},
+    loader::{Datapath, LoadOptions, XDP_PROGRAM},
+    ops::{self, AdminConnect, Connect, Fallback},
+    sweeper::Sweeper,
+};
+use limiter_tests::{
+    agent::PinDir,
+    frames::Tcp,
+    kernel::{XDP_DROP, XDP_PASS, XDP_TX},
+};
+use reqwest::Method;
+use serde_json::{Value, json};
+
+const TOKEN: &str = "correct horse battery staple";
+const PORT: u16 = 5672;
+
+#[derive(Parser)]
+struct Flags {
+    #[command(flatten)]
+    layer: Layer,
+}
+
+fn v4(last: u8) -> IpAddr {
+    IpAddr::V4(Ipv4Addr::new(192, 0, 2, last))
+}
+
+fn v6(text: &str) -> IpAddr {
+    text.parse().unwrap()
+}
+
+/// The broker limiter the tests configure: `export` (2 per minute, keyed by user), `auth`
+/// closed (limit 0 on a security action), and escalation to a kernel ban after one failure.
+fn limiter_config() -> LimiterConfig {
+    let mut table = BTreeMap::new();
+    table.insert(
+        "export".to_owned(),
+        ActionConfig {
+            limit: Some(2),
+            window: Some(Window(Duration::from_secs(60))),
+            key: Some(KeyKind::User),
+            ..ActionConfig::default()
+        },
+    );
+    table.insert(
+        "auth".to_owned(),
+        ActionConfig {
+            limit: Some(0),
+            ..ActionConfig::default()
+        },
+    );
+    LimiterConfig {
+        actions: resolve_actions(&table, &[]).expect("valid actions"),
+        escalation: Some(EscalationConfig {
+            after: 1,
+            window: Duration::from_secs(60),
+            ban: Duration::from_secs(600),
+            max_addresses: 100,
+        }),
+    }
+}
+
+/// One HTTP answer, read in full.
+struct Answer {
+    status: u16,
+    headers: reqwest::header::HeaderMap,
+    body: String,
+}
+
+impl Answer {
+    fn json(&self) -> Value {
+        serde_json::from_str(&self.body)
+            .unwrap_or_else(|e| panic!("{} is not JSON ({e}): {}", self.status, self.body))
+    }
+
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).map(|v| v.to_str().unwrap())
+    }
+
+    /// A problem answer: its content type, and its detail naming `field`.
+    fn assert_problem(&self, status: u16, needle: &str) {
+        assert_eq!(self.status, status, "{}", self.body);
+        assert_eq!(
+            self.header("content-type"),
+            Some("application/problem+json")
+        );
+        let body = self.json();
+        assert_eq!(body["status"], status);
+        let detail = body["detail"].as_str().unwrap();
+        assert!(detail.contains(needle), "{needle:?} not in {detail:?}");
+    }
+}
+
+/// A real agent serving HTTP on a free loopback port.
+struct Harness {
+    runtime: tokio::runtime::Runtime,
+    agent: Arc<Agent>,
+    addr: SocketAddr,
+    client: reqwest::Client,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    server: Option<tokio::task::JoinHandle<Result<(), HttpError>>>,
+}
+
+impl Harness {
+    fn new(flags: &[&str]) -> Self {
+        Self::build(flags, None, true)
+    }
+
+    fn build(flags: &[&str], pin_dir: Option<PathBuf>, ready: bool) -> Self {
+        let mut argv = vec!["limiter", "--http", "127.0.0.1:0"];
+        argv.extend_from_slice(flags);
+        let layer = Flags::try_parse_from(argv).expect("valid flags").layer;
+        let settings = layer.resolve().expect("valid settings");
+        let datapath = Datapath::load(LoadOptions {
+            flow_table_size: settings.kernel.flow_table_size,
+            pin_dir,
+            ..LoadOptions::default()
+        })
+        .expect("loading the programs");
+        let datapath = Arc::new(Mutex::new(datapath));
+        let limiter = Arc::new(Limiter::new(
+            limiter_config(),
+            Arc::new(MonotonicClock::new()),
+            Arc::new(KernelBans(Arc::clone(&datapath))),
+        ));
+        let agent = Arc::new(Agent::new(datapath, settings, layer, None, limiter));
+        agent.apply_kernel().expect("applying the settings");
+        if ready {
+            agent.set_ready();
+        }
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let server = runtime
+            .block_on(HttpServer::bind(Arc::clone(&agent)))
+            .expect("binding the listener");
+        let addr = server.local_addr().unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let server = runtime.spawn(server.run(async move {
+            let _ = stopped.await;
+        }));
+        let client = reqwest::Client::builder()
+            .no_proxy()
+            .timeout(Duration::from_secs(10))
+            .build()
+            .unwrap();
+        Self {
+            runtime,
+            agent,
+            addr,
+            client,
+            stop: Some(stop),
+            server: Some(server),
+        }
+    }
+
+    fn send(&self, method: Method, path: &str, token: Option<&str>, body: Option<Value>) -> Answer {
+        let mut request = self
+            .client
+            .request(method, format!("http://{}{path}", self.addr));
+        if let Some(token) = token {
+            request = request.bearer_auth(token);
+        }
+        if let Some(body) = body {
+            request = request.json(&body);
+        }
+        self.runtime.block_on(async {
+            let response = request.send().await.expect("an answer");
+            Answer {
+                status: response.status().as_u16(),
+                headers: response.headers().clone(),
+                body: response.text().await.expect("a body"),
+            }
+        })
+    }
+
+    fn get(&self, path: &str) -> Answer {
+        self.send(Method::GET, path, None, None)
+    }
+
+    fn check(&self, body: Value) -> Answer {
+        self.send(Method::POST, "/v1/check", None, Some(body))
+    }
+
+    /// Runs a SYN from `src` through the XDP program; returns the XDP action.
+    fn syn(&self, src: IpAddr, sport: u16) -> u32 {
+        let dst = if src.is_ipv4() {
+            IpAddr::V4(Ipv4Addr::new(198, 51, 100, 1))
+        } else {
+            v6("2001:db8:ffff::1")
+        };
+        let frame = Tcp::syn(src, sport, dst, PORT).build();
+        let dp = self.agent.datapath();
+        let prog: &Xdp = dp
+            .ebpf()
+            .program(XDP_PROGRAM)
+            .expect("the XDP program")
+            .try_into()
+            .expect("an XDP program");
+        let mut out = vec![0u8; frame.len() + 256];
+        prog.test_run(TestRunOptions {
+            data_in: Some(&frame),
+            data_out: Some(&mut out),
+            ..Default::default()
+        })
+        .expect("BPF_PROG_TEST_RUN")
+        .return_value
+    }
+
+    fn connect(&self) -> Connect {
+        Connect {
+            http: self.addr,
+            timeout: Duration::from_secs(5),
+        }
+    }
+
+    fn admin(&self, token: Option<&str>) -> AdminConnect {
+        AdminConnect {
+            connect: self.connect(),
+            admin_token: token.map(str::to_owned),
+        }
+    }
+
+    /// Stops the listener as the agent does at shutdown; returns what `run` returned.
+    fn shut_down(mut self) -> Result<(), HttpError> {
+        let _ = self.stop.take().unwrap().send(());
+        let server = self.server.take().unwrap();
+        self.runtime
+            .block_on(async { tokio::time::timeout(Duration::from_secs(10), server).await })
+            .expect("the listener stops within 10 s")
+            .expect("the listener task")
+    }
+}
+
+impl Drop for Harness {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(server) = self.server.take() {
+            let _ = self
+                .runtime
+                .block_on(async { tokio::time::timeout(Duration::from_secs(10), server).await });
+        }
+    }
+}
+
+/// The samples of a text exposition, keyed `name{label="value",...}` with labels sorted.
+fn samples(text: &str) -> HashMap<String, f64> {
+    let mut out = HashMap::new();
+    for line in text
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+    {
+        let (series, value) = line.rsplit_once(' ').expect("`series value`");
+        let key = match series.split_once('{') {
+            None => series.to_owned(),
+            Some((name, labels)) => {
+                let mut labels: Vec<&str> = labels.trim_end_matches('}').split(',').collect();
+                labels.sort_unstable();
+                format!("{name}{{{}}}", labels.join(","))
+            }
+        };
+        out.insert(key, value.parse().expect("a number"));
+    }
+    out
+}
+
+fn series(name: &str, labels: &[(&str, &str)]) -> String {
+    if labels.is_empty() {
+        return name.to_owned();
+    }
+    let mut labels: Vec<String> = labels.iter().map(|(k, v)| format!("{k}=\"{v}\"")).collect();
+    labels.sort_unstable();
+    format!("{name}{{{}}}", labels.join(","))
+}
+
+fn value(samples: &HashMap<String, f64>, name: &str, labels: &[(&str, &str)]) -> f64 {
+    let key = series(name, labels);
+    *samples
+        .get(&key)
+        .unwrap_or_else(|| panic!("no sample {key}"))
+}
+
+#[test]
+fn metrics_read_the_kernel_maps_the_sweeper_and_the_broker_limiter_at_scrape_time() {
+    let h = Harness::new(&["--max-conn-per-ip", "2", "--flow-table-size", "1024"]);
+    for sport in [40_001, 40_002] {
+        assert_eq!(h.syn(v4(10), sport), XDP_PASS);
+    }
+    assert_eq!(h.syn(v4(10), 40_003), XDP_TX, "over the cap: RST");
+    assert_eq!(h.syn(v6("2001:db8::7"), 40_004), XDP_PASS);
+    Sweeper::new()
+        .pass(&h.agent, &h.agent.settings().sweep)
+        .expect("a sweep pass");
+    for _ in 0..3 {
+        h.check(json!({"action": "export", "key": "alice"}));
+    }
+    h.agent.limiter.report_auth_failure(v4(99));
+    h.agent.limiter.report_auth_failure(v4(99));
+
+    let answer = h.get("/metrics");
+    assert_eq!(answer.status, 200);
+    assert_eq!(
+        answer.header("content-type"),
+        Some("text/plain; version=0.0.4")
+    );
+    let text = &answer.body;
+    for name in [
+        "limiter_packets_total",
+        "limiter_connections",
+        "limiter_tracked_sources",
+        "limiter_flow_table_entries",
+        "limiter_flow_table_capacity",
+        "limiter_evictions_total",
+        "limiter_counter_repairs_total",
+        "limiter_bans_active",
+        "limiter_sweep_duration_seconds",
+        "limiter_build_info",
+        "limiter_rate_limit_checks_total",
+        "limiter_rate_limit_blocked_total",
+        "limiter_rate_limit_keys",
+        "limiter_escalation_bans_total",
+        "limiter_flow_events_total",
+    ] {
+        assert!(
+            text.contains(&format!("# HELP {name} ")),
+            "no help for {name}"
+        );
+        assert!(
+            text.contains(&format!("# TYPE {name} ")),
+            "no type for {name}"
+        );
+    }
+    let s = samples(text);
+    assert_eq!(value(&s, "limiter_maps_readable", &[]), 1.0);
+    assert_eq!(value(&s, "limiter_connections", &[]), 3.0);
+    assert_eq!(value(&s, "limiter_tracked_sources", &[]), 2.0);
+    assert_eq!(value(&s, "limiter_flow_table_entries", &[]), 3.0);
+    assert_eq!(value(&s, "limiter_flow_table_capacity", &[]), 1024.0);
+    let packets = |direction, verdict, reason| {
+        value(
+            &s,
+            "limiter_packets_total",
+            &[
+                ("direction", direction),
+                ("verdict", verdict),
+                ("reason", reason),
+            ],
+        )
+    };
+    assert_eq!(packets("ingress", "pass", "admitted"), 3.0);
+    assert_eq!(packets("ingress", "rst", "conn_per_ip"), 1.0);
+    assert_eq!(packets("egress", "pass", "tracked"), 0.0);
+    assert_eq!(
+        value(&s, "limiter_flow_events_total", &[("event", "opened")]),
+        3.0
+    );
+    assert_eq!(
+        value(&s, "limiter_flow_events_total", &[("event", "released")]),
+        0.0
+    );
+    // The sweep pass found nothing old enough to evict, and said so.
+    assert_eq!(
+        value(&s, "limiter_evictions_total", &[("kind", "half_open")]),
+        0.0
+    );
+    assert_eq!(value(&s, "limiter_sweep_duration_seconds_count", &[]), 1.0);
+    assert_eq!(value(&s, "limiter_counter_repairs_total", &[]), 0.0);
+    assert_eq!(
+        value(
+            &s,
+            "limiter_build_info",
+            &[("version", env!("CARGO_PKG_VERSION"))]
+        ),
+        1.0
+    );
+    let checks = |outcome| {
+        value(
+            &s,
+            "limiter_rate_limit_checks_total",
+            &[("action", "export"), ("outcome", outcome)],
+        )
+    };
+    assert_eq!((checks("allowed"), checks("limited")), (2.0, 1.0));
+    assert_eq!(
+        value(
+            &s,
+            "limiter_rate_limit_blocked_total",
+            &[("action", "export")]
+        ),
+        1.0
+    );
+    assert_eq!(
+        value(&s, "limiter_rate_limit_keys", &[("action", "export")]),
+        1.0
+    );
+    // Two failures with escalation after one: one ban, placed in the kernel.
+    assert_eq!(value(&s, "limiter_escalation_bans_total", &[]), 1.0);
+    assert_eq!(value(&s, "limiter_bans_active", &[]), 1.0);
+
+    // A later scrape reads the maps again: counters move, nothing is cached.
+    assert_eq!(h.syn(v4(11), 40_005), XDP_PASS);
+    let s = samples(&h.get("/metrics").body);
+    assert_eq!(value(&s, "limiter_connections", &[]), 4.0);
+    assert_eq!(
+        value(
+            &s,
+            "limiter_packets_total",
+            &[
+                ("direction", "ingress"),
+                ("verdict", "pass"),
+                ("reason", "admitted")
+            ]
+        ),
+        4.0
+    );
+}
+
+#[test]
+fn connections_lists_sources_largest_first_in_rfc_5952_form() {
+    let h = Harness::new(&["--ipv6-prefix", "128"]);
+    for sport in [41_001, 41_002, 41_003] {
+        assert_eq!(
+            h.syn(v6("2001:0db8:0000:0000:0000:0000:0000:0007"), sport),
+            XDP_PASS
+        );
+    }
+    for sport in [41_004, 41_005] {
+        assert_eq!(h.syn(v4(20), sport), XDP_PASS);
+    }
+    assert_eq!(h.syn(v4(21), 41_006), XDP_PASS);
+
+    let answer = h.get("/connections");
+    assert_eq!(answer.status, 200);
+    let body = answer.json();
+    assert_eq!(body["connections"], 6);
+    assert_eq!(body["tracked_sources"], 3);
+    assert_eq!(
+        body["sources"],
+        json!([
+            {"source": "2001:db8::7", "connections": 3},
+            {"source": "192.0.2.20", "connections": 2},
+            {"source": "192.0.2.21", "connections": 1},
+        ])
+    );
+    let body = h.get("/connections?limit=1").json();
+    assert_eq!(body["sources"].as_array().unwrap().len(), 1);
+    assert_eq!(body["tracked_sources"], 3);
+    h.get("/connections?limit=0").assert_problem(400, "limit");
+    h.get("/connections?limit=many")
+        .assert_problem(400, "limit");
+}
+
+#[test]
+fn rate_limits_show_limits_refusals_bans_and_broker_actions() {
+    let h = Harness::new(&[
+        "--max-conn-per-ip",
+        "1",
+        "--syn-rate",
+        "50",
+        "--ports",
+        "5672",
+        "--allow",
+        "10.9.0.0/16",
+        "--admin-token",
+        TOKEN,
+    ]);
+    assert_eq!(h.syn(v4(30), 42_001), XDP_PASS);
+    for sport in [42_002, 42_003] {
+        assert_eq!(h.syn(v4(30), sport), XDP_TX);
+    }
+    assert_eq!(h.syn(v4(31), 42_004), XDP_PASS);
+    assert_eq!(h.syn(v4(31), 42_005), XDP_TX);
+    let ban = h.send(
+        Method::POST,
+        "/v1/bans",
+        Some(TOKEN),
+        Some(json!({"addr": "192.0.2.66", "ttl": "10m"})),
+    );
+    assert_eq!(ban.status, 200, "{}", ban.body);
+    for _ in 0..4 {
+        h.check(json!({"action": "export", "key": "bob"}));
+    }
+    h.check(json!({"action": "export", "key": "carol", "cost": 2}));
+    h.check(json!({"action": "export", "key": "carol"}));
+
+    let answer = h.get("/rate_limits");
+    assert_eq!(answer.status, 200);
+    let body = answer.json();
+    assert_eq!(body["enabled"], true);
+    let kernel = &body["kernel"];
+    assert_eq!(kernel["limits"]["max_conn_per_ip"], 1);
+    assert_eq!(kernel["limits"]["syn_rate"], 50);
+    assert_eq!(kernel["limits"]["syn_burst"], 100);
+    assert_eq!(kernel["limits"]["reject_conn"], "rst");
+    assert_eq!(kernel["ports"], json!([5672]));
+    assert_eq!(kernel["allow"], json!(["10.9.0.0/16"]));
+    assert_eq!(
+        kernel["top_blocked"]["conn_per_ip"],
+        json!([
+            {"source": "192.0.2.30", "blocked": 2},
+            {"source": "192.0.2.31", "blocked": 1},
+        ])
+    );
+    assert_eq!(kernel["top_blocked"]["syn_rate"], json!([]));
+    assert_eq!(kernel["bans_active"], 1);
+    assert_eq!(kernel["bans"][0]["source"], "192.0.2.66");
+    let left = kernel["bans"][0]["expires_in_ms"].as_u64().unwrap();
+    assert!((590_000..=600_000).contains(&left), "{left}");
+
+    let actions = body["broker"]["actions"].as_array().unwrap();
+    let export = actions.iter().find(|a| a["name"] == "export").unwrap();
+    assert_eq!(export["mode"], "limited");
+    assert_eq!(
+        (export["limit"].clone(), export["window_ms"].clone()),
+        (json!(2), json!(60_000))
+    );
+    assert_eq!(export["allowed"], 3);
+    assert_eq!(export["limited"], 3);
+    assert_eq!(
+        export["top_blocked"],
+        json!([{"key": "bob", "blocked": 2}, {"key": "carol", "blocked": 1}])
+    );
+    let auth = actions.iter().find(|a| a["name"] == "auth").unwrap();
+    assert_eq!(auth["mode"], "closed");
+    assert_eq!(body["broker"]["escalation"]["after"], 1);
+    assert_eq!(body["broker"]["escalation"]["ban_ms"], 600_000);
+
+    let body = h.get("/rate_limits?limit=1").json();
+    assert_eq!(
+        body["kernel"]["top_blocked"]["conn_per_ip"],
+        json!([{"source": "192.0.2.30", "blocked": 2}])
+    );
+    h.get("/rate_limits?limit=-3").assert_problem(400, "limit");
+}
+
+#[test]
+fn check_answers_429_with_retry_after_and_problem_details() {
+    let h = Harness::new(&[]);
+    for remaining in ["1", "0"] {
+        let answer = h.check(json!({"action": "export", "key": "dave"}));
+        assert_eq!(answer.status, 200, "{}", answer.body);
+        assert_eq!(answer.header("x-ratelimit-limit"), Some("2"));
+        assert_eq!(answer.header("x-ratelimit-remaining"), Some(remaining));
+        assert_eq!(answer.json()["outcome"], "allowed");
+    }
+    let answer = h.check(json!({"action": "export", "key": "dave"}));
+    answer.assert_problem(429, "export");
+    let body = answer.json();
+    assert_eq!(body["reason"], "limited");
+    // Two per minute: the next token comes within 30 s.
+    let retry_ms = body["retry_after_ms"].as_u64().unwrap();
+    assert!((29_000..=30_000).contains(&retry_ms), "{retry_ms}");
+    let retry_after: u64 = answer.header("retry-after").unwrap().parse().unwrap();
+    assert_eq!(retry_after, retry_ms.div_ceil(1000));
+    assert_eq!(answer.header("x-ratelimit-remaining"), Some("0"));
+    let reset: u64 = answer.header("x-ratelimit-reset").unwrap().parse().unwrap();
+    assert!((59..=60).contains(&reset), "{reset}");
+
+    // Another key has its own bucket.
+    assert_eq!(
+        h.check(json!({"action": "export", "key": "erin"})).status,
+        200
+    );
+
+    let answer = h.check(json!({"action": "export", "key": "frank", "cost": 3}));
+    answer.assert_problem(422, "cost");
+    assert_eq!(answer.json()["reason"], "cost_exceeds_burst");
+    assert_eq!(answer.json()["retry_after_ms"], Value::Null);
+    assert_eq!(answer.header("retry-after"), None);
+
+    let answer = h.check(json!({"action": "auth", "key": "192.0.2.1"}));
+    answer.assert_problem(429, "auth");
+    assert_eq!(answer.json()["reason"], "closed");
+    assert_eq!(answer.header("retry-after"), None);
+    // Escalation is after one failure, yet a refusal over HTTP bans nobody: any local user can
+    // reach this endpoint, and must not be able to get someone else's address banned.
+    h.check(json!({"action": "auth", "key": "192.0.2.1"}));
+    assert!(h.agent.with_maps(|m| m.bans()).unwrap().is_empty());
+
+    h.check(json!({"action": "nope", "key": "x"}))
+        .assert_problem(404, "action");
+    h.check(json!({"action": "export", "key": "x", "cost": 0}))
+        .assert_problem(400, "cost");
+    h.check(json!({"action": "auth", "key": "not-an-address"}))
+        .assert_problem(400, "key");
+    h.check(json!({"action": "export"}))
+        .assert_problem(400, "key");
+    h.check(json!({"action": "export", "key": "x", "cost": -1}))
+        .assert_problem(400, "cost");
+    let answer = h.send(Method::POST, "/v1/check", None, None);
+    assert_eq!(answer.status, 415, "{}", answer.body);
+    // Unlimited actions carry no rate-limit headers.
+    let answer = h.check(json!({"action": "publish", "key": "x"}));
+    assert_eq!(answer.status, 200);
+    assert_eq!(answer.json()["outcome"], "unlimited");
+    assert_eq!(answer.header("x-ratelimit-limit"), None);
+}
+
+#[test]
+fn admin_changes_need_the_configured_token_and_change_the_kernel() {
+    let h = Harness::new(&["--admin-token", TOKEN, "--deny", "203.0.113.0/24"]);
+    let banned = v4(77);
+    let ban = json!({"addr": "192.0.2.77", "ttl": "10m"});
+    for token in [None, Some("wrong"), Some("correct horse battery stapl")] {
+        let answer = h.send(Method::POST, "/v1/bans", token, Some(ban.clone()));
+        answer.assert_problem(401, "bearer token");
+        assert_eq!(answer.header("www-authenticate"), Some("Bearer"));
+    }
+    // Without a token the body is not even read: a bad body still gets 401.
+    h.send(Method::POST, "/v1/bans", None, Some(json!({"addr": 5})))
+        .assert_problem(401, "bearer token");
+    assert!(h.agent.with_maps(|m| m.bans()).unwrap().is_empty());
+    assert_eq!(h.syn(banned, 43_001), XDP_PASS);
+
+    let answer = h.send(Method::POST, "/v1/bans", Some(TOKEN), Some(ban));
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    assert_eq!(answer.json()["ttl_ms"], 600_000);
+    assert_eq!(answer.json()["source"], "192.0.2.77");
+    assert_eq!(h.syn(banned, 43_002), XDP_DROP, "banned: dropped");
+
+    for (body, field) in [
+        (json!({"addr": "192.0.2.0/24", "ttl": "1m"}), "addr"),
+        (json!({"addr": "192.0.2.1", "ttl": "soon"}), "ttl"),
+        (json!({"addr": "192.0.2.1", "ttl": "0s"}), "ttl"),
+        (json!({"addr": "192.0.2.1"}), "ttl"),
+    ] {
+        h.send(Method::POST, "/v1/bans", Some(TOKEN), Some(body))
+            .assert_problem(400, field);
+    }
+    assert_eq!(h.agent.with_maps(|m| m.bans()).unwrap().len(), 1);
+
+    // The IPv4-mapped form names the same client.
+    let answer = h.send(
+        Method::DELETE,
+        "/v1/bans/::ffff:192.0.2.77",
+        Some(TOKEN),
+        None,
+    );
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    assert_eq!(answer.json()["lifted"], true);
+    assert_eq!(h.syn(banned, 43_003), XDP_PASS);
+    let answer = h.send(Method::DELETE, "/v1/bans/192.0.2.77", Some(TOKEN), None);
+    assert_eq!(answer.json()["lifted"], false);
+    h.send(Method::DELETE, "/v1/bans/not-an-ip", Some(TOKEN), None)
+        .assert_problem(400, "addr");
+
+    let denied = v4(88);
+    assert_eq!(h.syn(denied, 43_004), XDP_PASS);
+    let add = |list: &str, cidr: &str| {
+        h.send(
+            Method::POST,
+            &format!("/v1/{list}"),
+            Some(TOKEN),
+            Some(json!({ "cidr": cidr })),
+        )
+    };
+    let answer = add("deny", "192.0.2.88/32");
+    assert_eq!(answer.status, 201, "{}", answer.body);
+    assert_eq!(answer.json()["changed"], true);
+    assert_eq!(h.syn(denied, 43_005), XDP_DROP, "denylisted: dropped");
+    assert_eq!(add("deny", "192.0.2.88").json()["changed"], false);
+    add("deny", "192.0.2.1/24").assert_problem(400, "cidr");
+    add("allow", "nonsense").assert_problem(400, "cidr");
+    let answer = add("allow", "2001:0db8:0:0::/64");
+    assert_eq!(answer.status, 201);
+    assert_eq!(answer.json()["cidr"], "2001:db8::/64");
+    assert!(
+        h.agent
+            .lists()
+            .0
+            .contains(&"2001:db8::/64".parse().unwrap())
+    );
+
+    let del = |list: &str, cidr: &str| {
+        h.send(
+            Method::DELETE,
+            &format!("/v1/{list}?cidr={}", cidr.replace('/', "%2F")),
+            Some(TOKEN),
+            None,
+        )
+    };
+    assert_eq!(del("deny", "192.0.2.88/32").json()["changed"], true);
+    assert_eq!(h.syn(denied, 43_006), XDP_PASS);
+    assert_eq!(del("deny", "192.0.2.88/32").json()["changed"], false);
+    del("deny", "203.0.113.0/24").assert_problem(409, "configuration");
+    assert!(
+        h.agent
+            .lists()
+            .1
+            .contains(&"203.0.113.0/24".parse().unwrap())
+    );
+    h.send(Method::DELETE, "/v1/allow", Some(TOKEN), None)
+        .assert_problem(400, "cidr");
+}
+
+#[test]
+fn admin_endpoints_are_off_without_a_configured_token() {
+    let h = Harness::new(&[]);
+    for (method, path, body) in [
+        (
+            Method::POST,
+            "/v1/bans",
+            Some(json!({"addr": "192.0.2.5", "ttl": "1m"})),
+        ),
+        (Method::DELETE, "/v1/bans/192.0.2.5", None),
+        (
+            Method::POST,
+            "/v1/allow",
+            Some(json!({"cidr": "10.0.0.0/8"})),
+        ),
+        (Method::DELETE, "/v1/deny?cidr=10.0.0.0%2F8", None),
+    ] {
+        h.send(method, path, Some(TOKEN), body)
+            .assert_problem(403, "disabled");
+    }
+    assert!(h.agent.with_maps(|m| m.bans()).unwrap().is_empty());
+    assert!(h.agent.lists().0.is_empty());
+}
+
+#[test]
+fn health_readiness_unknown_paths_and_graceful_shutdown() {
+    let h = Harness::build(&[], None, false);
+    assert_eq!(h.get("/healthz").status, 200);
+    h.get("/readyz").assert_problem(503, "not attached");
+    h.agent.set_ready();
+    let answer = h.get("/readyz");
+    assert_eq!(answer.status, 200);
+    assert_eq!(answer.json()["status"], "ready");
+    h.get("/nowhere").assert_problem(404, "no such endpoint");
+    assert_eq!(h.send(Method::DELETE, "/metrics", None, None).status, 405);
+
+    let addr = h.addr;
+    h.shut_down().expect("the listener stops cleanly");
+    assert!(TcpStream::connect_timeout(&addr, Duration::from_secs(1)).is_err());
+}
+
+#[test]
+fn the_listener_reports_a_port_in_use() {
+    let taken = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    let layer = Flags::try_parse_from(["limiter", "--http", addr.as_str()])
+        .unwrap()
+        .layer;
+    let settings = layer.resolve().unwrap();
+    let datapath = Arc::new(Mutex::new(
+        Datapath::load(LoadOptions::default()).expect("loading the programs"),
+    ));
+    let limiter = Arc::new(Limiter::new(
+        limiter_config(),
+        Arc::new(MonotonicClock::new()),
+        Arc::new(KernelBans(Arc::clone(&datapath))),
+    ));
+    let agent = Arc::new(Agent::new(datapath, settings, layer, None, limiter));
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let error = runtime
+        .block_on(limiter::http::serve(agent, std::future::pending()))
+        .unwrap_err();
+    assert!(matches!(error, HttpError::Bind { .. }), "{error}");
+    assert!(error.to_string().contains(&addr), "{error}");
+}
+
+#[test]
+fn operator_commands_talk_to_the_running_agent() {
+    let h = Harness::new(&["--admin-token", TOKEN, "--max-conn-per-ip", "1"]);
+    assert_eq!(h.syn(v6("2001:db8:0:0:1::9"), 44_001), XDP_PASS);
+    assert_eq!(h.syn(v6("2001:db8::1:0:0:5"), 44_002), XDP_TX);
+    let pin_dir = PathBuf::from("/nonexistent-limiter-pins");
+    let fallback = Fallback {
+        pin_dir: pin_dir.clone(),
+        json: false,
+    };
+
+    let status = ops::StatusArgs {
+        connect: h.connect(),
+        fallback: fallback.clone(),
+    }
+    .output()
+    .expect("status");
+    assert!(
+        status.contains(&format!("at {}, ready", h.addr)),
+        "{status}"
+    );
+    assert!(
+        status.contains("connections 1 open, from 1 sources"),
+        "{status}"
+    );
+    assert!(status.contains("conn_per_ip 1"), "{status}");
+
+    let top = ops::TopArgs {
+        connect: h.connect(),
+        fallback: fallback.clone(),
+        limit: 5,
+    }
+    .output()
+    .expect("top");
+    // Both addresses are in 2001:db8::/64, the default IPv6 source prefix.
+    assert!(top.contains("2001:db8::"), "{top}");
+    assert!(top.contains("conn_per_ip"), "{top}");
+
+    let text = ops::BanArgs {
+        addr: v4(50),
+        ttl: Duration::from_secs(90),
+        admin: h.admin(Some(TOKEN)),
+    }
+    .output()
+    .expect("ban");
+    assert_eq!(text, "banned 192.0.2.50 (source 192.0.2.50) for 1m 30s\n");
+    assert_eq!(h.syn(v4(50), 44_003), XDP_DROP);
+    let error = ops::BanArgs {
+        addr: v4(51),
+        ttl: Duration::from_secs(90),
+        admin: h.admin(Some("wrong")),
+    }
+    .output()
+    .unwrap_err()
+    .to_string();
+    assert!(error.contains("401"), "{error}");
+    assert_eq!(h.syn(v4(51), 44_004), XDP_PASS);
+
+    let text = ops::UnbanArgs {
+        addr: v4(50),
+        admin: h.admin(Some(TOKEN)),
+    }
+    .output()
+    .expect("unban");
+    assert_eq!(text, "lifted the ban on 192.0.2.50 (source 192.0.2.50)\n");
+
+    let entry = |cidr: &str| ops::ListEntry {
+        cidr: cidr.to_owned(),
+        admin: h.admin(Some(TOKEN)),
+    };
+    let text = ops::ListArgs {
+        change: ops::ListChange::Add(entry("192.0.2.128/25")),
+    }
+    .output(ops::List::Deny)
+    .expect("deny add");
+    assert_eq!(text, "added 192.0.2.128/25 to the deny list\n");
+    assert_eq!(h.syn(v4(200), 44_005), XDP_DROP);
+    let text = ops::ListArgs {
+        change: ops::ListChange::Del(entry("192.0.2.128/25")),
+    }
+    .output(ops::List::Deny)
+    .expect("deny del");
+    assert_eq!(text, "removed 192.0.2.128/25 from the deny list\n");
+    let error = ops::ListArgs {
+        change: ops::ListChange::Add(entry("10.0.0.1/8")),
+    }
+    .output(ops::List::Allow)
+    .unwrap_err()
+    .to_string();
+    assert!(error.contains("400") && error.contains("cidr"), "{error}");
+}
+
+/// A loopback address nothing listens on.
+fn closed_port() -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.local_addr().unwrap()
+}
+
+#[test]
+fn operator_commands_read_pinned_maps_when_no_agent_answers() {
+    let pins = PinDir::new();
+    // The agent that pinned the maps: it serves nothing, as if it had exited.
+    let h = Harness::build(&["--max-conn-per-ip", "1"], Some(pins.0.clone()), true);
+    assert_eq!(h.syn(v4(60), 45_001), XDP_PASS);
+    assert_eq!(h.syn(v4(60), 45_002), XDP_TX);
+    let nobody = Connect {
+        http: closed_port(),
+        timeout: Duration::from_secs(2),
+    };
+    let status = ops::StatusArgs {
+        connect: nobody.clone(),
+        fallback: Fallback {
+            pin_dir: pins.0.clone(),
+            json: true,
+        },
+    }
+    .output()
+    .expect("status from the pinned maps");
+    let status: Value = serde_json::from_str(&status).unwrap();
+    assert_eq!(status["version"], Value::Null);
+    assert_eq!(status["connections"], 1);
+    assert_eq!(status["limits"]["max_conn_per_ip"], 1);
+    assert_eq!(status["refused"]["conn_per_ip"], 1);
+
+    let top = ops::TopArgs {
+        connect: nobody.clone(),
+        fallback: Fallback {
+            pin_dir: pins.0.clone(),
+            json: false,
+        },
+        limit: 3,
+    }
+    .output()
+    .expect("top from the pinned maps");
+    assert!(top.contains("192.0.2.60"), "{top}");
+
+    // Neither an agent nor pinned maps: a clear error naming both.
+    let error = ops::StatusArgs {
+        connect: nobody.clone(),
+        fallback: Fallback {
+            pin_dir: PathBuf::from("/sys/fs/bpf/limiter-no-such-pins"),
+            json: false,
+        },
+    }
+    .output()
+    .unwrap_err()
+    .to_string();
+    assert!(error.contains("no agent answers"), "{error}");
+    assert!(error.contains("limiter-no-such-pins"), "{error}");
+    // Admin changes never fall back: they need the agent.
+    let error = ops::UnbanArgs {
+        addr: v4(60),
+        admin: AdminConnect {
+            connect: nobody,
+            admin_token: Some(TOKEN.into()),
+        },
+    }
+    .output()
+    .unwrap_err()
+    .to_string();
+    assert!(
+        error.contains("admin changes need a running agent"),
+        "{error}"
+    );
+    drop(h);
+}
