@@ -79,7 +79,7 @@ pub fn limiter_release(ctx: XdpContext) -> u32 {
         return release::INVALID;
     };
     let key: FlowKey = request.flow;
-    match maps::FLOWS.get_ptr_mut(&key) {
+    match maps::FLOWS.get_ptr_mut(key) {
         Some(flow) if policy::close(&key, flow, Event::Released) => release::RELEASED,
         _ => release::ABSENT,
     }

@@ -224,7 +224,7 @@ fn admit(seg: &Segment, key: &FlowKey, source: &SourceKey, config: &Config, now:
         state: 0,
         _pad: 0,
     };
-    match FLOWS.insert(key, &flow, aya_ebpf::bindings::BPF_NOEXIST.into()) {
+    match FLOWS.insert(key, flow, aya_ebpf::bindings::BPF_NOEXIST.into()) {
         Ok(()) => {
             event(Event::Opened);
             pass(Direction::Ingress, Reason::Admitted)
@@ -325,7 +325,7 @@ pub fn close(key: &FlowKey, flow: *mut Flow, why: Event) -> bool {
     if FLOWS.remove(key).is_err() {
         return false;
     }
-    if let Some(per_source) = SOURCE_CONNS.get_ptr_mut(&source) {
+    if let Some(per_source) = SOURCE_CONNS.get_ptr_mut(source) {
         atomics::decrement(per_source);
     }
     if let Some(global) = GLOBAL_CONNS.get_ptr_mut(0) {

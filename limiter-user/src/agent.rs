@@ -304,6 +304,14 @@ pub fn run(args: crate::cli::RunArgs) -> anyhow::Result<std::process::ExitCode> 
         agent
             .apply_kernel()
             .context("writing the settings to the kernel maps")?;
+        // Both listeners bind before anything attaches: a taken port or socket stops the agent
+        // here, with an error, rather than leaving it enforcing half-observable.
+        let protocol = crate::protocol::Server::bind(&serve_config, Arc::clone(&agent.limiter))
+            .await
+            .context("binding the broker protocol socket")?;
+        let http = crate::http::HttpServer::bind(Arc::clone(&agent))
+            .await
+            .context("binding the HTTP listener")?;
         for iface in &ifaces {
             let how = agent
                 .datapath()
@@ -319,27 +327,17 @@ pub fn run(args: crate::cli::RunArgs) -> anyhow::Result<std::process::ExitCode> 
             Arc::clone(&agent),
             stop.clone().cancelled_owned(),
         ));
+        tasks.spawn(protocol.run(stop.clone().cancelled_owned()));
         {
-            let limiter = Arc::clone(&agent.limiter);
             let stop = stop.clone();
             tasks.spawn(async move {
-                if let Err(error) =
-                    crate::protocol::serve(&serve_config, limiter, stop.cancelled_owned()).await
-                {
-                    tracing::error!(%error, "the broker protocol listener failed");
-                }
-            });
-        }
-        {
-            let agent = Arc::clone(&agent);
-            let stop = stop.clone();
-            tasks.spawn(async move {
-                if let Err(error) = crate::http::serve(agent, stop.cancelled_owned()).await {
+                if let Err(error) = http.run(stop.cancelled_owned()).await {
                     let error = anyhow::Error::from(error);
                     tracing::error!("the HTTP listener failed: {error:#}");
                 }
             });
         }
+        tracing::info!("limiter is ready");
         wait_for_signals(&agent).await?;
         tracing::info!("stopping; the programs stay attached (limiter detach removes them)");
         stop.cancel();

@@ -77,7 +77,7 @@ impl Setup {
 fn a_killed_agent_leaves_enforcement_on_and_a_new_one_adopts_the_counts() {
     let s = Setup::new();
     let mut agent = s.agent(&["--max-conn-per-ip", "2"]);
-    agent.wait_for("enforcing", STARTUP).unwrap();
+    agent.wait_for("limiter is ready", STARTUP).unwrap();
     let first = s.connect().expect("first connection");
     let _second = s.connect().expect("second connection");
     assert!(s.refused(), "the cap is 2");
@@ -90,6 +90,7 @@ fn a_killed_agent_leaves_enforcement_on_and_a_new_one_adopts_the_counts() {
     let next = s.agent(&["--max-conn-per-ip", "2"]);
     let line = next.wait_for("enforcing", STARTUP).unwrap();
     assert!(line.contains("Adopted"), "{line}");
+    next.wait_for("limiter is ready", STARTUP).unwrap();
     assert_eq!(
         s.pins.global(),
         2,
@@ -113,7 +114,7 @@ fn sighup_lowers_a_cap_live_and_a_bad_file_changes_nothing() {
     let file = s.sockets.path().join("limiter.toml");
     std::fs::write(&file, "max-conn-per-ip = 5\n").unwrap();
     let agent = s.agent(&["--config", file.to_str().unwrap()]);
-    agent.wait_for("enforcing", STARTUP).unwrap();
+    agent.wait_for("limiter is ready", STARTUP).unwrap();
     let conns: Vec<_> = (0..3)
         .map(|_| s.connect().expect("under the cap"))
         .collect();
@@ -147,7 +148,7 @@ fn a_half_open_client_has_its_slot_freed_by_the_sweeper() {
         "--max-conn-per-ip",
         "1",
     ]);
-    agent.wait_for("enforcing", STARTUP).unwrap();
+    agent.wait_for("limiter is ready", STARTUP).unwrap();
     // A SYN from an address nobody answers for: the SYN-ACK finds no one, so no RST comes
     // back and the flow stays half-open, as a client that vanished would leave it.
     let ghost = Ipv4Addr::new(10, 77, 0, 50);
@@ -237,7 +238,7 @@ fn bad_configuration_exits_2_and_attaches_nothing() {
 fn detach_removes_programs_links_and_pins() {
     let s = Setup::new();
     let mut agent = s.agent(&["--max-conn-per-ip", "1"]);
-    agent.wait_for("enforcing", STARTUP).unwrap();
+    agent.wait_for("limiter is ready", STARTUP).unwrap();
     let _held = s.connect().unwrap();
     assert!(s.refused());
     agent.signal(Signal::SIGTERM);
@@ -271,7 +272,7 @@ fn repeated_auth_refusals_become_a_kernel_ban() {
         "--reject-ban",
         "rst",
     ]);
-    agent.wait_for("enforcing", STARTUP).unwrap();
+    agent.wait_for("limiter is ready", STARTUP).unwrap();
     assert!(s.connect().is_ok(), "not banned yet");
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
