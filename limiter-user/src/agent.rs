@@ -260,10 +260,11 @@ pub fn run(args: crate::cli::RunArgs) -> anyhow::Result<std::process::ExitCode> 
             None => FileConfig::default(),
         };
         let settings = args.layer.clone().over(file.layer).resolve()?;
-        let limiter = args.app.limiter_config(&file.actions)?;
-        Ok((settings, limiter))
+        let app = args.app.clone().over(&file.broker);
+        let limiter = app.limiter_config(&file.actions)?;
+        Ok((settings, limiter, app.serve_config()))
     })();
-    let (settings, limiter_config) = match resolved {
+    let (settings, limiter_config, serve_config) = match resolved {
         Ok(resolved) => resolved,
         Err(error) => {
             tracing::error!("{error}");
@@ -293,7 +294,6 @@ pub fn run(args: crate::cli::RunArgs) -> anyhow::Result<std::process::ExitCode> 
             Arc::new(KernelBans(Arc::clone(&datapath))),
         ));
         let mode = settings.xdp_mode;
-        let serve_config = args.app.serve_config();
         let agent = Arc::new(Agent::new(
             datapath,
             settings,

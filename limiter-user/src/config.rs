@@ -168,7 +168,8 @@ pub struct Layer {
     pub admin_token: Option<String>,
 }
 
-fn duration<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+/// A duration written as text ("30s", "1h"), for optional settings in the file.
+pub fn duration<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
     let text = String::deserialize(d)?;
     humantime::parse_duration(&text)
         .map(Some)
@@ -212,10 +213,12 @@ pub struct KernelSettings {
     pub flow_table_size: u32,
 }
 
-/// What a configuration file holds: the settings layer, and the broker limiter's actions.
+/// What a configuration file holds: the settings layer at the top level, the broker
+/// protocol's settings under `[broker]`, and the broker limiter's actions under `[actions]`.
 #[derive(Clone, Debug, Default)]
 pub struct FileConfig {
     pub layer: Layer,
+    pub broker: crate::protocol::config::BrokerFile,
     pub actions: BTreeMap<String, crate::buckets::ActionConfig>,
 }
 
@@ -239,11 +242,21 @@ impl FileConfig {
                 .try_into()
                 .map_err(|e: toml::de::Error| ConfigError::new("actions", e.message()))?,
         };
+        let broker = match table.remove("broker") {
+            None => Default::default(),
+            Some(value) => value
+                .try_into()
+                .map_err(|e: toml::de::Error| ConfigError::new("broker", e.message()))?,
+        };
         let layer = Layer::deserialize(toml::Value::Table(table)).map_err(|e| {
             // serde names the offending key in its message ("unknown field `x`").
             ConfigError::new("config", e.message())
         })?;
-        Ok(Self { layer, actions })
+        Ok(Self {
+            layer,
+            broker,
+            actions,
+        })
     }
 }
 

@@ -29,7 +29,7 @@ pub const DEFAULT_MAX_KEYS: usize = 250_000;
 /// One `[actions.NAME]` table. Every field is optional so that a table for a built-in action
 /// overrides only what it names; a new action must give `limit` and `window`.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
 pub struct ActionConfig {
     /// Requests per window; 0 switches the action off, except for the security actions
     /// (`auth`, `dashboard_auth`), where 0 refuses everything.
@@ -219,7 +219,7 @@ fn apply(
     if let Some(max_keys) = config.max_keys {
         if max_keys == 0 {
             return Err(ConfigError::new(
-                format!("{origin}.max_keys"),
+                format!("{origin}.max-keys"),
                 "must be at least 1",
             ));
         }

@@ -177,7 +177,7 @@ fn sweep_evicts_only_full_buckets() {
 
 #[test]
 fn past_the_key_cap_new_keys_share_one_overflow_bucket() {
-    let (_, _, limiter) = limiter_with("[actions.auth]\nlimit = 3\nmax_keys = 2\n", None);
+    let (_, _, limiter) = limiter_with("[actions.auth]\nlimit = 3\nmax-keys = 2\n", None);
     assert!(limiter.check("auth", b"192.0.2.1", 1).unwrap().allowed);
     assert!(limiter.check("auth", b"192.0.2.2", 1).unwrap().allowed);
     // A flood of fresh addresses gets the action's limit between them, not each.

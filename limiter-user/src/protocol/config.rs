@@ -1,6 +1,7 @@
 //! The agent's settings for the broker-facing limiter: where it listens, escalation, and quick
-//! overrides of the built-in actions. The agent flattens [`AppArgs`] into `limiter run` and
-//! passes its config file's `[actions]` table alongside.
+//! overrides of the built-in actions. The agent flattens [`AppArgs`] into `limiter run`; the
+//! config file's `[broker]` table ([`BrokerFile`]) sits under the flags, and its `[actions]`
+//! tables under the per-action flags.
 
 use std::{
     collections::BTreeMap,
@@ -17,11 +18,25 @@ use super::codec::DEFAULT_MAX_FRAME;
 
 pub const DEFAULT_SOCKET: &str = "/run/limiter/limiter.sock";
 
+/// The `[broker]` table of the configuration file: the same settings as the flags, which win.
+#[derive(serde::Deserialize, Clone, Debug, Default, PartialEq, Eq)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub struct BrokerFile {
+    pub socket: Option<PathBuf>,
+    pub listen: Option<SocketAddr>,
+    pub escalate_after: Option<u32>,
+    #[serde(default, deserialize_with = "crate::config::duration")]
+    pub escalate_window: Option<Duration>,
+    #[serde(default, deserialize_with = "crate::config::duration")]
+    pub escalate_ban: Option<Duration>,
+}
+
 #[derive(clap::Args, Clone, Debug, PartialEq, Eq)]
 pub struct AppArgs {
     /// Unix socket the broker connects to (created mode 0660, its directory if missing).
-    #[arg(long, env = "LIMITER_SOCKET", default_value = DEFAULT_SOCKET)]
-    pub socket: PathBuf,
+    /// [default: /run/limiter/limiter.sock]
+    #[arg(long, env = "LIMITER_SOCKET")]
+    pub socket: Option<PathBuf>,
     /// Also serve the protocol over TCP: `PORT` (on 127.0.0.1) or `ADDR:PORT`.
     #[arg(long, env = "LIMITER_LISTEN", value_parser = parse_listen)]
     pub listen: Option<SocketAddr>,
@@ -29,12 +44,12 @@ pub struct AppArgs {
     /// (escalation is off unless set).
     #[arg(long, env = "LIMITER_ESCALATE_AFTER")]
     pub escalate_after: Option<u32>,
-    /// The window failures are counted in.
-    #[arg(long, env = "LIMITER_ESCALATE_WINDOW", default_value = "60s", value_parser = humantime::parse_duration)]
-    pub escalate_window: Duration,
-    /// How long an escalated ban lasts.
-    #[arg(long, env = "LIMITER_ESCALATE_BAN", default_value = "10m", value_parser = humantime::parse_duration)]
-    pub escalate_ban: Duration,
+    /// The window failures are counted in. [default: 60s]
+    #[arg(long, env = "LIMITER_ESCALATE_WINDOW", value_parser = humantime::parse_duration)]
+    pub escalate_window: Option<Duration>,
+    /// How long an escalated ban lasts. [default: 10m]
+    #[arg(long, env = "LIMITER_ESCALATE_BAN", value_parser = humantime::parse_duration)]
+    pub escalate_ban: Option<Duration>,
     /// Override `auth`'s limit (0 refuses every attempt).
     #[arg(long, env = "LIMITER_AUTH_LIMIT")]
     pub auth_limit: Option<u32>,
@@ -92,10 +107,24 @@ impl ServeConfig {
 }
 
 impl AppArgs {
+    /// These flags over the file's `[broker]` table: every setting left unset comes from it.
+    pub fn over(mut self, file: &BrokerFile) -> AppArgs {
+        self.socket = self.socket.or_else(|| file.socket.clone());
+        self.listen = self.listen.or(file.listen);
+        self.escalate_after = self.escalate_after.or(file.escalate_after);
+        self.escalate_window = self.escalate_window.or(file.escalate_window);
+        self.escalate_ban = self.escalate_ban.or(file.escalate_ban);
+        self
+    }
+
     pub fn serve_config(&self) -> ServeConfig {
         ServeConfig {
             listen: self.listen,
-            ..ServeConfig::unix(&self.socket)
+            ..ServeConfig::unix(
+                self.socket
+                    .clone()
+                    .unwrap_or_else(|| PathBuf::from(DEFAULT_SOCKET)),
+            )
         }
     }
 
@@ -134,23 +163,22 @@ impl AppArgs {
             None => None,
             Some(0) => {
                 return Err(ConfigError::new(
-                    "--escalate-after",
+                    "escalate-after",
                     "must be at least 1 (leave it out to turn escalation off)",
                 ));
             }
             Some(after) => {
-                for (flag, value) in [
-                    ("--escalate-window", self.escalate_window),
-                    ("--escalate-ban", self.escalate_ban),
-                ] {
+                let window = self.escalate_window.unwrap_or(Duration::from_secs(60));
+                let ban = self.escalate_ban.unwrap_or(Duration::from_secs(600));
+                for (flag, value) in [("escalate-window", window), ("escalate-ban", ban)] {
                     if value.is_zero() {
                         return Err(ConfigError::new(flag, "must be longer than zero"));
                     }
                 }
                 Some(EscalationConfig {
                     after,
-                    window: self.escalate_window,
-                    ban: self.escalate_ban,
+                    window,
+                    ban,
                     max_addresses: escalation::DEFAULT_MAX_ADDRESSES,
                 })
             }
@@ -183,7 +211,7 @@ mod tests {
     #[test]
     fn defaults_and_listen_forms() {
         let args = parse(&[]);
-        assert_eq!(args.socket, PathBuf::from(DEFAULT_SOCKET));
+        assert_eq!(args.serve_config().socket, PathBuf::from(DEFAULT_SOCKET));
         assert_eq!(args.listen, None);
         assert_eq!(
             args.limiter_config(&BTreeMap::new()).unwrap().escalation,
@@ -230,6 +258,22 @@ mod tests {
         let error = parse(&["--escalate-after", "0"])
             .limiter_config(&BTreeMap::new())
             .unwrap_err();
-        assert_eq!(error.setting, "--escalate-after");
+        assert_eq!(error.setting, "escalate-after");
+    }
+
+    #[test]
+    fn the_broker_table_sits_under_the_flags() {
+        let file: BrokerFile = toml::from_str(
+            "socket = \"/tmp/x.sock\"\nescalate-after = 4\nescalate-window = \"2m\"\n",
+        )
+        .unwrap();
+        let args = parse(&["--escalate-after", "9"]).over(&file);
+        assert_eq!(args.serve_config().socket, PathBuf::from("/tmp/x.sock"));
+        let escalation = args.limiter_config(&BTreeMap::new()).unwrap().escalation.unwrap();
+        assert_eq!(
+            (escalation.after, escalation.window, escalation.ban),
+            (9, Duration::from_secs(120), Duration::from_secs(600))
+        );
+        assert!(toml::from_str::<BrokerFile>("sockett = \"/x\"\n").is_err());
     }
 }
