@@ -8,15 +8,18 @@ use core::mem::size_of;
 
 use limiter_common::Reason;
 
-const ETH_HLEN: usize = 14;
-const VLAN_HLEN: usize = 4;
+pub const ETH_HLEN: usize = 14;
+pub const VLAN_HLEN: usize = 4;
+/// Two VLAN tags at most: the IP header starts no later than this.
+pub const MAX_L3_OFFSET: usize = ETH_HLEN + 2 * VLAN_HLEN;
 const ETH_P_IP: u16 = 0x0800;
 const ETH_P_IPV6: u16 = 0x86DD;
 const ETH_P_8021Q: u16 = 0x8100;
 const ETH_P_8021AD: u16 = 0x88A8;
-const IPPROTO_TCP: u8 = 6;
-const IPV6_HLEN: usize = 40;
-const TCP_HLEN: usize = 20;
+pub const IPPROTO_TCP: u8 = 6;
+pub const IPV4_HLEN: usize = 20;
+pub const IPV6_HLEN: usize = 40;
+pub const TCP_HLEN: usize = 20;
 /// IPv6 extension headers followed before giving up (counted as malformed past that).
 const MAX_EXT_HEADERS: usize = 6;
 
@@ -106,12 +109,12 @@ pub fn parse(w: &Window) -> Result<Segment, Reason> {
 
 #[inline(always)]
 fn parse_ipv4(w: &Window, l3: usize) -> Result<Segment, Reason> {
-    let header: [u8; 20] = w.read(l3).ok_or(Reason::Malformed)?;
+    let header: [u8; IPV4_HLEN] = w.read(l3).ok_or(Reason::Malformed)?;
     if header[0] >> 4 != 4 {
         return Err(Reason::Malformed);
     }
     let ihl = ((header[0] & 0x0F) as usize) * 4;
-    if ihl < 20 {
+    if ihl < IPV4_HLEN {
         return Err(Reason::Malformed);
     }
     if u16::from_be_bytes([header[6], header[7]]) & 0x1FFF != 0 {

@@ -8,16 +8,12 @@
 
 use aya_ebpf::{helpers::bpf_xdp_adjust_tail, programs::XdpContext};
 
-use crate::parsing::{Segment, TCP_ACK, TCP_RST, Window};
+use crate::parsing::{
+    IPPROTO_TCP, IPV4_HLEN, IPV6_HLEN, MAX_L3_OFFSET, Segment, TCP_ACK, TCP_HLEN, TCP_RST, Window,
+};
 
 const ETH_ALEN: usize = 6;
-const IPV4_HLEN: usize = 20;
-const IPV6_HLEN: usize = 40;
-const TCP_HLEN: usize = 20;
 const TTL: u8 = 64;
-const IPPROTO_TCP: u8 = 6;
-/// Two VLAN tags at most: the IP header starts no later than this.
-const MAX_L3_OFFSET: usize = 14 + 2 * 4;
 
 /// Rewrites the frame into the RST|ACK answering `syn`; false if the frame could not be
 /// rewritten (then the caller drops it instead).

@@ -170,7 +170,7 @@ impl Problem {
     }
 
     fn internal(what: &str, error: &dyn std::error::Error) -> Self {
-        let detail = format!("{what}: {}", error_chain(error));
+        let detail = format!("{what}: {}", crate::error_chain(error));
         tracing::error!("{detail}");
         Self::new(StatusCode::INTERNAL_SERVER_ERROR, detail)
     }
@@ -201,17 +201,6 @@ impl IntoResponse for Problem {
         response.headers_mut().extend(problem.headers);
         response
     }
-}
-
-fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
 }
 
 /// A body that is not the JSON expected is a bad request (400) whether it fails to parse or
@@ -335,21 +324,12 @@ impl KernelLimits {
     }
 }
 
-const REFUSALS: [Reason; Reason::REFUSAL_COUNT] = [
-    Reason::ConnPerIp,
-    Reason::ConnTotal,
-    Reason::SynRate,
-    Reason::Banned,
-    Reason::Denylisted,
-    Reason::FlowTableFull,
-];
-
 /// Builds the status from the maps; `version` and `ready` are the agent's to add.
 pub fn kernel_status(maps: &impl ReadMaps) -> Result<Status, MapsError> {
     let config = maps.read(|m| m.config())?;
     let counts = maps.read(|m| m.packet_counts())?;
     let mut refused = BTreeMap::new();
-    for reason in REFUSALS {
+    for &reason in &Reason::ALL[..Reason::REFUSAL_COUNT] {
         let n = counts
             .iter()
             .filter(|c| c.reason == reason && c.verdict != PacketVerdict::Pass)
@@ -511,7 +491,7 @@ pub fn kernel_rate_limits(
     let config = maps.read(|m| m.config())?;
     let blocked = maps.read(|m| m.blocked())?;
     let mut top_blocked = BTreeMap::new();
-    for reason in REFUSALS {
+    for &reason in &Reason::ALL[..Reason::REFUSAL_COUNT] {
         let Some(slot) = reason.blocked_slot() else {
             continue;
         };

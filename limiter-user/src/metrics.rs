@@ -224,7 +224,7 @@ impl Collector for KernelCollector {
         let readable = match self.fill(k) {
             Ok(()) => true,
             Err(error) => {
-                tracing::warn!(error = %error_chain(&error), "metrics: reading the kernel maps");
+                tracing::warn!(error = %crate::error_chain(&error), "metrics: reading the kernel maps");
                 false
             }
         };
@@ -246,17 +246,6 @@ impl Collector for KernelCollector {
         }
         out
     }
-}
-
-fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
 }
 
 struct Broker {

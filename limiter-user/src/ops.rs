@@ -247,7 +247,7 @@ fn open_pinned(pin_dir: &Path, http: SocketAddr, why: &reqwest::Error) -> Result
             "no agent answers at {http} ({}) and the pinned maps under {} cannot be read ({})",
             root_cause(why),
             pin_dir.display(),
-            error_chain(&e),
+            crate::error_chain(&e),
         )
     })?;
     eprintln!(
@@ -266,17 +266,6 @@ fn root_cause(error: &dyn std::error::Error) -> String {
         cause = source;
     }
     cause.to_string()
-}
-
-fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
 }
 
 fn print(text: &str) -> ExitCode {

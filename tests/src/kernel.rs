@@ -34,6 +34,29 @@ pub fn settings(flags: &[&str]) -> KernelSettings {
         .kernel
 }
 
+/// Runs `frame` through the XDP program of `dp` once.
+pub fn xdp_run(dp: &Datapath, frame: &[u8]) -> XdpRun {
+    let prog: &Xdp = dp
+        .ebpf()
+        .program(XDP_PROGRAM)
+        .expect("the XDP program")
+        .try_into()
+        .expect("an XDP program");
+    let mut out = vec![0u8; frame.len() + 256];
+    let result = prog
+        .test_run(TestRunOptions {
+            data_in: Some(frame),
+            data_out: Some(&mut out),
+            ..Default::default()
+        })
+        .expect("BPF_PROG_TEST_RUN");
+    out.truncate(result.data_size_out as usize);
+    XdpRun {
+        action: result.return_value,
+        frame: out,
+    }
+}
+
 pub struct Kernel {
     pub dp: Datapath,
 }
@@ -59,26 +82,7 @@ impl Kernel {
     }
 
     pub fn xdp(&self, frame: &[u8]) -> XdpRun {
-        let prog: &Xdp = self
-            .dp
-            .ebpf()
-            .program(XDP_PROGRAM)
-            .expect("the XDP program")
-            .try_into()
-            .expect("an XDP program");
-        let mut out = vec![0u8; frame.len() + 256];
-        let result = prog
-            .test_run(TestRunOptions {
-                data_in: Some(frame),
-                data_out: Some(&mut out),
-                ..Default::default()
-            })
-            .expect("BPF_PROG_TEST_RUN");
-        out.truncate(result.data_size_out as usize);
-        XdpRun {
-            action: result.return_value,
-            frame: out,
-        }
+        xdp_run(&self.dp, frame)
     }
 
     pub fn tc(&self, frame: &[u8]) -> u32 {

@@ -11,10 +11,6 @@ use std::{
     time::Duration,
 };
 
-use aya::{
-    TestRun,
-    programs::{TestRunOptions, Xdp},
-};
 use clap::Parser;
 use limiter::{
     agent::{Agent, KernelBans},
@@ -24,7 +20,7 @@ use limiter::{
     },
     config::Layer,
     http::{HttpError, HttpServer},
-    loader::{Datapath, LoadOptions, XDP_PROGRAM},
+    loader::{Datapath, LoadOptions},
     ops::{self, AdminConnect, Connect, Fallback},
     sweeper::Sweeper,
 };
@@ -216,21 +212,7 @@ impl Harness {
             v6("2001:db8:ffff::1")
         };
         let frame = Tcp::syn(src, sport, dst, PORT).build();
-        let dp = self.agent.datapath();
-        let prog: &Xdp = dp
-            .ebpf()
-            .program(XDP_PROGRAM)
-            .expect("the XDP program")
-            .try_into()
-            .expect("an XDP program");
-        let mut out = vec![0u8; frame.len() + 256];
-        prog.test_run(TestRunOptions {
-            data_in: Some(&frame),
-            data_out: Some(&mut out),
-            ..Default::default()
-        })
-        .expect("BPF_PROG_TEST_RUN")
-        .return_value
+        limiter_tests::kernel::xdp_run(&self.agent.datapath(), &frame).action
     }
 
     fn connect(&self) -> Connect {

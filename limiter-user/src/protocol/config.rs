@@ -269,7 +269,11 @@ mod tests {
         .unwrap();
         let args = parse(&["--escalate-after", "9"]).over(&file);
         assert_eq!(args.serve_config().socket, PathBuf::from("/tmp/x.sock"));
-        let escalation = args.limiter_config(&BTreeMap::new()).unwrap().escalation.unwrap();
+        let escalation = args
+            .limiter_config(&BTreeMap::new())
+            .unwrap()
+            .escalation
+            .unwrap();
         assert_eq!(
             (escalation.after, escalation.window, escalation.ban),
             (9, Duration::from_secs(120), Duration::from_secs(600))
