@@ -170,3 +170,34 @@ impl Attached {
         }
     }
 }
+
+/// A real agent (programs loaded, attached nowhere) with `flags` applied, its broker limiter
+/// built from `limiter`, banning through the kernel maps; `pin_dir` as the agent would use it.
+pub fn agent(
+    flags: &[&str],
+    limiter: limiter::buckets::LimiterConfig,
+    pin_dir: Option<std::path::PathBuf>,
+) -> std::sync::Arc<limiter::agent::Agent> {
+    use std::sync::{Arc, Mutex};
+    let mut argv = vec!["limiter"];
+    argv.extend_from_slice(flags);
+    let layer = Flags::try_parse_from(argv).expect("valid flags").layer;
+    let settings = layer.resolve().expect("valid settings");
+    let datapath = Datapath::load(LoadOptions {
+        flow_table_size: settings.kernel.flow_table_size,
+        pin_dir,
+        ..LoadOptions::default()
+    })
+    .expect("loading the programs");
+    let datapath = Arc::new(Mutex::new(datapath));
+    let limiter = Arc::new(limiter::buckets::Limiter::new(
+        limiter,
+        Arc::new(limiter::buckets::MonotonicClock::new()),
+        Arc::new(limiter::agent::KernelBans(Arc::clone(&datapath))),
+    ));
+    let agent = Arc::new(limiter::agent::Agent::new(
+        datapath, settings, layer, None, limiter,
+    ));
+    agent.apply_kernel().expect("applying the settings");
+    agent
+}

@@ -7,7 +7,7 @@ use std::{
     time::Duration,
 };
 
-use limiter_common::{Event, Reason};
+use limiter_common::Event;
 use limiter_tests::{
     agent::{AgentProcess, PinDir},
     netns::{CLIENT_V4, Pair, SERVER_V4, Server, connect},
@@ -256,7 +256,6 @@ fn detach_removes_programs_links_and_pins() {
     assert!(String::from_utf8_lossy(&out.stdout).contains(&s.pair.server_if));
     assert!(!s.pins.0.exists(), "pins removed");
     assert!(s.connect().is_ok(), "no longer limited");
-    let _ = Reason::Admitted;
 }
 
 #[test]
@@ -308,4 +307,104 @@ fn repeated_auth_refusals_become_a_kernel_ban() {
         s.refused(),
         "the banned client no longer reaches the broker"
     );
+}
+
+/// One HTTP request to the agent's listener (127.0.0.1:9090 inside the server namespace),
+/// made from a thread in that namespace; returns the status and the body.
+fn http(
+    s: &Setup,
+    method: reqwest::Method,
+    path: &str,
+    token: Option<&str>,
+    body: Option<serde_json::Value>,
+) -> (u16, String) {
+    s.pair
+        .server
+        .run(|| {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            runtime.block_on(async {
+                let client = reqwest::Client::builder()
+                    .no_proxy()
+                    .timeout(Duration::from_secs(10))
+                    .build()
+                    .unwrap();
+                let mut request = client.request(method, format!("http://127.0.0.1:9090{path}"));
+                if let Some(token) = token {
+                    request = request.bearer_auth(token);
+                }
+                if let Some(body) = body {
+                    request = request.json(&body);
+                }
+                let answer = request.send().await.expect("the agent answers");
+                (answer.status().as_u16(), answer.text().await.unwrap())
+            })
+        })
+        .unwrap()
+}
+
+/// The value of one sample in a Prometheus text exposition.
+fn sample(text: &str, series: &str) -> f64 {
+    text.lines()
+        .find_map(|line| line.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("no sample {series} in:\n{text}"))
+}
+
+#[test]
+fn metrics_move_with_traffic_and_admin_calls_need_the_token() {
+    let s = Setup::new();
+    let agent = s.agent(&["--max-conn-per-ip", "1", "--admin-token", "s3cret"]);
+    agent.wait_for("limiter is ready", STARTUP).unwrap();
+    let admitted = r#"limiter_packets_total{direction="ingress",reason="admitted",verdict="pass"}"#;
+    let refused =
+        r#"limiter_packets_total{direction="ingress",reason="conn_per_ip",verdict="rst"}"#;
+    let (status, before) = http(&s, reqwest::Method::GET, "/metrics", None, None);
+    assert_eq!(status, 200);
+    assert_eq!(sample(&before, admitted), 0.0);
+    assert_eq!(sample(&before, "limiter_connections"), 0.0);
+
+    let _held = s.connect().expect("under the cap");
+    assert!(s.refused());
+    let (_, after) = http(&s, reqwest::Method::GET, "/metrics", None, None);
+    assert_eq!(sample(&after, admitted), 1.0);
+    assert_eq!(sample(&after, refused), 1.0);
+    assert_eq!(sample(&after, "limiter_connections"), 1.0);
+    assert_eq!(sample(&after, "limiter_tracked_sources"), 1.0);
+
+    // Without the token, or with a wrong one: 401, and nothing changes.
+    let ban = serde_json::json!({"addr": CLIENT_V4.to_string(), "ttl": "10m"});
+    for token in [None, Some("wrong")] {
+        let (status, _) = http(
+            &s,
+            reqwest::Method::POST,
+            "/v1/bans",
+            token,
+            Some(ban.clone()),
+        );
+        assert_eq!(status, 401);
+        let (status, _) = http(
+            &s,
+            reqwest::Method::POST,
+            "/v1/deny",
+            token,
+            Some(serde_json::json!({"cidr": "10.77.0.0/24"})),
+        );
+        assert_eq!(status, 401);
+    }
+    assert!(s.pins.maps().bans().unwrap().is_empty());
+    assert_eq!(s.pins.maps().config().unwrap().has_deny, 0);
+    // With it, the ban reaches the kernel.
+    let (status, body) = http(
+        &s,
+        reqwest::Method::POST,
+        "/v1/bans",
+        Some("s3cret"),
+        Some(ban),
+    );
+    assert!((200..300).contains(&status), "{status} {body}");
+    assert_eq!(s.pins.maps().bans().unwrap().len(), 1);
+    let (_, text) = http(&s, reqwest::Method::GET, "/metrics", None, None);
+    assert_eq!(sample(&text, "limiter_bans_active"), 1.0);
 }

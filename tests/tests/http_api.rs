@@ -127,24 +127,9 @@ impl Harness {
     }
 
     fn build(flags: &[&str], pin_dir: Option<PathBuf>, ready: bool) -> Self {
-        let mut argv = vec!["limiter", "--http", "127.0.0.1:0"];
-        argv.extend_from_slice(flags);
-        let layer = Flags::try_parse_from(argv).expect("valid flags").layer;
-        let settings = layer.resolve().expect("valid settings");
-        let datapath = Datapath::load(LoadOptions {
-            flow_table_size: settings.kernel.flow_table_size,
-            pin_dir,
-            ..LoadOptions::default()
-        })
-        .expect("loading the programs");
-        let datapath = Arc::new(Mutex::new(datapath));
-        let limiter = Arc::new(Limiter::new(
-            limiter_config(),
-            Arc::new(MonotonicClock::new()),
-            Arc::new(KernelBans(Arc::clone(&datapath))),
-        ));
-        let agent = Arc::new(Agent::new(datapath, settings, layer, None, limiter));
-        agent.apply_kernel().expect("applying the settings");
+        let mut all = vec!["--http", "127.0.0.1:0"];
+        all.extend_from_slice(flags);
+        let agent = limiter_tests::kernel::agent(&all, limiter_config(), pin_dir);
         if ready {
             agent.set_ready();
         }

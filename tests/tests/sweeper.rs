@@ -1,0 +1,183 @@
+//! The sweeper against a real agent's maps: evictions by kind, bounded passes, and counter
+//! repair. Flows come from SYNs run through the XDP program with BPF_PROG_TEST_RUN.
+
+use std::{
+    net::{IpAddr, Ipv4Addr},
+    sync::Arc,
+    time::Duration,
+};
+
+use limiter::{
+    agent::Agent,
+    buckets::{LimiterConfig, actions::builtin_actions},
+    config::SweepSettings,
+    maps::source_key,
+    sweeper::Sweeper,
+};
+use limiter_common::{AdjustRequest, Event};
+use limiter_tests::{
+    frames::{Flags, Tcp},
+    kernel::{XDP_PASS, agent, xdp_run},
+};
+
+fn v4(last: u8) -> IpAddr {
+    IpAddr::V4(Ipv4Addr::new(192, 0, 2, last))
+}
+
+fn syn(src: IpAddr, sport: u16) -> Tcp {
+    Tcp::syn(src, sport, IpAddr::V4(Ipv4Addr::new(198, 51, 100, 1)), 5672)
+}
+
+fn start(flags: &[&str]) -> Arc<Agent> {
+    let config = LimiterConfig {
+        actions: builtin_actions(),
+        escalation: None,
+    };
+    agent(flags, config, None)
+}
+
+fn send(agent: &Agent, seg: &Tcp) -> u32 {
+    xdp_run(&agent.datapath(), &seg.build()).action
+}
+
+fn evicted(agent: &Agent, kind: &str) -> u64 {
+    agent.sweep.evictions.with_label_values(&[kind]).get()
+}
+
+/// Timeouts are times, not events: the test waits them out.
+fn outlive(timeout: Duration) {
+    std::thread::sleep(timeout + Duration::from_millis(20));
+}
+
+#[test]
+fn half_open_and_idle_flows_are_evicted_and_their_slots_released_once() {
+    let agent = start(&["--syn-timeout", "30ms", "--idle-timeout", "200ms"]);
+    let settings = agent.settings().sweep;
+    let half_open = syn(v4(2), 1);
+    let established = syn(v4(3), 1);
+    assert_eq!(send(&agent, &half_open), XDP_PASS);
+    assert_eq!(send(&agent, &established), XDP_PASS);
+    send(
+        &agent,
+        &established.with_flags(Flags {
+            ack: true,
+            ..Flags::default()
+        }),
+    );
+    let mut sweeper = Sweeper::new();
+    let report = sweeper.pass(&agent, &settings).unwrap();
+    assert_eq!(
+        (report.half_open, report.idle),
+        (0, 0),
+        "nothing is old yet"
+    );
+
+    outlive(settings.syn_timeout);
+    let report = sweeper.pass(&agent, &settings).unwrap();
+    assert_eq!((report.half_open, report.idle), (1, 0));
+    assert_eq!(agent.with_maps(|m| m.global_connections()).unwrap(), 1);
+    assert_eq!(agent.with_maps(|m| m.source_connections(v4(2))).unwrap(), 0);
+
+    outlive(settings.idle_timeout);
+    let report = sweeper.pass(&agent, &settings).unwrap();
+    assert_eq!((report.half_open, report.idle), (0, 1));
+    assert_eq!(agent.with_maps(|m| m.global_connections()).unwrap(), 0);
+    assert_eq!(evicted(&agent, "half_open"), 1);
+    assert_eq!(evicted(&agent, "idle"), 1);
+    assert_eq!(agent.with_maps(|m| m.events(Event::Released)).unwrap(), 2);
+    // A late RST of an evicted flow releases nothing more.
+    send(
+        &agent,
+        &half_open.with_flags(Flags {
+            rst: true,
+            ..Flags::default()
+        }),
+    );
+    assert_eq!(agent.with_maps(|m| m.global_connections()).unwrap(), 0);
+    assert_eq!(agent.sweep.duration.get_sample_count(), 3);
+}
+
+#[test]
+fn idle_buckets_and_expired_bans_are_removed() {
+    // 1000 SYNs a second: a bucket is full again one millisecond after its SYN.
+    let agent = start(&["--syn-rate", "1000", "--syn-burst", "1"]);
+    for host in 2..6 {
+        assert_eq!(send(&agent, &syn(v4(host), 1)), XDP_PASS);
+    }
+    agent.ban(v4(9), Duration::from_millis(10)).unwrap();
+    agent.ban(v4(10), Duration::from_secs(600)).unwrap();
+    outlive(Duration::from_millis(10));
+    let report = Sweeper::new()
+        .pass(&agent, &agent.settings().sweep)
+        .unwrap();
+    assert_eq!((report.buckets, report.bans), (4, 1));
+    let bans = agent.with_maps(|m| m.bans()).unwrap();
+    assert_eq!(bans.len(), 1, "the unexpired ban stays");
+    assert_eq!(evicted(&agent, "syn_bucket"), 4);
+    assert_eq!(evicted(&agent, "ban"), 1);
+}
+
+#[test]
+fn each_pass_reads_a_bounded_batch_and_the_next_resumes() {
+    let agent = start(&["--syn-timeout", "10ms", "--sweep-batch", "2"]);
+    for port in 1..=5 {
+        send(&agent, &syn(v4(2), port));
+    }
+    let settings = agent.settings().sweep;
+    outlive(settings.syn_timeout);
+    let mut sweeper = Sweeper::new();
+    let per_pass: Vec<u64> = (0..3)
+        .map(|_| sweeper.pass(&agent, &settings).unwrap().half_open)
+        .collect();
+    assert!(per_pass.iter().all(|n| *n <= 2), "{per_pass:?}");
+    assert_eq!(per_pass.iter().sum::<u64>(), 5, "{per_pass:?}");
+    assert_eq!(agent.with_maps(|m| m.global_connections()).unwrap(), 0);
+}
+
+#[test]
+fn drifted_counters_are_repaired_after_two_sightings() {
+    let agent = start(&[]);
+    for port in 1..=3 {
+        send(&agent, &syn(v4(2), port));
+    }
+    let config = agent.with_maps(|m| m.config()).unwrap();
+    let key = source_key(v4(2), &config);
+    // Drift: the source's counter reads 5 for 3 flows, the global 4 for 3.
+    let drift = |source, global, delta| AdjustRequest {
+        source,
+        delta,
+        global,
+        _pad: 0,
+    };
+    agent.datapath().adjust(&drift(key, 0, 2)).unwrap();
+    agent.datapath().adjust(&drift(key, 1, 1)).unwrap();
+    assert_eq!(agent.with_maps(|m| m.source_connections(v4(2))).unwrap(), 5);
+    let settings = SweepSettings {
+        batch: 1024,
+        ..agent.settings().sweep
+    };
+    let mut sweeper = Sweeper::new();
+    assert_eq!(
+        sweeper.pass(&agent, &settings).unwrap().repairs,
+        0,
+        "seen once"
+    );
+    assert_eq!(
+        sweeper.pass(&agent, &settings).unwrap().repairs,
+        2,
+        "seen twice"
+    );
+    assert_eq!(agent.with_maps(|m| m.source_connections(v4(2))).unwrap(), 3);
+    assert_eq!(agent.with_maps(|m| m.global_connections()).unwrap(), 3);
+    assert_eq!(agent.sweep.repairs.get(), 2);
+    assert_eq!(
+        sweeper.pass(&agent, &settings).unwrap().repairs,
+        0,
+        "nothing left to repair"
+    );
+    // Counters that agree are left alone however many passes run.
+    send(&agent, &syn(v4(3), 1));
+    for _ in 0..3 {
+        assert_eq!(sweeper.pass(&agent, &settings).unwrap().repairs, 0);
+    }
+}
