@@ -13,6 +13,7 @@ pub mod metrics;
 pub mod ops;
 pub mod protocol;
 pub mod sweeper;
+pub mod views;
 
 /// An error and every cause under it on one line, for logs and HTTP problem details, where a
 /// bare top-level message ("map FLOWS") would hide what went wrong.

@@ -16,11 +16,12 @@ use serde::{Serialize, de::DeserializeOwned};
 
 use crate::{
     config::{DEFAULT_HTTP, DEFAULT_PIN_DIR},
-    http::{
-        BanAnswer, BanRequest, Connections, KernelLimits, ListAnswer, ListRequest, RateLimits,
-        Status, connections_view, kernel_rate_limits, kernel_status,
-    },
+    http::{BanAnswer, BanRequest, ListAnswer, ListRequest},
     maps::Maps,
+    views::{
+        Connections, KernelLimits, RateLimits, Status, connections_view, kernel_rate_limits,
+        kernel_status,
+    },
 };
 
 /// How to reach the agent.
