@@ -333,12 +333,10 @@ impl Datapath {
         Ok((taken, xdp_id, tc_id))
     }
 
+    /// The loaded object, so its programs can be run directly (`BPF_PROG_TEST_RUN` in the
+    /// tests and the kernel benchmark).
     pub fn ebpf(&self) -> &Ebpf {
         &self.ebpf
-    }
-
-    pub fn ebpf_mut(&mut self) -> &mut Ebpf {
-        &mut self.ebpf
     }
 }
 

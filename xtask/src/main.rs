@@ -52,7 +52,11 @@ enum BenchSuite {
 
 fn main() -> Result<()> {
     match Cli::parse().command {
-        Command::Setup => setup::ensure(),
+        Command::Setup => {
+            setup::ensure()?;
+            println!("setup: the pinned nightly, its components and bpf-linker are in place");
+            Ok(())
+        }
         Command::Build => build::all().map(|_| ()),
         Command::Run { args } => build::run(&args),
         Command::Test => test::run(),

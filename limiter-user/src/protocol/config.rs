@@ -53,26 +53,31 @@ pub struct AppArgs {
     /// Override `auth`'s limit (0 refuses every attempt).
     #[arg(long, env = "LIMITER_AUTH_LIMIT")]
     pub auth_limit: Option<u32>,
+    /// Override `auth`'s window.
     #[arg(long, env = "LIMITER_AUTH_WINDOW", value_parser = humantime::parse_duration)]
     pub auth_window: Option<Duration>,
     /// Override `dashboard_auth`'s limit (0 refuses every attempt).
     #[arg(long, env = "LIMITER_DASHBOARD_AUTH_LIMIT")]
     pub dashboard_auth_limit: Option<u32>,
+    /// Override `dashboard_auth`'s window.
     #[arg(long, env = "LIMITER_DASHBOARD_AUTH_WINDOW", value_parser = humantime::parse_duration)]
     pub dashboard_auth_window: Option<Duration>,
     /// Override `dashboard_api`'s limit (0 = no limit).
     #[arg(long, env = "LIMITER_DASHBOARD_API_LIMIT")]
     pub dashboard_api_limit: Option<u32>,
+    /// Override `dashboard_api`'s window.
     #[arg(long, env = "LIMITER_DASHBOARD_API_WINDOW", value_parser = humantime::parse_duration)]
     pub dashboard_api_window: Option<Duration>,
     /// Override `publish`'s limit (0 = no limit, the default).
     #[arg(long, env = "LIMITER_PUBLISH_LIMIT")]
     pub publish_limit: Option<u32>,
+    /// Override `publish`'s window.
     #[arg(long, env = "LIMITER_PUBLISH_WINDOW", value_parser = humantime::parse_duration)]
     pub publish_window: Option<Duration>,
     /// Override `subscribe`'s limit (0 = no limit, the default).
     #[arg(long, env = "LIMITER_SUBSCRIBE_LIMIT")]
     pub subscribe_limit: Option<u32>,
+    /// Override `subscribe`'s window.
     #[arg(long, env = "LIMITER_SUBSCRIBE_WINDOW", value_parser = humantime::parse_duration)]
     pub subscribe_window: Option<Duration>,
 }
