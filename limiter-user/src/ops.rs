@@ -17,7 +17,7 @@ use serde::{Serialize, de::DeserializeOwned};
 use crate::{
     config::{DEFAULT_HTTP, DEFAULT_PIN_DIR},
     http::{BanAnswer, BanRequest, ListAnswer, ListRequest},
-    maps::Maps,
+    maps::{Maps, key_address, source_key},
     views::{
         Connections, KernelLimits, RateLimits, Status, connections_view, kernel_rate_limits,
         kernel_status,
@@ -84,6 +84,10 @@ pub struct BanArgs {
     pub ttl: Duration,
     #[command(flatten)]
     pub admin: AdminConnect,
+    /// The pin directory written when no agent answers: bans live in the kernel, so they
+    /// apply at once and a later agent keeps them.
+    #[arg(long, env = "LIMITER_PIN_DIR", default_value = DEFAULT_PIN_DIR)]
+    pub pin_dir: PathBuf,
 }
 
 #[derive(clap::Args, Clone, Debug)]
@@ -91,6 +95,9 @@ pub struct UnbanArgs {
     pub addr: IpAddr,
     #[command(flatten)]
     pub admin: AdminConnect,
+    /// The pin directory written when no agent answers.
+    #[arg(long, env = "LIMITER_PIN_DIR", default_value = DEFAULT_PIN_DIR)]
+    pub pin_dir: PathBuf,
 }
 
 #[derive(clap::Args, Clone, Debug)]
@@ -491,14 +498,28 @@ impl BanArgs {
             addr: self.addr.to_string(),
             ttl: humantime::format_duration(self.ttl).to_string(),
         };
-        let answer: BanAnswer = runtime()?
-            .block_on(remote.ask(
-                Method::POST,
-                remote.url(&["v1", "bans"]),
-                &[],
-                Some(&request),
-            ))
-            .map_err(|e| unreachable_admin(e, self.admin.connect.http))?;
+        let asked = runtime()?.block_on(remote.ask(
+            Method::POST,
+            remote.url(&["v1", "bans"]),
+            &[],
+            Some(&request),
+        ));
+        let answer: BanAnswer = match asked {
+            Ok(answer) => answer,
+            Err(AskError::Unreachable(why)) => {
+                let mut maps = open_pinned(&self.pin_dir, self.admin.connect.http, &why)?;
+                let source = maps
+                    .ban(self.addr, self.ttl)
+                    .context("banning in the pinned maps")?;
+                BanAnswer {
+                    addr: self.addr.to_string(),
+                    source: key_address(&source).to_string(),
+                    ttl_ms: Some(self.ttl.as_millis().try_into().unwrap_or(u64::MAX)),
+                    lifted: None,
+                }
+            }
+            Err(AskError::Failed(e)) => return Err(e),
+        };
         Ok(format!(
             "banned {} (source {}) for {}\n",
             answer.addr, answer.source, request.ttl
@@ -514,14 +535,29 @@ impl UnbanArgs {
     pub fn output(&self) -> Result<String> {
         let remote = Remote::new(&self.admin.connect, self.admin.admin_token.clone())?;
         let addr = self.addr.to_string();
-        let answer: BanAnswer = runtime()?
-            .block_on(remote.ask(
-                Method::DELETE,
-                remote.url(&["v1", "bans", &addr]),
-                &[],
-                None::<&()>,
-            ))
-            .map_err(|e| unreachable_admin(e, self.admin.connect.http))?;
+        let asked = runtime()?.block_on(remote.ask(
+            Method::DELETE,
+            remote.url(&["v1", "bans", &addr]),
+            &[],
+            None::<&()>,
+        ));
+        let answer: BanAnswer = match asked {
+            Ok(answer) => answer,
+            Err(AskError::Unreachable(why)) => {
+                let mut maps = open_pinned(&self.pin_dir, self.admin.connect.http, &why)?;
+                let config = maps.config().context("reading the pinned maps")?;
+                let lifted = maps
+                    .unban(self.addr)
+                    .context("unbanning in the pinned maps")?;
+                BanAnswer {
+                    addr,
+                    source: key_address(&source_key(self.addr, &config)).to_string(),
+                    ttl_ms: None,
+                    lifted: Some(lifted),
+                }
+            }
+            Err(AskError::Failed(e)) => return Err(e),
+        };
         Ok(if answer.lifted == Some(true) {
             format!(
                 "lifted the ban on {} (source {})\n",
@@ -539,7 +575,7 @@ impl UnbanArgs {
 fn unreachable_admin(error: AskError, http: SocketAddr) -> anyhow::Error {
     match error {
         AskError::Unreachable(e) => anyhow!(
-            "no agent answers at {http} ({}); admin changes need a running agent (--http or LIMITER_HTTP)",
+            "no agent answers at {http} ({}); list changes need a running agent, which owns the lists (--http or LIMITER_HTTP)",
             root_cause(&e)
         ),
         AskError::Failed(e) => e,

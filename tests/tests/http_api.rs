@@ -792,10 +792,12 @@ fn operator_commands_talk_to_the_running_agent() {
     assert!(top.contains("2001:db8::"), "{top}");
     assert!(top.contains("conn_per_ip"), "{top}");
 
+    let unused_pins = PathBuf::from("/sys/fs/bpf/limiter-no-such-pins");
     let text = ops::BanArgs {
         addr: v4(50),
         ttl: Duration::from_secs(90),
         admin: h.admin(Some(TOKEN)),
+        pin_dir: unused_pins.clone(),
     }
     .output()
     .expect("ban");
@@ -805,6 +807,7 @@ fn operator_commands_talk_to_the_running_agent() {
         addr: v4(51),
         ttl: Duration::from_secs(90),
         admin: h.admin(Some("wrong")),
+        pin_dir: unused_pins.clone(),
     }
     .output()
     .unwrap_err()
@@ -815,6 +818,7 @@ fn operator_commands_talk_to_the_running_agent() {
     let text = ops::UnbanArgs {
         addr: v4(50),
         admin: h.admin(Some(TOKEN)),
+        pin_dir: unused_pins,
     }
     .output()
     .expect("unban");
@@ -903,19 +907,46 @@ fn operator_commands_read_pinned_maps_when_no_agent_answers() {
     .to_string();
     assert!(error.contains("no agent answers"), "{error}");
     assert!(error.contains("limiter-no-such-pins"), "{error}");
-    // Admin changes never fall back: they need the agent.
-    let error = ops::UnbanArgs {
-        addr: v4(60),
-        admin: AdminConnect {
-            connect: nobody,
-            admin_token: Some(TOKEN.into()),
-        },
+    // Bans live in the kernel, so with no agent they go straight into the pinned map.
+    let admin = AdminConnect {
+        connect: nobody.clone(),
+        admin_token: Some(TOKEN.into()),
+    };
+    let text = ops::BanArgs {
+        addr: v4(61),
+        ttl: Duration::from_secs(600),
+        admin: admin.clone(),
+        pin_dir: pins.0.clone(),
     }
     .output()
+    .expect("ban in the pinned maps");
+    assert_eq!(text, "banned 192.0.2.61 (source 192.0.2.61) for 10m\n");
+    assert_eq!(
+        h.syn(v4(61), 45_003),
+        XDP_DROP,
+        "the kernel enforces it at once"
+    );
+    let text = ops::UnbanArgs {
+        addr: v4(61),
+        admin: admin.clone(),
+        pin_dir: pins.0.clone(),
+    }
+    .output()
+    .expect("unban in the pinned maps");
+    assert_eq!(text, "lifted the ban on 192.0.2.61 (source 192.0.2.61)\n");
+    assert_eq!(h.syn(v4(61), 45_004), XDP_PASS);
+    // List changes belong to the agent (a new one rewrites the lists from its configuration).
+    let error = ops::ListArgs {
+        change: ops::ListChange::Add(ops::ListEntry {
+            cidr: "192.0.2.0/24".into(),
+            admin,
+        }),
+    }
+    .output(ops::List::Deny)
     .unwrap_err()
     .to_string();
     assert!(
-        error.contains("admin changes need a running agent"),
+        error.contains("list changes need a running agent"),
         "{error}"
     );
     drop(h);
