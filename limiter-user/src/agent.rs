@@ -320,6 +320,7 @@ pub fn run(args: crate::cli::RunArgs) -> anyhow::Result<std::process::ExitCode> 
             tracing::info!(iface, ?how, "enforcing");
         }
         agent.set_ready();
+        warn_of_stale_links(&agent.settings().pin_dir, &ifaces);
 
         let stop = tokio_util::sync::CancellationToken::new();
         let mut tasks = tokio::task::JoinSet::new();
@@ -344,6 +345,23 @@ pub fn run(args: crate::cli::RunArgs) -> anyhow::Result<std::process::ExitCode> 
         while tasks.join_next().await.is_some() {}
         Ok(std::process::ExitCode::SUCCESS)
     })
+}
+
+/// Links an earlier agent pinned for interfaces this one was not given keep enforcing (with
+/// the shared maps); say so, since only `limiter detach` removes them.
+fn warn_of_stale_links(pin_dir: &std::path::Path, ifaces: &[String]) {
+    let Ok(entries) = std::fs::read_dir(pin_dir.join("links")) else {
+        return;
+    };
+    for entry in entries.filter_map(Result::ok) {
+        let iface = entry.file_name().to_string_lossy().into_owned();
+        if !ifaces.contains(&iface) {
+            tracing::warn!(
+                iface,
+                "still enforcing through links an earlier agent pinned; `limiter detach --iface {iface}` removes them"
+            );
+        }
+    }
 }
 
 /// Reloads on SIGHUP; returns on SIGTERM or SIGINT.

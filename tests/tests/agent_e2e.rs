@@ -40,10 +40,15 @@ impl Setup {
 
     /// Starts `limiter run` on the server's veth with this setup's pins and socket, plus `args`.
     fn agent(&self, args: &[&str]) -> AgentProcess {
+        self.agent_on(&self.pair.server_if, args)
+    }
+
+    /// The same on another interface of the server's namespace.
+    fn agent_on(&self, iface: &str, args: &[&str]) -> AgentProcess {
         let socket = self.socket();
         let mut all = vec![
             "--iface",
-            &self.pair.server_if,
+            iface,
             "--pin-dir",
             self.pins.arg(),
             "--socket",
@@ -244,6 +249,14 @@ fn detach_removes_programs_links_and_pins() {
     agent.signal(Signal::SIGTERM);
     assert!(agent.wait_exit(Duration::from_secs(10)).unwrap().success());
     assert!(s.refused(), "a clean stop leaves enforcement on too");
+    // An agent given another interface (the namespace's own loopback) says the veth is still
+    // enforced through the earlier agent's links.
+    let mut other = s.agent_on("lo", &["--xdp-mode", "skb", "--max-conn-per-ip", "1"]);
+    let line = other.wait_for("still enforcing", STARTUP).unwrap();
+    assert!(line.contains(&s.pair.server_if), "{line}");
+    assert!(s.refused());
+    other.signal(Signal::SIGTERM);
+    assert!(other.wait_exit(Duration::from_secs(10)).unwrap().success());
     let out = std::process::Command::new(limiter_tests::agent::binary())
         .args(["detach", "--pin-dir", s.pins.arg()])
         .output()
@@ -253,7 +266,11 @@ fn detach_removes_programs_links_and_pins() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(String::from_utf8_lossy(&out.stdout).contains(&s.pair.server_if));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains(&s.pair.server_if) && stdout.contains("lo"),
+        "{stdout}"
+    );
     assert!(!s.pins.0.exists(), "pins removed");
     assert!(s.connect().is_ok(), "no longer limited");
 }
