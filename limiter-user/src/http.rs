@@ -221,8 +221,8 @@ async fn not_found() -> Problem {
     Problem::new(StatusCode::NOT_FOUND, "no such endpoint")
 }
 
-/// Runs map syscalls (a list change rewrites the port table: 64 Ki lookups) off the runtime's
-/// worker threads.
+/// Runs map syscalls (a list change rewrites the LPM tries, a scrape walks the flow table)
+/// off the runtime's worker threads.
 async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T, Problem> + Send + 'static,
 ) -> Result<T, Problem> {

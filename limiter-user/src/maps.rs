@@ -63,6 +63,9 @@ pub struct Maps {
     stats: PerCpuArray<MapData, u64>,
     events: PerCpuArray<MapData, u64>,
     blocked: HashMap<MapData, SourceKey, Blocked>,
+    /// The ports this handle last wrote: the port table is 64 Ki entries, so it is compared
+    /// with the kernel's only when the wanted set changes, not on every list change.
+    ports_written: Option<Vec<u16>>,
 }
 
 fn take<T>(ebpf: &mut Ebpf, name: &'static str) -> Result<T, MapsError>
@@ -100,6 +103,7 @@ impl Maps {
             stats: take(ebpf, STATS)?,
             events: take(ebpf, EVENTS)?,
             blocked: take(ebpf, BLOCKED)?,
+            ports_written: None,
         })
     }
 
@@ -131,14 +135,33 @@ impl Maps {
             stats: open(pin_dir, STATS)?,
             events: open(pin_dir, EVENTS)?,
             blocked: open(pin_dir, BLOCKED)?,
+            ports_written: None,
         })
     }
 
     /// Applies settings to the live maps. Lists and ports go in before the config that tells
     /// the programs to consult them, so no packet sees a half-written policy.
     pub fn apply(&mut self, settings: &KernelSettings) -> Result<(), MapsError> {
+        if self.ports_written.as_ref() != Some(&settings.ports) {
+            self.write_ports(&settings.ports)?;
+            self.ports_written = Some(settings.ports.clone());
+        }
+        sync_list(
+            &mut self.allow_v4,
+            &mut self.allow_v6,
+            &settings.allow,
+            "allow",
+        )?;
+        sync_list(&mut self.deny_v4, &mut self.deny_v6, &settings.deny, "deny")?;
+        self.config
+            .set(0, settings.config, 0)
+            .map_err(map_error(map_names::CONFIG))
+    }
+
+    /// Makes the kernel's port table hold exactly `ports`, writing only what differs.
+    fn write_ports(&mut self, ports: &[u16]) -> Result<(), MapsError> {
         let mut wanted = [0u8; 65_536];
-        for port in &settings.ports {
+        for port in ports {
             wanted[*port as usize] = 1;
         }
         for (port, want) in wanted.iter().enumerate() {
@@ -154,16 +177,7 @@ impl Maps {
                     .map_err(map_error(map_names::PORTS))?;
             }
         }
-        sync_list(
-            &mut self.allow_v4,
-            &mut self.allow_v6,
-            &settings.allow,
-            "allow",
-        )?;
-        sync_list(&mut self.deny_v4, &mut self.deny_v6, &settings.deny, "deny")?;
-        self.config
-            .set(0, settings.config, 0)
-            .map_err(map_error(map_names::CONFIG))
+        Ok(())
     }
 
     pub fn config(&self) -> Result<Config, MapsError> {

@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::{
     agent::Agent,
-    buckets::{KeyKind, actions::Mode},
+    buckets::{BlockedKey, KeyKind, actions::Mode},
     maps::{Maps, MapsError, key_address},
 };
 
@@ -229,13 +229,7 @@ pub struct ActionView {
     pub tracked_keys: usize,
     pub overflow_checks: u64,
     /// The keys refused most while their buckets were live (sessions as digests).
-    pub top_blocked: Vec<BlockedKeyView>,
-}
-
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct BlockedKeyView {
-    pub key: String,
-    pub blocked: u64,
+    pub top_blocked: Vec<BlockedKey>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -334,15 +328,7 @@ pub fn broker_rate_limits(agent: &Agent, limit: usize) -> BrokerRateLimits {
                 blocked: count(|s| s.blocked),
                 tracked_keys: s.map_or(0, |s| s.tracked_keys),
                 overflow_checks: count(|s| s.overflow_checks),
-                top_blocked: limiter
-                    .top_blocked(&spec.name, limit)
-                    .unwrap_or_default()
-                    .into_iter()
-                    .map(|b| BlockedKeyView {
-                        key: b.key,
-                        blocked: b.blocked,
-                    })
-                    .collect(),
+                top_blocked: limiter.top_blocked(&spec.name, limit).unwrap_or_default(),
             }
         })
         .collect();

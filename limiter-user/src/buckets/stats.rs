@@ -7,7 +7,7 @@ use std::{
     sync::atomic::{AtomicU64, AtomicUsize, Ordering},
 };
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use super::verdict::Outcome;
 
@@ -72,7 +72,7 @@ pub struct ActionStats {
 
 /// One of the most-blocked keys of an action, shown as an operator may see it (a session is
 /// a digest, never the token).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BlockedKey {
     pub key: String,
     pub blocked: u64,
