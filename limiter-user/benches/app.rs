@@ -21,7 +21,8 @@ use limiter::{
         resolve_actions,
     },
     client::Client,
-    protocol::{ServeConfig, Server},
+    protocol::Server,
+    settings::ServeConfig,
 };
 use tokio::net::{UnixListener, UnixStream};
 use tokio_util::codec::{Framed, LengthDelimitedCodec};

@@ -6,10 +6,11 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use tracing_subscriber::EnvFilter;
 
-use crate::{config::Layer, protocol::config::AppArgs};
-
-/// Exit status for settings that cannot be used, before anything is attached.
-pub const EXIT_CONFIG: u8 = 2;
+use crate::{
+    api::ListKind,
+    ops,
+    settings::{RunArgs, defaults},
+};
 
 #[derive(Parser)]
 #[command(
@@ -31,28 +32,17 @@ enum Command {
     /// Ask the running agent for one verdict: exit 0 allowed, 1 refused, 2 could not ask.
     Check(crate::protocol::check_command::CheckArgs),
     /// Show the running agent's state (or, when none answers, the pinned maps').
-    Status(crate::ops::StatusArgs),
+    Status(ops::StatusArgs),
     /// Show the sources with the most connections and the most refusals.
-    Top(crate::ops::TopArgs),
+    Top(ops::TopArgs),
     /// Ban an address for a while (needs the admin token).
-    Ban(crate::ops::BanArgs),
+    Ban(ops::BanArgs),
     /// Lift a ban (needs the admin token).
-    Unban(crate::ops::UnbanArgs),
+    Unban(ops::UnbanArgs),
     /// Add or remove an allowlist entry (needs the admin token).
-    Allow(crate::ops::ListArgs),
+    Allow(ops::ListArgs),
     /// Add or remove a denylist entry (needs the admin token).
-    Deny(crate::ops::ListArgs),
-}
-
-#[derive(clap::Args, Debug)]
-pub struct RunArgs {
-    /// TOML configuration file; flags and environment variables win over it. SIGHUP re-reads it.
-    #[arg(long, env = "LIMITER_CONFIG")]
-    pub config: Option<std::path::PathBuf>,
-    #[command(flatten)]
-    pub layer: Layer,
-    #[command(flatten)]
-    pub app: AppArgs,
+    Deny(ops::ListArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -61,22 +51,22 @@ pub struct DetachArgs {
     #[arg(long)]
     pub iface: Option<String>,
     /// The agent's pin directory.
-    #[arg(long, env = "LIMITER_PIN_DIR", default_value = crate::config::DEFAULT_PIN_DIR)]
+    #[arg(long, env = "LIMITER_PIN_DIR", default_value = defaults::PIN_DIR)]
     pub pin_dir: std::path::PathBuf,
 }
 
 impl Cli {
     pub fn execute(self) -> Result<ExitCode> {
         match self.command {
-            Command::Run(args) => crate::agent::run(*args),
+            Command::Run(args) => crate::run::run(*args),
             Command::Detach(args) => detach(&args),
             Command::Check(args) => args.execute(),
             Command::Status(args) => args.execute(),
             Command::Top(args) => args.execute(),
             Command::Ban(args) => args.execute(),
             Command::Unban(args) => args.execute(),
-            Command::Allow(args) => args.execute(crate::ops::List::Allow),
-            Command::Deny(args) => args.execute(crate::ops::List::Deny),
+            Command::Allow(args) => args.execute(ListKind::Allow),
+            Command::Deny(args) => args.execute(ListKind::Deny),
         }
     }
 }
@@ -92,7 +82,7 @@ pub fn init_tracing() {
 }
 
 fn detach(args: &DetachArgs) -> Result<ExitCode> {
-    let detached = crate::loader::detach(&args.pin_dir, args.iface.as_deref())
+    let detached = crate::datapath::detach(&args.pin_dir, args.iface.as_deref())
         .with_context(|| format!("detaching under {}", args.pin_dir.display()))?;
     if detached.is_empty() {
         println!(

@@ -1,29 +1,24 @@
 //! The limiter agent as a library: the binary in `main.rs` is a thin shell over it, and the
 //! privileged tests drive the same code.
+//!
+//! Layers, each importing only from those below it:
+//! - `errors` and `api`: shared error types, and the HTTP API's documents (server and CLI).
+//! - `datapath` and `buckets`, side by side: the kernel programs and maps, and the broker's
+//!   token buckets. Neither knows the other.
+//! - `settings`: flags, file and defaults, resolved into what the two layers below take.
+//! - `protocol` and `services`: the broker socket, HTTP, metrics and the sweeper, each given
+//!   the narrow handles it uses.
+//! - `ops`: the operator commands, clients of the HTTP API (or readers of pinned maps).
+//! - `run` and `cli`: the wiring of `limiter run`, and the command line.
 
-pub mod agent;
+pub mod api;
 pub mod buckets;
 pub mod cli;
 pub mod client;
-pub mod config;
-pub mod http;
-pub mod loader;
-pub mod maps;
-pub mod metrics;
+pub mod datapath;
+pub mod errors;
 pub mod ops;
 pub mod protocol;
-pub mod sweeper;
-pub mod views;
-
-/// An error and every cause under it on one line, for logs and HTTP problem details, where a
-/// bare top-level message ("map FLOWS") would hide what went wrong.
-pub fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
-}
+pub mod run;
+pub mod services;
+pub mod settings;

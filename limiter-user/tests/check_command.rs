@@ -4,7 +4,8 @@ use std::{collections::BTreeMap, process::Command, sync::Arc, time::Duration};
 
 use limiter::{
     buckets::{Limiter, LimiterConfig, MonotonicClock, NoBans, resolve_actions},
-    protocol::{ServeConfig, Server},
+    protocol::Server,
+    settings::ServeConfig,
 };
 
 fn limiter_check(socket: &std::path::Path, args: &[&str]) -> (i32, String, String) {

@@ -16,7 +16,8 @@ use limiter::{
         ManualClock, Outcome, resolve_actions,
     },
     client::{Client, ClientError},
-    protocol::{ErrorCode, ServeConfig, Server},
+    protocol::{ErrorCode, Server},
+    settings::ServeConfig,
 };
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},

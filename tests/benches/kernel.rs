@@ -64,7 +64,7 @@ fn xdp<'a>(ebpf: &'a Ebpf, name: &str) -> &'a Xdp {
 }
 
 fn limiter(kernel: &Kernel) -> &Xdp {
-    xdp(kernel.dp.ebpf(), limiter::loader::XDP_PROGRAM)
+    xdp(kernel.dp.ebpf(), limiter::datapath::XDP_PROGRAM)
 }
 
 fn main() {

@@ -13,7 +13,7 @@ use std::{
 };
 
 use anyhow::{Context, Result, bail};
-use limiter::maps::Maps;
+use limiter::datapath::Maps;
 
 use crate::netns::Netns;
 
@@ -71,7 +71,7 @@ impl Default for PinDir {
 
 impl Drop for PinDir {
     fn drop(&mut self) {
-        let _ = limiter::loader::detach(&self.0, None);
+        let _ = limiter::datapath::detach(&self.0, None);
         let _ = std::fs::remove_dir_all(&self.0);
     }
 }

@@ -4,10 +4,14 @@ use aya::{
     TestRun,
     programs::{SchedClassifier, TestRunOptions, Xdp},
 };
+use std::sync::Arc;
+
 use clap::Parser;
 use limiter::{
-    config::{KernelSettings, Layer},
-    loader::{Datapath, LoadOptions, TC_PROGRAM, XDP_PROGRAM},
+    buckets::{Limiter, LimiterConfig, MonotonicClock},
+    datapath::{Datapath, Enforcer, LoadOptions, TC_PROGRAM, XDP_PROGRAM, XdpAttachMode},
+    services::sweeper::{PassReport, SweepStats, Sweeper},
+    settings::{Live, RunArgs, Settings},
 };
 use limiter_common::{Direction, Reason, Verdict};
 
@@ -19,19 +23,18 @@ pub const TC_ACT_OK: u32 = 0;
 #[derive(Parser)]
 struct Flags {
     #[command(flatten)]
-    layer: Layer,
+    run: RunArgs,
 }
 
 /// Parses `limiter run` flags into settings, as the agent would.
-pub fn settings(flags: &[&str]) -> KernelSettings {
+pub fn settings(flags: &[&str]) -> Settings {
     let mut argv = vec!["limiter"];
     argv.extend_from_slice(flags);
     Flags::try_parse_from(argv)
         .expect("valid flags")
-        .layer
+        .run
         .resolve()
         .expect("valid settings")
-        .kernel
 }
 
 /// Runs `frame` through the XDP program of `dp` once.
@@ -77,7 +80,9 @@ impl Kernel {
             ..LoadOptions::default()
         })
         .expect("loading the programs");
-        dp.maps.apply(&settings).expect("applying the settings");
+        dp.maps
+            .apply(&settings.policy)
+            .expect("applying the settings");
         Self { dp }
     }
 
@@ -128,7 +133,7 @@ pub struct Attached {
 pub fn peer(pair: &crate::netns::Pair) -> anyhow::Result<Datapath> {
     pair.client.run(|| {
         let mut dp = Datapath::load(LoadOptions::default())?;
-        dp.attach(&pair.client_if, limiter::loader::XdpAttachMode::Native)?;
+        dp.attach(&pair.client_if, XdpAttachMode::Native)?;
         anyhow::Ok(dp)
     })?
 }
@@ -142,8 +147,8 @@ impl Attached {
                 flow_table_size: settings.flow_table_size,
                 ..LoadOptions::default()
             })?;
-            dp.maps.apply(&settings)?;
-            dp.attach(&pair.server_if, limiter::loader::XdpAttachMode::Native)?;
+            dp.maps.apply(&settings.policy)?;
+            dp.attach(&pair.server_if, XdpAttachMode::Native)?;
             anyhow::Ok(dp)
         })??;
         let peer = peer(&pair)?;
@@ -171,33 +176,93 @@ impl Attached {
     }
 }
 
+/// A real agent's parts (programs loaded, attached nowhere) as `limiter run` wires them, for
+/// tests that drive the services directly.
+pub struct TestAgent {
+    pub enforcer: Arc<Enforcer>,
+    pub limiter: Arc<Limiter>,
+    pub settings: Live,
+    pub sweep: SweepStats,
+}
+
+impl std::ops::Deref for TestAgent {
+    type Target = Enforcer;
+
+    fn deref(&self) -> &Enforcer {
+        &self.enforcer
+    }
+}
+
+impl TestAgent {
+    pub fn settings(&self) -> Settings {
+        self.settings.get()
+    }
+
+    /// One sweeper pass over this agent with `settings`.
+    pub fn sweep_pass(
+        &self,
+        sweeper: &mut Sweeper,
+        settings: &limiter::settings::SweepSettings,
+    ) -> Result<PassReport, limiter::datapath::EnforceError> {
+        sweeper.pass(&self.enforcer, &self.limiter, &self.sweep, settings)
+    }
+}
+
+/// Bans from the broker limiter go to this agent's kernel maps, as in `limiter run`.
+struct Bans(Arc<Enforcer>);
+
+impl limiter::buckets::Banner for Bans {
+    fn ban(
+        &self,
+        addr: std::net::IpAddr,
+        ttl: std::time::Duration,
+    ) -> Result<(), limiter::buckets::BanError> {
+        self.0
+            .ban(addr, ttl)
+            .map_err(|e| limiter::buckets::BanError::Failed {
+                addr,
+                reason: e.to_string(),
+            })
+    }
+
+    fn unban(&self, addr: std::net::IpAddr) -> Result<(), limiter::buckets::BanError> {
+        self.0
+            .unban(addr)
+            .map(drop)
+            .map_err(|e| limiter::buckets::BanError::Failed {
+                addr,
+                reason: e.to_string(),
+            })
+    }
+}
+
 /// A real agent (programs loaded, attached nowhere) with `flags` applied, its broker limiter
 /// built from `limiter`, banning through the kernel maps; `pin_dir` as the agent would use it.
 pub fn agent(
     flags: &[&str],
-    limiter: limiter::buckets::LimiterConfig,
+    limiter: LimiterConfig,
     pin_dir: Option<std::path::PathBuf>,
-) -> std::sync::Arc<limiter::agent::Agent> {
-    use std::sync::{Arc, Mutex};
-    let mut argv = vec!["limiter"];
-    argv.extend_from_slice(flags);
-    let layer = Flags::try_parse_from(argv).expect("valid flags").layer;
-    let settings = layer.resolve().expect("valid settings");
+) -> TestAgent {
+    let settings = settings(flags);
     let datapath = Datapath::load(LoadOptions {
-        flow_table_size: settings.kernel.flow_table_size,
+        flow_table_size: settings.flow_table_size,
         pin_dir,
         ..LoadOptions::default()
     })
     .expect("loading the programs");
-    let datapath = Arc::new(Mutex::new(datapath));
-    let limiter = Arc::new(limiter::buckets::Limiter::new(
+    let enforcer = Arc::new(Enforcer::new(datapath, settings.policy.clone()));
+    enforcer
+        .set_policy(settings.policy.clone())
+        .expect("applying the settings");
+    let limiter = Arc::new(Limiter::new(
         limiter,
-        Arc::new(limiter::buckets::MonotonicClock::new()),
-        Arc::new(limiter::agent::KernelBans(Arc::clone(&datapath))),
+        Arc::new(MonotonicClock::new()),
+        Arc::new(Bans(Arc::clone(&enforcer))),
     ));
-    let agent = Arc::new(limiter::agent::Agent::new(
-        datapath, settings, layer, None, limiter,
-    ));
-    agent.apply_kernel().expect("applying the settings");
-    agent
+    TestAgent {
+        enforcer,
+        limiter,
+        settings: Live::new(settings),
+        sweep: SweepStats::new(),
+    }
 }

@@ -18,7 +18,7 @@ const STARTUP: Duration = Duration::from_secs(20);
 
 /// Namespaces, a server holding connections, a pin directory and a socket directory.
 struct Setup {
-    _peer: limiter::loader::Datapath,
+    _peer: limiter::datapath::Datapath,
     pair: Pair,
     server: Server,
     pins: PinDir,
@@ -317,7 +317,7 @@ fn repeated_auth_refusals_become_a_kernel_ban() {
     let bans = s.pins.maps().bans().unwrap();
     assert_eq!(bans.len(), 1, "one kernel ban");
     assert_eq!(
-        limiter::maps::key_address(&bans[0].0),
+        limiter::datapath::keys::key_address(&bans[0].0),
         IpAddr::V4(CLIENT_V4)
     );
     assert!(

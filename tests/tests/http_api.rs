@@ -7,39 +7,29 @@ use std::{
     collections::{BTreeMap, HashMap},
     net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream},
     path::PathBuf,
-    sync::{Arc, Mutex},
+    sync::Arc,
     time::Duration,
 };
 
-use clap::Parser;
 use limiter::{
-    agent::{Agent, KernelBans},
-    buckets::{
-        ActionConfig, EscalationConfig, KeyKind, Limiter, LimiterConfig, MonotonicClock, Window,
-        resolve_actions,
-    },
-    config::Layer,
-    http::{HttpError, HttpServer},
-    loader::{Datapath, LoadOptions},
+    api::ListKind,
+    buckets::{ActionConfig, EscalationConfig, KeyKind, LimiterConfig, Window, resolve_actions},
     ops::{self, AdminConnect, Connect, Fallback},
-    sweeper::Sweeper,
+    services::{
+        http::{HttpError, HttpServer},
+        sweeper::Sweeper,
+    },
 };
 use limiter_tests::{
     agent::PinDir,
     frames::Tcp,
-    kernel::{XDP_DROP, XDP_PASS, XDP_TX},
+    kernel::{TestAgent, XDP_DROP, XDP_PASS, XDP_TX},
 };
 use reqwest::Method;
 use serde_json::{Value, json};
 
 const TOKEN: &str = "correct horse battery staple";
 const PORT: u16 = 5672;
-
-#[derive(Parser)]
-struct Flags {
-    #[command(flatten)]
-    layer: Layer,
-}
 
 fn v4(last: u8) -> IpAddr {
     IpAddr::V4(Ipv4Addr::new(192, 0, 2, last))
@@ -114,7 +104,7 @@ impl Answer {
 /// A real agent serving HTTP on a free loopback port.
 struct Harness {
     runtime: tokio::runtime::Runtime,
-    agent: Arc<Agent>,
+    agent: TestAgent,
     addr: SocketAddr,
     client: reqwest::Client,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
@@ -139,7 +129,12 @@ impl Harness {
             .build()
             .unwrap();
         let server = runtime
-            .block_on(HttpServer::bind(Arc::clone(&agent)))
+            .block_on(HttpServer::bind(
+                Arc::clone(&agent.enforcer),
+                Arc::clone(&agent.limiter),
+                agent.settings.clone(),
+                &agent.sweep,
+            ))
             .expect("binding the listener");
         let addr = server.local_addr().unwrap();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -283,8 +278,8 @@ fn metrics_read_the_kernel_maps_the_sweeper_and_the_broker_limiter_at_scrape_tim
     }
     assert_eq!(h.syn(v4(10), 40_003), XDP_TX, "over the cap: RST");
     assert_eq!(h.syn(v6("2001:db8::7"), 40_004), XDP_PASS);
-    Sweeper::new()
-        .pass(&h.agent, &h.agent.settings().sweep)
+    h.agent
+        .sweep_pass(&mut Sweeper::new(), &h.agent.settings().sweep)
         .expect("a sweep pass");
     for _ in 0..3 {
         h.check(json!({"action": "export", "key": "alice"}));
@@ -661,8 +656,8 @@ fn admin_changes_need_the_configured_token_and_change_the_kernel() {
     assert_eq!(answer.json()["cidr"], "2001:db8::/64");
     assert!(
         h.agent
-            .lists()
-            .0
+            .policy()
+            .allow
             .contains(&"2001:db8::/64".parse().unwrap())
     );
 
@@ -680,8 +675,8 @@ fn admin_changes_need_the_configured_token_and_change_the_kernel() {
     del("deny", "203.0.113.0/24").assert_problem(409, "configuration");
     assert!(
         h.agent
-            .lists()
-            .1
+            .policy()
+            .deny
             .contains(&"203.0.113.0/24".parse().unwrap())
     );
     h.send(Method::DELETE, "/v1/allow", Some(TOKEN), None)
@@ -709,7 +704,7 @@ fn admin_endpoints_are_off_without_a_configured_token() {
             .assert_problem(403, "disabled");
     }
     assert!(h.agent.with_maps(|m| m.bans()).unwrap().is_empty());
-    assert!(h.agent.lists().0.is_empty());
+    assert!(h.agent.policy().allow.is_empty());
 }
 
 #[test]
@@ -733,23 +728,17 @@ fn health_readiness_unknown_paths_and_graceful_shutdown() {
 fn the_listener_reports_a_port_in_use() {
     let taken = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = taken.local_addr().unwrap().to_string();
-    let layer = Flags::try_parse_from(["limiter", "--http", addr.as_str()])
-        .unwrap()
-        .layer;
-    let settings = layer.resolve().unwrap();
-    let datapath = Arc::new(Mutex::new(
-        Datapath::load(LoadOptions::default()).expect("loading the programs"),
-    ));
-    let limiter = Arc::new(Limiter::new(
-        limiter_config(),
-        Arc::new(MonotonicClock::new()),
-        Arc::new(KernelBans(Arc::clone(&datapath))),
-    ));
-    let agent = Arc::new(Agent::new(datapath, settings, layer, None, limiter));
+    let agent = limiter_tests::kernel::agent(&["--http", addr.as_str()], limiter_config(), None);
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let error = runtime
-        .block_on(limiter::http::serve(agent, std::future::pending()))
-        .unwrap_err();
+        .block_on(HttpServer::bind(
+            Arc::clone(&agent.enforcer),
+            Arc::clone(&agent.limiter),
+            agent.settings.clone(),
+            &agent.sweep,
+        ))
+        .err()
+        .expect("the port is taken");
     assert!(matches!(error, HttpError::Bind { .. }), "{error}");
     assert!(error.to_string().contains(&addr), "{error}");
 }
@@ -831,20 +820,20 @@ fn operator_commands_talk_to_the_running_agent() {
     let text = ops::ListArgs {
         change: ops::ListChange::Add(entry("192.0.2.128/25")),
     }
-    .output(ops::List::Deny)
+    .output(ListKind::Deny)
     .expect("deny add");
     assert_eq!(text, "added 192.0.2.128/25 to the deny list\n");
     assert_eq!(h.syn(v4(200), 44_005), XDP_DROP);
     let text = ops::ListArgs {
         change: ops::ListChange::Del(entry("192.0.2.128/25")),
     }
-    .output(ops::List::Deny)
+    .output(ListKind::Deny)
     .expect("deny del");
     assert_eq!(text, "removed 192.0.2.128/25 from the deny list\n");
     let error = ops::ListArgs {
         change: ops::ListChange::Add(entry("10.0.0.1/8")),
     }
-    .output(ops::List::Allow)
+    .output(ListKind::Allow)
     .unwrap_err()
     .to_string();
     assert!(error.contains("400") && error.contains("cidr"), "{error}");
@@ -942,7 +931,7 @@ fn operator_commands_read_pinned_maps_when_no_agent_answers() {
             admin,
         }),
     }
-    .output(ops::List::Deny)
+    .output(ListKind::Deny)
     .unwrap_err()
     .to_string();
     assert!(

@@ -5,7 +5,7 @@ use std::{
     sync::Mutex,
 };
 
-use limiter::loader::{Datapath, LoadOptions};
+use limiter::datapath::{Datapath, LoadOptions};
 use limiter_tests::{
     frames::Tcp,
     kernel::{Kernel, XDP_TX, settings},
@@ -39,7 +39,7 @@ fn kernel_debug_log_is_forwarded_only_when_asked_for() {
         })
         .expect("the verifier accepts the programs with and without logging");
         dp.maps
-            .apply(&settings(&["--max-conn-per-ip", "1"]))
+            .apply(&settings(&["--max-conn-per-ip", "1"]).policy)
             .unwrap();
         Kernel { dp }
     };

@@ -457,11 +457,11 @@ fn limits_change_live_without_reloading() {
         assert_eq!(k.xdp(&syn(v4(2), port).build()).action, XDP_PASS);
     }
     k.dp.maps
-        .apply(&settings(&["--max-conn-per-ip", "3"]))
+        .apply(&settings(&["--max-conn-per-ip", "3"]).policy)
         .unwrap();
     assert_eq!(k.xdp(&syn(v4(2), 4).build()).action, XDP_TX);
     k.dp.maps
-        .apply(&settings(&["--max-conn-per-ip", "0"]))
+        .apply(&settings(&["--max-conn-per-ip", "0"]).policy)
         .unwrap();
     assert_eq!(
         k.xdp(&syn(v4(2), 4).build()).action,
@@ -470,7 +470,7 @@ fn limits_change_live_without_reloading() {
     );
     // Scope changes live too: protect only another port.
     k.dp.maps
-        .apply(&settings(&["--ports", "8883", "--max-conn-per-ip", "1"]))
+        .apply(&settings(&["--ports", "8883", "--max-conn-per-ip", "1"]).policy)
         .unwrap();
     assert_eq!(k.xdp(&syn(v4(2), 5).build()).action, XDP_PASS);
     assert_eq!(k.ingress(Verdict::Pass, Reason::UnprotectedPort), 1);

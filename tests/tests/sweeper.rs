@@ -3,21 +3,19 @@
 
 use std::{
     net::{IpAddr, Ipv4Addr},
-    sync::Arc,
     time::Duration,
 };
 
 use limiter::{
-    agent::Agent,
     buckets::{LimiterConfig, actions::builtin_actions},
-    config::SweepSettings,
-    maps::source_key,
-    sweeper::Sweeper,
+    datapath::keys::source_key,
+    services::sweeper::Sweeper,
+    settings::SweepSettings,
 };
 use limiter_common::{AdjustRequest, Event};
 use limiter_tests::{
     frames::{Flags, Tcp},
-    kernel::{XDP_PASS, agent, xdp_run},
+    kernel::{TestAgent, XDP_PASS, agent, xdp_run},
 };
 
 fn v4(last: u8) -> IpAddr {
@@ -28,7 +26,7 @@ fn syn(src: IpAddr, sport: u16) -> Tcp {
     Tcp::syn(src, sport, IpAddr::V4(Ipv4Addr::new(198, 51, 100, 1)), 5672)
 }
 
-fn start(flags: &[&str]) -> Arc<Agent> {
+fn start(flags: &[&str]) -> TestAgent {
     let config = LimiterConfig {
         actions: builtin_actions(),
         escalation: None,
@@ -36,11 +34,11 @@ fn start(flags: &[&str]) -> Arc<Agent> {
     agent(flags, config, None)
 }
 
-fn send(agent: &Agent, seg: &Tcp) -> u32 {
+fn send(agent: &TestAgent, seg: &Tcp) -> u32 {
     xdp_run(&agent.datapath(), &seg.build()).action
 }
 
-fn evicted(agent: &Agent, kind: &str) -> u64 {
+fn evicted(agent: &TestAgent, kind: &str) -> u64 {
     agent.sweep.evictions.with_label_values(&[kind]).get()
 }
 
@@ -65,7 +63,7 @@ fn half_open_and_idle_flows_are_evicted_and_their_slots_released_once() {
         }),
     );
     let mut sweeper = Sweeper::new();
-    let report = sweeper.pass(&agent, &settings).unwrap();
+    let report = agent.sweep_pass(&mut sweeper, &settings).unwrap();
     assert_eq!(
         (report.half_open, report.idle),
         (0, 0),
@@ -73,13 +71,13 @@ fn half_open_and_idle_flows_are_evicted_and_their_slots_released_once() {
     );
 
     outlive(settings.syn_timeout);
-    let report = sweeper.pass(&agent, &settings).unwrap();
+    let report = agent.sweep_pass(&mut sweeper, &settings).unwrap();
     assert_eq!((report.half_open, report.idle), (1, 0));
     assert_eq!(agent.with_maps(|m| m.global_connections()).unwrap(), 1);
     assert_eq!(agent.with_maps(|m| m.source_connections(v4(2))).unwrap(), 0);
 
     outlive(settings.idle_timeout);
-    let report = sweeper.pass(&agent, &settings).unwrap();
+    let report = agent.sweep_pass(&mut sweeper, &settings).unwrap();
     assert_eq!((report.half_open, report.idle), (0, 1));
     assert_eq!(agent.with_maps(|m| m.global_connections()).unwrap(), 0);
     assert_eq!(evicted(&agent, "half_open"), 1);
@@ -107,8 +105,8 @@ fn idle_buckets_and_expired_bans_are_removed() {
     agent.ban(v4(9), Duration::from_millis(10)).unwrap();
     agent.ban(v4(10), Duration::from_secs(600)).unwrap();
     outlive(Duration::from_millis(10));
-    let report = Sweeper::new()
-        .pass(&agent, &agent.settings().sweep)
+    let report = agent
+        .sweep_pass(&mut Sweeper::new(), &agent.settings().sweep)
         .unwrap();
     assert_eq!((report.buckets, report.bans), (4, 1));
     let bans = agent.with_maps(|m| m.bans()).unwrap();
@@ -127,7 +125,7 @@ fn each_pass_reads_a_bounded_batch_and_the_next_resumes() {
     outlive(settings.syn_timeout);
     let mut sweeper = Sweeper::new();
     let per_pass: Vec<u64> = (0..3)
-        .map(|_| sweeper.pass(&agent, &settings).unwrap().half_open)
+        .map(|_| agent.sweep_pass(&mut sweeper, &settings).unwrap().half_open)
         .collect();
     assert!(per_pass.iter().all(|n| *n <= 2), "{per_pass:?}");
     assert_eq!(per_pass.iter().sum::<u64>(), 5, "{per_pass:?}");
@@ -158,12 +156,12 @@ fn drifted_counters_are_repaired_after_two_sightings() {
     };
     let mut sweeper = Sweeper::new();
     assert_eq!(
-        sweeper.pass(&agent, &settings).unwrap().repairs,
+        agent.sweep_pass(&mut sweeper, &settings).unwrap().repairs,
         0,
         "seen once"
     );
     assert_eq!(
-        sweeper.pass(&agent, &settings).unwrap().repairs,
+        agent.sweep_pass(&mut sweeper, &settings).unwrap().repairs,
         2,
         "seen twice"
     );
@@ -171,13 +169,16 @@ fn drifted_counters_are_repaired_after_two_sightings() {
     assert_eq!(agent.with_maps(|m| m.global_connections()).unwrap(), 3);
     assert_eq!(agent.sweep.repairs.get(), 2);
     assert_eq!(
-        sweeper.pass(&agent, &settings).unwrap().repairs,
+        agent.sweep_pass(&mut sweeper, &settings).unwrap().repairs,
         0,
         "nothing left to repair"
     );
     // Counters that agree are left alone however many passes run.
     send(&agent, &syn(v4(3), 1));
     for _ in 0..3 {
-        assert_eq!(sweeper.pass(&agent, &settings).unwrap().repairs, 0);
+        assert_eq!(
+            agent.sweep_pass(&mut sweeper, &settings).unwrap().repairs,
+            0
+        );
     }
 }

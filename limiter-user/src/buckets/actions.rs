@@ -22,6 +22,18 @@ pub enum KeyKind {
     Other,
 }
 
+impl KeyKind {
+    /// The kind as configured and shown (`ip`, `session`, `user`, `other`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KeyKind::Ip => "ip",
+            KeyKind::Session => "session",
+            KeyKind::User => "user",
+            KeyKind::Other => "other",
+        }
+    }
+}
+
 /// Tracked keys per action when the config does not say: about 100 bytes each, so a full
 /// action costs some 25 MB.
 pub const DEFAULT_MAX_KEYS: usize = 250_000;
@@ -136,7 +148,7 @@ pub fn builtin_actions() -> Vec<ActionSpec> {
 }
 
 /// Errors name the setting as the operator wrote it (`actions.auth.window`).
-pub use crate::config::ConfigError;
+pub use crate::errors::ConfigError;
 
 /// Longest action name; names travel in a one-byte length field.
 pub const MAX_ACTION_NAME: usize = 64;

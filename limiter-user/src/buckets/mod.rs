@@ -18,7 +18,7 @@ pub use ban::{BanError, Banner, NoBans};
 pub use clock::{Clock, ManualClock, MonotonicClock};
 pub use escalation::{Escalation, EscalationConfig, EscalationStats};
 pub use keys::MAX_KEY_LEN;
-pub use stats::{ActionStats, BlockedKey};
+pub use stats::ActionStats;
 pub use store::{CheckError, Limiter, LimiterConfig};
 pub use verdict::{NEVER_MS, Outcome, Verdict};
 

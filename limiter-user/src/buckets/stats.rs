@@ -7,7 +7,7 @@ use std::{
     sync::atomic::{AtomicU64, AtomicUsize, Ordering},
 };
 
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 
 use super::verdict::Outcome;
 
@@ -68,12 +68,4 @@ pub struct ActionStats {
     /// Checks for new keys made while the action was at its key cap, which shared the
     /// overflow bucket.
     pub overflow_checks: u64,
-}
-
-/// One of the most-blocked keys of an action, shown as an operator may see it (a session is
-/// a digest, never the token).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct BlockedKey {
-    pub key: String,
-    pub blocked: u64,
 }

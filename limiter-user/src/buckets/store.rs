@@ -17,6 +17,8 @@ use std::{
 
 use dashmap::{DashMap, mapref::entry::Entry};
 
+use crate::api::BlockedKey;
+
 use super::{
     actions::{ActionSpec, KeyKind, Mode},
     ban::{BanError, Banner},
@@ -24,7 +26,7 @@ use super::{
     escalation::{Escalation, EscalationConfig, EscalationStats, Escalator},
     gcra::{Cell, Evaluation, Rate},
     keys::{self, KeyError, StoredKey},
-    stats::{ActionStats, BlockedKey, OutcomeCounters},
+    stats::{ActionStats, OutcomeCounters},
     verdict::{NEVER_MS, Outcome, Verdict},
 };
 

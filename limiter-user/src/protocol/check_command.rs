@@ -6,7 +6,6 @@ use std::{net::SocketAddr, path::PathBuf, process::ExitCode};
 
 use anyhow::{Context, Result};
 
-use super::config::DEFAULT_SOCKET;
 use crate::{buckets::Verdict, client::Client};
 
 #[derive(clap::Args, Debug)]
@@ -22,7 +21,7 @@ pub struct CheckArgs {
     #[arg(long)]
     pub peek: bool,
     /// The agent's Unix socket.
-    #[arg(long, env = "LIMITER_SOCKET", default_value = DEFAULT_SOCKET)]
+    #[arg(long, env = "LIMITER_SOCKET", default_value = crate::settings::defaults::SOCKET)]
     pub socket: PathBuf,
     /// Ask over TCP at this address instead of the Unix socket.
     #[arg(long)]

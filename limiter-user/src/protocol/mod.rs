@@ -3,11 +3,9 @@
 
 pub mod check_command;
 pub mod codec;
-pub mod config;
 pub mod frame;
 pub mod server;
 
 pub use codec::{ClientCodec, CodecError, DEFAULT_MAX_FRAME, Received, ServerCodec};
-pub use config::{AppArgs, DEFAULT_SOCKET, ServeConfig};
 pub use frame::{ErrorCode, ParseError, Request, Response};
 pub use server::{ServeError, Server, serve};

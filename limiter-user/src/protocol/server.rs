@@ -23,10 +23,12 @@ use tokio_util::codec::Framed;
 
 use super::{
     codec::{CodecError, Received, ServerCodec},
-    config::ServeConfig,
     frame::{ErrorCode, ParseError, Request, Response},
 };
-use crate::buckets::{CheckError, Limiter};
+use crate::{
+    buckets::{CheckError, Limiter},
+    settings::ServeConfig,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {

@@ -12,9 +12,9 @@ use limiter_common::{AdjustRequest, SourceKey, flow_state};
 use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, Opts};
 
 use crate::{
-    agent::{Agent, AgentError},
-    config::SweepSettings,
-    maps::{SweepCursor, boot_time_ns},
+    buckets::Limiter,
+    datapath::{EnforceError, Enforcer, SweepCursor, keys::boot_time_ns},
+    settings::{Live, SweepSettings},
 };
 
 /// What the sweeper has done, as Prometheus metrics (registered by the metrics module).
@@ -99,21 +99,23 @@ impl Sweeper {
     /// One pass: bounded by `settings.batch` entries per map.
     pub fn pass(
         &mut self,
-        agent: &Agent,
+        enforcer: &Enforcer,
+        limiter: &Limiter,
+        stats: &SweepStats,
         settings: &SweepSettings,
-    ) -> Result<PassReport, AgentError> {
+    ) -> Result<PassReport, EnforceError> {
         let started = Instant::now();
         let mut report = PassReport::default();
         let now = boot_time_ns()?;
         let batch = settings.batch as usize;
-        let flows = agent.with_maps(|m| m.flow_batch(&mut self.cursor, batch))?;
+        let flows = enforcer.with_maps(|m| m.flow_batch(&mut self.cursor, batch))?;
         for (key, flow) in &flows.flows {
             let half_open = flow.state & flow_state::ESTABLISHED == 0
                 && older_than(now, flow.first_seen_ns, settings.syn_timeout);
             let idle = older_than(now, flow.last_seen_ns, settings.idle_timeout);
             if half_open || idle {
                 // Released through the kernel, so it happens once even if a FIN races it.
-                if agent.datapath().release(key)? {
+                if enforcer.datapath().release(key)? {
                     if half_open {
                         report.half_open += 1;
                     } else {
@@ -126,17 +128,16 @@ impl Sweeper {
         }
         if flows.wrapped {
             if self.single_pass {
-                report.repairs = self.reconcile(agent)?;
+                report.repairs = self.reconcile(enforcer)?;
             }
             self.tally.clear();
             self.single_pass = true;
         } else {
             self.single_pass = false;
         }
-        report.buckets = agent.with_maps(|m| m.sweep_buckets(&mut self.cursor, batch, now))?;
-        report.bans = agent.with_maps(|m| m.sweep_bans(&mut self.cursor, batch, now))?;
-        report.app_keys = agent.limiter.sweep() as u64;
-        let stats = &agent.sweep;
+        report.buckets = enforcer.with_maps(|m| m.sweep_buckets(&mut self.cursor, batch, now))?;
+        report.bans = enforcer.with_maps(|m| m.sweep_bans(&mut self.cursor, batch, now))?;
+        report.app_keys = limiter.sweep() as u64;
         for (kind, n) in [
             ("half_open", report.half_open),
             ("idle", report.idle),
@@ -152,16 +153,16 @@ impl Sweeper {
     }
 
     /// Compares every counter with the flows counted this cycle and repairs drift seen twice.
-    fn reconcile(&mut self, agent: &Agent) -> Result<u64, AgentError> {
-        let counters = agent.with_maps(|m| m.all_source_connections())?;
-        let global = agent.with_maps(|m| m.global_connections())?;
+    fn reconcile(&mut self, enforcer: &Enforcer) -> Result<u64, EnforceError> {
+        let counters = enforcer.with_maps(|m| m.all_source_connections())?;
+        let global = enforcer.with_maps(|m| m.global_connections())?;
         let mut seen: HashMap<Option<SourceKey>, Mismatch> = HashMap::new();
         for (source, count) in &counters {
             let counted = self.tally.get(source).copied().unwrap_or(0);
             if *count != counted {
                 seen.insert(Some(*source), (*count, counted));
             } else if *count == 0 {
-                agent.with_maps(|m| m.remove_idle_source(source))?;
+                enforcer.with_maps(|m| m.remove_idle_source(source))?;
             }
         }
         for (source, counted) in &self.tally {
@@ -185,8 +186,8 @@ impl Sweeper {
                 global: who.is_none().into(),
                 _pad: 0,
             };
-            agent.datapath().adjust(&request)?;
-            tracing::warn!(source = ?who.map(|s| crate::maps::key_address(&s)), count, counted, "repaired a drifted connection counter");
+            enforcer.datapath().adjust(&request)?;
+            tracing::warn!(source = ?who.map(|s| crate::datapath::keys::key_address(&s)), count, counted, "repaired a drifted connection counter");
             repairs += 1;
         }
         self.suspects = seen;
@@ -198,19 +199,33 @@ fn older_than(now: u64, then: u64, age: Duration) -> bool {
     now.saturating_sub(then) > age.as_nanos().min(u64::MAX as u128) as u64
 }
 
-/// Runs passes every `sweep.interval` (re-read each time, so SIGHUP changes it) until
-/// `shutdown` resolves.
-pub async fn run(agent: Arc<Agent>, shutdown: impl std::future::Future<Output = ()>) {
+/// What the sweeper works on: the datapath, the broker limiter, its metrics, and the live
+/// settings (re-read before every pass, so SIGHUP changes the interval and timeouts).
+pub struct SweepTargets {
+    pub enforcer: Arc<Enforcer>,
+    pub limiter: Arc<Limiter>,
+    pub stats: SweepStats,
+    pub settings: Live,
+}
+
+/// Runs passes every `sweep.interval` until `shutdown` resolves.
+pub async fn run(targets: SweepTargets, shutdown: impl std::future::Future<Output = ()>) {
     let mut sweeper = Sweeper::new();
     tokio::pin!(shutdown);
     loop {
-        let settings = agent.settings().sweep;
+        let settings = targets.settings.get().sweep;
         tokio::select! {
             _ = &mut shutdown => return,
             _ = tokio::time::sleep(settings.interval) => {}
         }
-        let agent = Arc::clone(&agent);
-        let result = tokio::task::block_in_place(|| sweeper.pass(&agent, &settings));
+        let result = tokio::task::block_in_place(|| {
+            sweeper.pass(
+                &targets.enforcer,
+                &targets.limiter,
+                &targets.stats,
+                &settings,
+            )
+        });
         match result {
             Ok(report) if report != PassReport::default() => tracing::debug!(?report, "sweep"),
             Ok(_) => {}

@@ -13,10 +13,11 @@ use prometheus::{
 };
 use thiserror::Error;
 
+use super::sweeper::SweepStats;
 use crate::{
-    agent::Agent,
     buckets::{Limiter, Outcome},
-    maps::MapsError,
+    datapath::Enforcer,
+    datapath::MapsError,
 };
 
 #[derive(Debug, Error)]
@@ -36,16 +37,19 @@ pub struct Metrics {
 pub const CONTENT_TYPE: &str = prometheus::TEXT_FORMAT;
 
 impl Metrics {
-    pub fn new(agent: &Arc<Agent>) -> Result<Self, MetricsError> {
+    pub fn new(
+        enforcer: &Arc<Enforcer>,
+        limiter: &Arc<Limiter>,
+        sweep: &SweepStats,
+    ) -> Result<Self, MetricsError> {
         let registry = Registry::new();
-        let sweep = &agent.sweep;
         let collectors: [Box<dyn Collector>; 6] = [
             Box::new(sweep.evictions.clone()),
             Box::new(sweep.repairs.clone()),
             Box::new(sweep.duration.clone()),
             Box::new(build_info()?),
-            Box::new(KernelCollector::new(Arc::clone(agent))?),
-            Box::new(LimiterCollector::new(Arc::clone(&agent.limiter))?),
+            Box::new(KernelCollector::new(Arc::clone(enforcer))?),
+            Box::new(LimiterCollector::new(Arc::clone(limiter))?),
         ];
         for collector in collectors {
             registry
@@ -96,7 +100,7 @@ struct Kernel {
 
 /// Reads the kernel maps at scrape time.
 struct KernelCollector {
-    agent: Arc<Agent>,
+    enforcer: Arc<Enforcer>,
     inner: Families<Kernel>,
     descs: Vec<Desc>,
 }
@@ -109,7 +113,7 @@ fn descs_of(collectors: &[&dyn Collector]) -> Vec<Desc> {
 }
 
 impl KernelCollector {
-    fn new(agent: Arc<Agent>) -> Result<Self, MetricsError> {
+    fn new(enforcer: Arc<Enforcer>) -> Result<Self, MetricsError> {
         let r = MetricsError::Register;
         let gauge = |name: &str, help: &str| IntGauge::new(name, help).map_err(r);
         let families = Kernel {
@@ -165,7 +169,7 @@ impl KernelCollector {
             ])
         };
         Ok(Self {
-            agent,
+            enforcer,
             inner: Families {
                 lock: Mutex::new(()),
                 families,
@@ -177,8 +181,8 @@ impl KernelCollector {
     /// Fills the families; each map is read under its own short hold of the datapath lock so
     /// that a scrape never stalls the sweeper or an admin call for the whole read.
     fn fill(&self, k: &Kernel) -> Result<(), MapsError> {
-        let agent = &self.agent;
-        for count in agent.with_maps(|m| m.packet_counts())? {
+        let enforcer = &self.enforcer;
+        for count in enforcer.with_maps(|m| m.packet_counts())? {
             k.packets
                 .with_label_values(&[
                     count.direction.label(),
@@ -188,21 +192,21 @@ impl KernelCollector {
                 .inc_by(count.packets);
         }
         for event in Event::ALL {
-            let n = agent.with_maps(|m| m.events(event))?;
+            let n = enforcer.with_maps(|m| m.events(event))?;
             k.events.with_label_values(&[event.label()]).inc_by(n);
         }
         k.connections
-            .set(gauge_value(agent.with_maps(|m| m.global_connections())?));
-        let sources = agent.with_maps(|m| m.all_source_connections())?;
+            .set(gauge_value(enforcer.with_maps(|m| m.global_connections())?));
+        let sources = enforcer.with_maps(|m| m.all_source_connections())?;
         k.tracked_sources.set(gauge_value(
             sources.iter().filter(|(_, n)| *n > 0).count() as u64
         ));
         k.flow_entries
-            .set(gauge_value(agent.with_maps(|m| m.flow_count())? as u64));
+            .set(gauge_value(enforcer.with_maps(|m| m.flow_count())? as u64));
         k.flow_capacity
-            .set(i64::from(agent.with_maps(|m| m.flow_capacity())?));
+            .set(i64::from(enforcer.with_maps(|m| m.flow_capacity())?));
         k.bans
-            .set(gauge_value(agent.with_maps(|m| m.bans())?.len() as u64));
+            .set(gauge_value(enforcer.with_maps(|m| m.bans())?.len() as u64));
         Ok(())
     }
 }
@@ -224,7 +228,7 @@ impl Collector for KernelCollector {
         let readable = match self.fill(k) {
             Ok(()) => true,
             Err(error) => {
-                tracing::warn!(error = %crate::error_chain(&error), "metrics: reading the kernel maps");
+                tracing::warn!(error = %crate::errors::error_chain(&error), "metrics: reading the kernel maps");
                 false
             }
         };

@@ -2,33 +2,37 @@
 //! talk to a running agent over its HTTP listener; `status` and `top` read the pinned maps
 //! instead when no agent answers, since enforcement outlives the agent.
 
+mod remote;
+mod render;
+
 use std::{
-    fmt::Write as _,
     net::{IpAddr, SocketAddr},
-    path::{Path, PathBuf},
+    path::PathBuf,
     process::ExitCode,
     time::Duration,
 };
 
 use anyhow::{Context, Result, anyhow};
-use reqwest::{Method, StatusCode, Url};
-use serde::{Serialize, de::DeserializeOwned};
+use reqwest::Method;
+use serde::Serialize;
+
+use remote::{AskError, Remote, open_pinned, root_cause, runtime};
+pub use render::{render_status, render_top};
 
 use crate::{
-    config::{DEFAULT_HTTP, DEFAULT_PIN_DIR},
-    http::{BanAnswer, BanRequest, ListAnswer, ListRequest},
-    maps::{Maps, key_address, source_key},
-    views::{
-        Connections, KernelLimits, RateLimits, Status, connections_view, kernel_rate_limits,
-        kernel_status,
+    api::{
+        BanAnswer, BanRequest, Connections, ListAnswer, ListKind, ListRequest, RateLimits, Status,
     },
+    datapath::keys::{key_address, source_key},
+    services::views::{connections_view, kernel_rate_limits, kernel_status},
+    settings::defaults,
 };
 
 /// How to reach the agent.
 #[derive(clap::Args, Clone, Debug)]
 pub struct Connect {
     /// The agent's HTTP listener.
-    #[arg(long, env = "LIMITER_HTTP", default_value_t = DEFAULT_HTTP)]
+    #[arg(long, env = "LIMITER_HTTP", default_value_t = defaults::HTTP)]
     pub http: SocketAddr,
     /// How long to wait for the agent's answer.
     #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
@@ -49,7 +53,7 @@ pub struct AdminConnect {
 #[derive(clap::Args, Clone, Debug)]
 pub struct Fallback {
     /// The pin directory read when no agent answers.
-    #[arg(long, env = "LIMITER_PIN_DIR", default_value = DEFAULT_PIN_DIR)]
+    #[arg(long, env = "LIMITER_PIN_DIR", default_value = defaults::PIN_DIR)]
     pub pin_dir: PathBuf,
     /// Print the JSON the agent serves instead of a table.
     #[arg(long)]
@@ -86,7 +90,7 @@ pub struct BanArgs {
     pub admin: AdminConnect,
     /// The pin directory written when no agent answers: bans live in the kernel, so they
     /// apply at once and a later agent keeps them.
-    #[arg(long, env = "LIMITER_PIN_DIR", default_value = DEFAULT_PIN_DIR)]
+    #[arg(long, env = "LIMITER_PIN_DIR", default_value = defaults::PIN_DIR)]
     pub pin_dir: PathBuf,
 }
 
@@ -96,7 +100,7 @@ pub struct UnbanArgs {
     #[command(flatten)]
     pub admin: AdminConnect,
     /// The pin directory written when no agent answers.
-    #[arg(long, env = "LIMITER_PIN_DIR", default_value = DEFAULT_PIN_DIR)]
+    #[arg(long, env = "LIMITER_PIN_DIR", default_value = defaults::PIN_DIR)]
     pub pin_dir: PathBuf,
 }
 
@@ -122,158 +126,11 @@ pub struct ListEntry {
     pub admin: AdminConnect,
 }
 
-/// Which list `limiter allow` / `limiter deny` changes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum List {
-    Allow,
-    Deny,
-}
-
-impl List {
-    fn name(self) -> &'static str {
-        match self {
-            List::Allow => "allow",
-            List::Deny => "deny",
-        }
-    }
-}
-
-/// Why a request to the agent got no answer of its own.
-enum AskError {
-    /// Nothing listens, or nothing answered in time: worth falling back to the pinned maps.
-    Unreachable(reqwest::Error),
-    /// The agent answered, with an error or something unreadable.
-    Failed(anyhow::Error),
-}
-
-impl From<AskError> for anyhow::Error {
-    fn from(error: AskError) -> Self {
-        match error {
-            AskError::Unreachable(e) => anyhow!(e),
-            AskError::Failed(e) => e,
-        }
-    }
-}
-
-/// The running agent, over HTTP.
-struct Remote {
-    base: Url,
-    client: reqwest::Client,
-    token: Option<String>,
-}
-
-impl Remote {
-    fn new(connect: &Connect, token: Option<String>) -> Result<Self> {
-        let base = Url::parse(&format!("http://{}/", connect.http))
-            .with_context(|| format!("{} as a URL", connect.http))?;
-        let client = reqwest::Client::builder()
-            .timeout(connect.timeout)
-            .no_proxy()
-            .build()
-            .context("building the HTTP client")?;
-        Ok(Self {
-            base,
-            client,
-            token,
-        })
-    }
-
-    fn url(&self, segments: &[&str]) -> Url {
-        let mut url = self.base.clone();
-        if let Ok(mut path) = url.path_segments_mut() {
-            path.clear().extend(segments);
-        }
-        url
-    }
-
-    async fn ask<T: DeserializeOwned>(
-        &self,
-        method: Method,
-        url: Url,
-        query: &[(&str, String)],
-        body: Option<&impl Serialize>,
-    ) -> Result<T, AskError> {
-        let mut request = self.client.request(method, url.clone()).query(query);
-        if let Some(body) = body {
-            request = request.json(body);
-        }
-        if let Some(token) = &self.token {
-            request = request.bearer_auth(token);
-        }
-        let response = request.send().await.map_err(|e| {
-            if e.is_connect() || e.is_timeout() {
-                AskError::Unreachable(e)
-            } else {
-                AskError::Failed(anyhow!(e).context(format!("asking {url}")))
-            }
-        })?;
-        let status = response.status();
-        let text = response
-            .text()
-            .await
-            .map_err(|e| AskError::Failed(anyhow!(e).context(format!("reading {url}"))))?;
-        if !status.is_success() {
-            return Err(AskError::Failed(refusal(status, &text)));
-        }
-        serde_json::from_str(&text)
-            .map_err(|e| AskError::Failed(anyhow!(e).context(format!("reading {url}'s answer"))))
-    }
-
-    async fn get<T: DeserializeOwned>(
-        &self,
-        path: &[&str],
-        query: &[(&str, String)],
-    ) -> Result<T, AskError> {
-        self.ask(Method::GET, self.url(path), query, None::<&()>)
-            .await
-    }
-}
-
-/// An error answer in words: the problem's detail when there is one.
-fn refusal(status: StatusCode, body: &str) -> anyhow::Error {
-    let detail = serde_json::from_str::<serde_json::Value>(body)
-        .ok()
-        .and_then(|v| v.get("detail").and_then(|d| d.as_str()).map(str::to_owned))
-        .unwrap_or_else(|| body.trim().to_owned());
-    let hint = match status {
-        StatusCode::UNAUTHORIZED => " (pass --admin-token or set LIMITER_ADMIN_TOKEN)",
-        _ => "",
-    };
-    anyhow!("the agent refused ({status}): {detail}{hint}")
-}
-
-fn runtime() -> Result<tokio::runtime::Runtime> {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .context("starting the tokio runtime")
-}
-
-fn open_pinned(pin_dir: &Path, http: SocketAddr, why: &reqwest::Error) -> Result<Maps> {
-    let maps = Maps::open_pinned(pin_dir).map_err(|e| {
-        anyhow!(
-            "no agent answers at {http} ({}) and the pinned maps under {} cannot be read ({})",
-            root_cause(why),
-            pin_dir.display(),
-            crate::error_chain(&e),
-        )
-    })?;
-    eprintln!(
-        "no agent answers at {http} ({}); reading the pinned maps under {}",
-        root_cause(why),
-        pin_dir.display()
-    );
-    Ok(maps)
-}
-
-/// The innermost cause: for a refused connection, "Connection refused" rather than every
-/// layer of the HTTP client's wrapping.
-fn root_cause(error: &dyn std::error::Error) -> String {
-    let mut cause = error;
-    while let Some(source) = cause.source() {
-        cause = source;
-    }
-    cause.to_string()
+/// What `limiter top` shows, as JSON with `--json`.
+#[derive(Serialize)]
+struct Top {
+    connections: Connections,
+    rate_limits: RateLimits,
 }
 
 fn print(text: &str) -> ExitCode {
@@ -312,73 +169,6 @@ impl StatusArgs {
             Err(AskError::Failed(e)) => Err(e),
         }
     }
-}
-
-fn limit_text(n: u32) -> String {
-    if n == 0 {
-        "no limit".to_owned()
-    } else {
-        n.to_string()
-    }
-}
-
-fn render_limits(l: &KernelLimits) -> String {
-    let rate = if l.syn_rate == 0 {
-        "no limit".to_owned()
-    } else {
-        format!("{}/s (burst {})", l.syn_rate, l.syn_burst)
-    };
-    format!(
-        "per source {} ({}), total {} ({}), SYN rate {} ({}), sources keyed by IPv4 /{} and IPv6 /{}, {} when the flow table is full",
-        limit_text(l.max_conn_per_ip),
-        l.reject_conn,
-        limit_text(l.max_conn_total),
-        l.reject_conn,
-        rate,
-        l.reject_rate,
-        l.ipv4_prefix,
-        l.ipv6_prefix,
-        if l.fail_closed { "refuse" } else { "pass" },
-    )
-}
-
-/// `limiter status` as text.
-pub fn render_status(status: &Status, http: SocketAddr) -> String {
-    let mut out = String::new();
-    let _ = match (&status.version, status.ready) {
-        (Some(version), Some(ready)) => writeln!(
-            out,
-            "agent       limiter {version} at {http}, {}",
-            if ready { "ready" } else { "NOT READY" }
-        ),
-        _ => writeln!(out, "agent       not running (read from the pinned maps)"),
-    };
-    let _ = writeln!(
-        out,
-        "connections {} open, from {} sources",
-        status.connections, status.tracked_sources
-    );
-    let _ = writeln!(
-        out,
-        "flow table  {} of {} entries",
-        status.flow_table_entries, status.flow_table_capacity
-    );
-    let _ = writeln!(out, "bans        {} active", status.bans_active);
-    let _ = writeln!(out, "limits      {}", render_limits(&status.limits));
-    let refused: Vec<String> = status
-        .refused
-        .iter()
-        .map(|(reason, n)| format!("{reason} {n}"))
-        .collect();
-    let _ = writeln!(out, "refused     {}", refused.join(", "));
-    out
-}
-
-/// What `limiter top` shows, as JSON with `--json`.
-#[derive(Serialize)]
-struct Top {
-    connections: Connections,
-    rate_limits: RateLimits,
 }
 
 impl TopArgs {
@@ -425,68 +215,6 @@ impl TopArgs {
 }
 
 /// `limiter top` as text.
-pub fn render_top(connections: &Connections, limits: &RateLimits) -> String {
-    let mut out = String::new();
-    let _ = writeln!(
-        out,
-        "Sources by open connections ({} open, {} sources)",
-        connections.connections, connections.tracked_sources
-    );
-    if connections.sources.is_empty() {
-        let _ = writeln!(out, "  (none)");
-    } else {
-        let _ = writeln!(out, "  {:<40} {:>11}", "SOURCE", "CONNECTIONS");
-        for s in &connections.sources {
-            let _ = writeln!(out, "  {:<40} {:>11}", s.source, s.connections);
-        }
-    }
-    let _ = writeln!(out, "\nSources refused by the kernel, by reason");
-    let mut any = false;
-    for (reason, top) in &limits.kernel.top_blocked {
-        if top.is_empty() {
-            continue;
-        }
-        any = true;
-        let _ = writeln!(out, "  {reason}");
-        for b in top {
-            let _ = writeln!(out, "    {:<38} {:>11}", b.source, b.blocked);
-        }
-    }
-    if !any {
-        let _ = writeln!(out, "  (none)");
-    }
-    if !limits.kernel.bans.is_empty() {
-        let _ = writeln!(
-            out,
-            "\nBans ({} active, longest first)",
-            limits.kernel.bans_active
-        );
-        for ban in &limits.kernel.bans {
-            let left =
-                humantime::format_duration(Duration::from_secs(ban.expires_in_ms.div_ceil(1000)));
-            let _ = writeln!(out, "  {:<40} {left} left", ban.source);
-        }
-    }
-    if let Some(broker) = &limits.broker {
-        let _ = writeln!(out, "\nBroker keys refused, by action");
-        let mut any = false;
-        for action in &broker.actions {
-            if action.top_blocked.is_empty() {
-                continue;
-            }
-            any = true;
-            let _ = writeln!(out, "  {} ({} refused in all)", action.name, action.blocked);
-            for b in &action.top_blocked {
-                let _ = writeln!(out, "    {:<38} {:>11}", b.key, b.blocked);
-            }
-        }
-        if !any {
-            let _ = writeln!(out, "  (none)");
-        }
-    }
-    out
-}
-
 impl BanArgs {
     pub fn execute(&self) -> Result<ExitCode> {
         self.output().map(|text| print(&text))
@@ -583,11 +311,11 @@ fn unreachable_admin(error: AskError, http: SocketAddr) -> anyhow::Error {
 }
 
 impl ListArgs {
-    pub fn execute(&self, list: List) -> Result<ExitCode> {
+    pub fn execute(&self, list: ListKind) -> Result<ExitCode> {
         self.output(list).map(|text| print(&text))
     }
 
-    pub fn output(&self, list: List) -> Result<String> {
+    pub fn output(&self, list: ListKind) -> Result<String> {
         let (entry, add) = match &self.change {
             ListChange::Add(entry) => (entry, true),
             ListChange::Del(entry) => (entry, false),
@@ -619,7 +347,9 @@ impl ListArgs {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use reqwest::StatusCode;
+
+    use super::{remote::refusal, *};
 
     #[test]
     fn refusals_carry_the_problem_detail() {

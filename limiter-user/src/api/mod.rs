@@ -1,0 +1,14 @@
+//! The agent's HTTP API as data: the JSON documents and requests that the server writes and
+//! the operator commands read. The bottom layer: it depends on nothing else in the agent, so
+//! both ends share one definition of every field.
+
+mod admin;
+mod check;
+mod views;
+
+pub use admin::{BanAnswer, BanRequest, ListAnswer, ListKind, ListRequest};
+pub use check::{CheckAnswer, CheckRequest};
+pub use views::{
+    ActionView, BanEntry, BlockedKey, BlockedSource, BrokerRateLimits, Connections, EscalationView,
+    KernelLimits, KernelRateLimits, RateLimits, SourceConnections, Status, millis,
+};

@@ -1,0 +1,202 @@
+//! The JSON documents the agent serves (`/v1/status`, `/connections`, `/rate_limits`). The
+//! operator commands read them from the agent, or build the same documents from pinned maps
+//! when no agent runs.
+
+use std::{collections::BTreeMap, time::Duration};
+
+use limiter_common::{Config, Refusal};
+use serde::{Deserialize, Serialize};
+
+/// `GET /v1/status`: the agent at a glance.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Status {
+    /// The agent's version; `None` when read from pinned maps with no agent running.
+    pub version: Option<String>,
+    /// Programs attached and maps answering; `None` when read from pinned maps.
+    pub ready: Option<bool>,
+    pub connections: u64,
+    pub tracked_sources: usize,
+    pub flow_table_entries: usize,
+    pub flow_table_capacity: u32,
+    pub bans_active: usize,
+    /// Refused SYNs and packets by refusal reason, since the maps were created.
+    pub refused: BTreeMap<String, u64>,
+    pub limits: KernelLimits,
+}
+
+/// The kernel's limits as the programs read them (the `CONFIG` map).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KernelLimits {
+    /// 0 = no limit (the same for the other limits).
+    pub max_conn_per_ip: u32,
+    pub max_conn_total: u32,
+    pub syn_rate: u32,
+    pub syn_burst: u32,
+    pub ipv4_prefix: u8,
+    pub ipv6_prefix: u8,
+    pub fail_closed: bool,
+    pub all_ports: bool,
+    /// How each refusal is answered: `rst` or `drop`.
+    pub reject_conn: String,
+    pub reject_rate: String,
+    pub reject_ban: String,
+    pub reject_deny: String,
+}
+
+impl KernelLimits {
+    pub fn from_config(config: &Config) -> Self {
+        let refusal = |value: u8| match Refusal::from_u8(value) {
+            Refusal::Rst => "rst".to_owned(),
+            Refusal::Drop => "drop".to_owned(),
+        };
+        Self {
+            max_conn_per_ip: config.max_conn_per_ip,
+            max_conn_total: config.max_conn_total,
+            syn_rate: config.syn_rate,
+            syn_burst: config.syn_burst,
+            ipv4_prefix: config.ipv4_prefix,
+            ipv6_prefix: config.ipv6_prefix,
+            fail_closed: config.fail_closed != 0,
+            all_ports: config.all_ports != 0,
+            reject_conn: refusal(config.reject_conn),
+            reject_rate: refusal(config.reject_rate),
+            reject_ban: refusal(config.reject_ban),
+            reject_deny: refusal(config.reject_deny),
+        }
+    }
+
+    /// Whether the kernel limits anything: a per-source cap, a global cap or a SYN rate.
+    pub fn enabled(&self) -> bool {
+        self.max_conn_per_ip != 0 || self.max_conn_total != 0 || self.syn_rate != 0
+    }
+}
+
+/// `GET /connections`: open connections per source, largest first.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Connections {
+    /// Open connections to the host (the global count).
+    pub connections: u64,
+    /// Sources holding at least one connection (the list below may be cut at `limit`).
+    pub tracked_sources: usize,
+    pub sources: Vec<SourceConnections>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SourceConnections {
+    /// The source key: the address masked to its prefix (IPv4 shown as IPv4).
+    pub source: String,
+    pub connections: u64,
+}
+
+/// `GET /rate_limits`: what is limited, how, and who is refused most.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RateLimits {
+    /// True when the kernel limits anything (a per-source cap, a global cap or a SYN rate).
+    pub enabled: bool,
+    pub kernel: KernelRateLimits,
+    /// The broker's token buckets; `None` when read from pinned maps with no agent running.
+    pub broker: Option<BrokerRateLimits>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KernelRateLimits {
+    pub limits: KernelLimits,
+    /// Protected ports; empty when every port is protected. `None` from pinned maps.
+    pub ports: Option<Vec<u16>>,
+    /// The allow and deny lists in force (configuration and admin API); `None` from pinned
+    /// maps.
+    pub allow: Option<Vec<String>>,
+    pub deny: Option<Vec<String>>,
+    /// The sources refused most, per refusal reason.
+    pub top_blocked: BTreeMap<String, Vec<BlockedSource>>,
+    pub bans_active: usize,
+    /// Bans with the longest time left first, cut at `limit`.
+    pub bans: Vec<BanEntry>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlockedSource {
+    pub source: String,
+    pub blocked: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BanEntry {
+    pub source: String,
+    pub expires_in_ms: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct BrokerRateLimits {
+    pub actions: Vec<ActionView>,
+    /// Bans on repeated authentication failures; `None` when escalation is off.
+    pub escalation: Option<EscalationView>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ActionView {
+    pub name: String,
+    /// `limited`, `unlimited` (limit 0 on an ordinary action) or `closed` (limit 0 on a
+    /// security action: everything refused).
+    pub mode: String,
+    pub limit: u32,
+    pub window_ms: u64,
+    pub burst: u32,
+    /// What the keys identify: `ip`, `session`, `user` or `other`.
+    pub key: String,
+    pub max_keys: usize,
+    pub escalate: bool,
+    pub security: bool,
+    pub allowed: u64,
+    pub unlimited: u64,
+    pub limited: u64,
+    pub cost_exceeds_burst: u64,
+    pub closed: u64,
+    pub blocked: u64,
+    pub tracked_keys: usize,
+    pub overflow_checks: u64,
+    /// The keys refused most while their buckets were live (sessions as digests).
+    pub top_blocked: Vec<BlockedKey>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EscalationView {
+    /// Failures tolerated within the window; one more bans.
+    pub after: u32,
+    pub window_ms: u64,
+    pub ban_ms: u64,
+    pub tracked_addresses: usize,
+    pub bans: u64,
+    pub ban_failures: u64,
+    pub untracked: u64,
+}
+
+pub fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// One of the most-blocked keys of an action, shown as an operator may see it (a session is
+/// a digest, never the token).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlockedKey {
+    pub key: String,
+    pub blocked: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn limits_render_refusals_and_the_enabled_flag() {
+        let limits = KernelLimits::from_config(&Config::UNCONFIGURED);
+        assert!(!limits.enabled());
+        assert_eq!(
+            (limits.reject_conn.as_str(), limits.reject_rate.as_str()),
+            ("rst", "drop")
+        );
+        let mut config = Config::UNCONFIGURED;
+        config.syn_rate = 5;
+        assert!(KernelLimits::from_config(&config).enabled());
+    }
+}

@@ -1,0 +1,307 @@
+//! Loads the embedded kernel programs and attaches them to interfaces.
+
+use std::path::{Path, PathBuf};
+
+use aya::{
+    Ebpf, EbpfLoader,
+    programs::{
+        ProgramError, SchedClassifier, TcAttachType, Xdp, XdpMode,
+        links::{FdLink, PinnedLink},
+        tc::{SchedClassifierLink, SchedClassifierLinkId},
+        xdp::{XdpLink, XdpLinkId},
+    },
+};
+use limiter_common::map_names;
+use thiserror::Error;
+
+use super::{Maps, MapsError, helpers, pins};
+
+/// The kernel object, built by `cargo xtask build` and embedded so the agent is one file.
+pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(env!("LIMITER_EBPF_OBJECT"));
+
+pub const XDP_PROGRAM: &str = "limiter_xdp";
+pub const TC_PROGRAM: &str = "limiter_tc";
+
+#[derive(Debug, Error)]
+pub enum LoadError {
+    #[error("loading the eBPF object")]
+    Load(#[from] aya::EbpfError),
+    #[error("program {0} is missing from the eBPF object")]
+    MissingProgram(&'static str),
+    #[error("preparing program {name}")]
+    Program {
+        name: &'static str,
+        #[source]
+        source: ProgramError,
+    },
+    #[error("attaching {name} to {iface}")]
+    Attach {
+        name: &'static str,
+        iface: String,
+        #[source]
+        source: ProgramError,
+    },
+    #[error("finding the default route's interface: {0}")]
+    DefaultRoute(String),
+    #[error(transparent)]
+    Maps(#[from] MapsError),
+    #[error("forwarding the kernel log")]
+    Log(#[from] aya_log::Error),
+    #[error("a helper program returned {0}, which it never should")]
+    Release(u32),
+    #[error("pin {path}")]
+    Pin {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("pinned link {path}")]
+    Link {
+        path: PathBuf,
+        #[source]
+        source: aya::programs::links::LinkError,
+    },
+}
+
+/// How the kernel programs are loaded.
+#[derive(Clone, Debug)]
+pub struct LoadOptions {
+    /// Sizes the flow table and the per-source tables.
+    pub flow_table_size: u32,
+    /// Keeps the programs' debug log statements (otherwise the verifier removes them).
+    pub kernel_debug: bool,
+    /// Where maps and links are pinned. With a pin directory the programs stay attached when
+    /// the agent exits or dies, and the next agent adopts the maps (and so every count, ban and
+    /// bucket) and swaps its programs into the same links. Without one, everything is this
+    /// process's and goes with it.
+    pub pin_dir: Option<PathBuf>,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        Self {
+            flow_table_size: crate::settings::defaults::FLOW_TABLE_SIZE,
+            kernel_debug: false,
+            pin_dir: None,
+        }
+    }
+}
+
+/// Swaps this agent's program into a link an earlier agent pinned, with no moment
+/// unenforced. A macro because aya's link and program types share these methods by name, not
+/// through a trait.
+macro_rules! adopt {
+    ($self:ident, $program:ty, $link:ty, $name:expr, $pin:expr, $iface:expr) => {{
+        let link = <$link>::try_from(pinned_link($pin)?).map_err(|source| LoadError::Link {
+            path: $pin.to_path_buf(),
+            source,
+        })?;
+        let program = program::<$program>(&mut $self.ebpf, $name)?;
+        let id = program
+            .attach_to_link(link)
+            .map_err(|source| attach_error($name, $iface, source))?;
+        // Taken out of the program so that dropping the program leaves it attached.
+        drop(
+            program
+                .take_link(id)
+                .map_err(|source| attach_error($name, $iface, source))?,
+        );
+    }};
+}
+
+/// How an interface came to be enforced.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Attachment {
+    /// Attached afresh, in this XDP mode.
+    New(XdpAttachMode),
+    /// The pinned links of an earlier agent now run this agent's programs.
+    Adopted,
+}
+
+/// How the XDP program attaches: `Auto` tries the driver first and falls back to generic.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum XdpAttachMode {
+    Auto,
+    Native,
+    Skb,
+}
+
+/// The loaded programs and their maps; dropping it detaches everything it attached.
+pub struct Datapath {
+    pub(super) ebpf: Ebpf,
+    pub maps: Maps,
+    logger: Option<KernelLogger>,
+    pin_dir: Option<PathBuf>,
+}
+
+pub type KernelLogger = aya_log::EbpfLogger<&'static dyn log::Log>;
+
+impl Datapath {
+    pub fn load(options: LoadOptions) -> Result<Self, LoadError> {
+        // aya-log's levels: 0 turns every statement off, 4 keeps debug and above.
+        let log_level: u8 = if options.kernel_debug { 4 } else { 0 };
+        let mut loader = EbpfLoader::new();
+        loader
+            .map_max_entries(map_names::FLOWS, options.flow_table_size)
+            .map_max_entries(map_names::SOURCE_CONNS, options.flow_table_size)
+            .map_max_entries(map_names::SYN_BUCKETS, options.flow_table_size)
+            .map_max_entries(map_names::BLOCKED, options.flow_table_size)
+            .override_global(aya_log::LEVEL, &log_level, true);
+        if let Some(dir) = &options.pin_dir {
+            pins::ensure_bpffs(dir)?;
+            let maps = pins::maps(dir);
+            std::fs::create_dir_all(&maps)
+                .map_err(|source| LoadError::Pin { path: maps, source })?;
+            for name in pins::PINNED_MAPS {
+                loader.map_pin_path(name, pins::map(dir, name));
+            }
+        }
+        let mut ebpf = loader.load(EBPF_OBJECT)?;
+        for name in [
+            XDP_PROGRAM,
+            helpers::RELEASE_PROGRAM,
+            helpers::ADJUST_PROGRAM,
+        ] {
+            program::<Xdp>(&mut ebpf, name)?
+                .load()
+                .map_err(|source| LoadError::Program { name, source })?;
+        }
+        program::<SchedClassifier>(&mut ebpf, TC_PROGRAM)?
+            .load()
+            .map_err(|source| LoadError::Program {
+                name: TC_PROGRAM,
+                source,
+            })?;
+        let logger = if options.kernel_debug {
+            Some(aya_log::EbpfLogger::init(&mut ebpf)?)
+        } else {
+            None
+        };
+        let maps = Maps::take(&mut ebpf)?;
+        Ok(Self {
+            ebpf,
+            maps,
+            logger,
+            pin_dir: options.pin_dir,
+        })
+    }
+
+    /// The kernel log's ring buffer, when `kernel_debug` is on; the caller polls it and calls
+    /// `flush` whenever it is readable.
+    pub fn take_logger(&mut self) -> Option<KernelLogger> {
+        self.logger.take()
+    }
+
+    /// Enforces on `iface`: XDP on ingress, TC on egress. With a pin directory, links an
+    /// earlier agent pinned for `iface` are adopted (their programs swapped for ours, with no
+    /// moment unenforced); otherwise the programs are attached and their links pinned.
+    pub fn attach(&mut self, iface: &str, mode: XdpAttachMode) -> Result<Attachment, LoadError> {
+        let Some(dir) = self.pin_dir.clone() else {
+            return self
+                .attach_unpinned(iface, mode)
+                .map(|(mode, _, _)| Attachment::New(mode));
+        };
+        let (xdp_pin, tc_pin) = (pins::xdp_link(&dir, iface), pins::tc_link(&dir, iface));
+        if xdp_pin.exists() && tc_pin.exists() {
+            adopt!(self, Xdp, XdpLink, XDP_PROGRAM, &xdp_pin, iface);
+            adopt!(
+                self,
+                SchedClassifier,
+                SchedClassifierLink,
+                TC_PROGRAM,
+                &tc_pin,
+                iface
+            );
+            return Ok(Attachment::Adopted);
+        }
+        let (taken, xdp_id, tc_id) = self.attach_unpinned(iface, mode)?;
+        let link_dir = pins::links(&dir, iface);
+        std::fs::create_dir_all(&link_dir).map_err(|source| LoadError::Pin {
+            path: link_dir,
+            source,
+        })?;
+        let link = program::<Xdp>(&mut self.ebpf, XDP_PROGRAM)?
+            .take_link(xdp_id)
+            .map_err(|source| attach_error(XDP_PROGRAM, iface, source))?;
+        pin_link(FdLink::try_from(link), &xdp_pin)?;
+        let link = program::<SchedClassifier>(&mut self.ebpf, TC_PROGRAM)?
+            .take_link(tc_id)
+            .map_err(|source| attach_error(TC_PROGRAM, iface, source))?;
+        pin_link(FdLink::try_from(link), &tc_pin)?;
+        Ok(Attachment::New(taken))
+    }
+
+    /// Attaches both programs to `iface`, the links owned by this process.
+    fn attach_unpinned(
+        &mut self,
+        iface: &str,
+        mode: XdpAttachMode,
+    ) -> Result<(XdpAttachMode, XdpLinkId, SchedClassifierLinkId), LoadError> {
+        let xdp = program::<Xdp>(&mut self.ebpf, XDP_PROGRAM)?;
+        let (taken, xdp_id) = match mode {
+            XdpAttachMode::Native => xdp.attach(iface, XdpMode::Driver).map(|id| (mode, id)),
+            XdpAttachMode::Skb => xdp.attach(iface, XdpMode::Skb).map(|id| (mode, id)),
+            XdpAttachMode::Auto => xdp
+                .attach(iface, XdpMode::Driver)
+                .map(|id| (XdpAttachMode::Native, id))
+                .or_else(|error| {
+                    tracing::info!(iface, %error, "native XDP unavailable, using generic (skb) mode");
+                    xdp.attach(iface, XdpMode::Skb)
+                        .map(|id| (XdpAttachMode::Skb, id))
+                }),
+        }
+        .map_err(|source| attach_error(XDP_PROGRAM, iface, source))?;
+        let tc_id = program::<SchedClassifier>(&mut self.ebpf, TC_PROGRAM)?
+            .attach(iface, TcAttachType::Egress)
+            .map_err(|source| attach_error(TC_PROGRAM, iface, source))?;
+        Ok((taken, xdp_id, tc_id))
+    }
+
+    /// The loaded object, so its programs can be run directly (`BPF_PROG_TEST_RUN` in the
+    /// tests and the kernel benchmark).
+    pub fn ebpf(&self) -> &Ebpf {
+        &self.ebpf
+    }
+}
+
+fn attach_error(name: &'static str, iface: &str, source: ProgramError) -> LoadError {
+    LoadError::Attach {
+        name,
+        iface: iface.to_string(),
+        source,
+    }
+}
+
+fn pinned_link(path: &Path) -> Result<FdLink, LoadError> {
+    PinnedLink::from_pin(path)
+        .map(FdLink::from)
+        .map_err(|source| LoadError::Link {
+            path: path.to_path_buf(),
+            source,
+        })
+}
+
+fn pin_link<E>(link: Result<FdLink, E>, path: &Path) -> Result<(), LoadError>
+where
+    E: Into<aya::programs::links::LinkError>,
+{
+    let link = link.map_err(|e| LoadError::Link {
+        path: path.to_path_buf(),
+        source: e.into(),
+    })?;
+    // Dropping the pinned handle keeps the pin, and with it the link.
+    link.pin(path).map(drop).map_err(|e| LoadError::Pin {
+        path: path.to_path_buf(),
+        source: std::io::Error::other(e),
+    })
+}
+
+pub(super) fn program<'a, P>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut P, LoadError>
+where
+    &'a mut P: TryFrom<&'a mut aya::programs::Program, Error = ProgramError>,
+{
+    ebpf.program_mut(name)
+        .ok_or(LoadError::MissingProgram(name))?
+        .try_into()
+        .map_err(|source| LoadError::Program { name, source })
+}

@@ -1,0 +1,368 @@
+//! Typed access to the kernel programs' maps: writing the policy, lists and bans, and reading
+//! counters, flows and per-source state. Keys and values are `limiter-common`'s types.
+
+use std::{net::IpAddr, path::Path, time::Duration};
+
+use aya::{
+    Ebpf,
+    maps::{Array, HashMap, IterableMap, LpmTrie, MapData, MapError, PerCpuArray, lpm_trie::Key},
+};
+use ipnet::IpNet;
+use limiter_common::{
+    Ban, Blocked, Config, Direction, Event, Flow, FlowKey, Reason, SourceKey, SynBucket, Verdict,
+    map_names, stats::stat_slot,
+};
+use thiserror::Error;
+
+use super::{
+    Policy,
+    keys::{boot_time_ns, source_key},
+    pins,
+};
+
+#[derive(Debug, Error)]
+pub enum MapsError {
+    #[error("map {0} is missing from the eBPF object")]
+    Missing(&'static str),
+    #[error("map {name}")]
+    Map {
+        name: &'static str,
+        #[source]
+        source: MapError,
+    },
+    #[error("reading the boot-time clock")]
+    Clock(#[source] std::io::Error),
+}
+
+pub(super) fn map_error(name: &'static str) -> impl FnOnce(MapError) -> MapsError {
+    move |source| MapsError::Map { name, source }
+}
+
+/// A map found by name, on its way to its typed wrapper.
+struct Typed(Result<aya::maps::Map, MapsError>, &'static str);
+
+impl Typed {
+    fn get<T: TryFrom<aya::maps::Map, Error = MapError>>(self) -> Result<T, MapsError> {
+        T::try_from(self.0?).map_err(map_error(self.1))
+    }
+}
+
+/// One source list: its IPv4 and IPv6 LPM tries, which the programs consult by family.
+pub(super) struct Trie {
+    v4: LpmTrie<MapData, [u8; 4], u8>,
+    v6: LpmTrie<MapData, [u8; 16], u8>,
+    names: (&'static str, &'static str),
+}
+
+impl Trie {
+    /// Makes the tries hold exactly `nets`: stale entries out, missing ones in.
+    fn sync(&mut self, nets: &[IpNet]) -> Result<(), MapsError> {
+        let mut want4 = Vec::new();
+        let mut want6 = Vec::new();
+        for net in nets {
+            match net {
+                IpNet::V4(n) => want4.push((u32::from(n.prefix_len()), n.network().octets())),
+                IpNet::V6(n) => want6.push((u32::from(n.prefix_len()), n.network().octets())),
+            }
+        }
+        sync_trie(&mut self.v4, &want4, self.names.0)?;
+        sync_trie(&mut self.v6, &want6, self.names.1)
+    }
+}
+
+fn sync_trie<const N: usize>(
+    trie: &mut LpmTrie<MapData, [u8; N], u8>,
+    want: &[(u32, [u8; N])],
+    name: &'static str,
+) -> Result<(), MapsError>
+where
+    [u8; N]: aya::Pod,
+{
+    // Collect first: deleting while walking GET_NEXT_KEY restarts the walk.
+    let have: Vec<Key<[u8; N]>> = trie
+        .keys()
+        .collect::<Result<_, _>>()
+        .map_err(map_error(name))?;
+    for key in have {
+        if !want.contains(&(key.prefix_len(), key.data())) {
+            trie.remove(&key).map_err(map_error(name))?;
+        }
+    }
+    for (len, data) in want {
+        trie.insert(&Key::new(*len, *data), 1, 0)
+            .map_err(map_error(name))?;
+    }
+    Ok(())
+}
+
+/// The maps, taken out of the loaded object (or opened from their pins) so they can be shared
+/// apart from the programs.
+pub struct Maps {
+    config: Array<MapData, Config>,
+    ports: Array<MapData, u8>,
+    pub(super) flows: HashMap<MapData, FlowKey, Flow>,
+    source_conns: HashMap<MapData, SourceKey, u64>,
+    global_conns: Array<MapData, u64>,
+    pub(super) syn_buckets: HashMap<MapData, SourceKey, SynBucket>,
+    pub(super) bans: HashMap<MapData, SourceKey, Ban>,
+    allow: Trie,
+    deny: Trie,
+    stats: PerCpuArray<MapData, u64>,
+    events: PerCpuArray<MapData, u64>,
+    blocked: HashMap<MapData, SourceKey, Blocked>,
+    /// The ports this handle last wrote: the port table is 64 Ki entries, so it is compared
+    /// with the kernel's only when the wanted set changes, not on every list change.
+    ports_written: Option<Vec<u16>>,
+}
+
+/// Packets counted under one (direction, verdict, reason).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PacketCount {
+    pub direction: Direction,
+    pub verdict: Verdict,
+    pub reason: Reason,
+    pub packets: u64,
+}
+
+impl Maps {
+    /// Takes the maps out of a freshly loaded object.
+    pub fn take(ebpf: &mut Ebpf) -> Result<Self, MapsError> {
+        Self::build(|name| ebpf.take_map(name).ok_or(MapsError::Missing(name)))
+    }
+
+    /// The maps another agent pinned under `pin_dir`: how the operator commands read and
+    /// change enforcement when no agent runs.
+    pub fn open_pinned(pin_dir: &Path) -> Result<Self, MapsError> {
+        Self::build(|name| {
+            let data = MapData::from_pin(pins::map(pin_dir, name)).map_err(map_error(name))?;
+            aya::maps::Map::from_map_data(data).map_err(map_error(name))
+        })
+    }
+
+    /// Every map, each found by name through `find`, typed once here.
+    fn build(
+        mut find: impl FnMut(&'static str) -> Result<aya::maps::Map, MapsError>,
+    ) -> Result<Self, MapsError> {
+        let mut typed = |name: &'static str| Typed(find(name), name);
+        use map_names::*;
+        Ok(Self {
+            config: typed(CONFIG).get()?,
+            ports: typed(PORTS).get()?,
+            flows: typed(FLOWS).get()?,
+            source_conns: typed(SOURCE_CONNS).get()?,
+            global_conns: typed(GLOBAL_CONNS).get()?,
+            syn_buckets: typed(SYN_BUCKETS).get()?,
+            bans: typed(BANS).get()?,
+            allow: Trie {
+                v4: typed(ALLOW_V4).get()?,
+                v6: typed(ALLOW_V6).get()?,
+                names: (ALLOW_V4, ALLOW_V6),
+            },
+            deny: Trie {
+                v4: typed(DENY_V4).get()?,
+                v6: typed(DENY_V6).get()?,
+                names: (DENY_V4, DENY_V6),
+            },
+            stats: typed(STATS).get()?,
+            events: typed(EVENTS).get()?,
+            blocked: typed(BLOCKED).get()?,
+            ports_written: None,
+        })
+    }
+
+    /// Applies a policy to the live maps. Lists and ports go in before the config that tells
+    /// the programs to consult them, so no packet sees a half-written policy.
+    pub fn apply(&mut self, policy: &Policy) -> Result<(), MapsError> {
+        if self.ports_written.as_ref() != Some(&policy.ports) {
+            self.write_ports(&policy.ports)?;
+            self.ports_written = Some(policy.ports.clone());
+        }
+        self.allow.sync(&policy.allow)?;
+        self.deny.sync(&policy.deny)?;
+        self.config
+            .set(0, policy.config(), 0)
+            .map_err(map_error(map_names::CONFIG))
+    }
+
+    /// Makes the kernel's port table hold exactly `ports`, writing only what differs.
+    fn write_ports(&mut self, ports: &[u16]) -> Result<(), MapsError> {
+        let mut wanted = [0u8; 65_536];
+        for port in ports {
+            wanted[*port as usize] = 1;
+        }
+        for (port, want) in wanted.iter().enumerate() {
+            let port = port as u32;
+            if self
+                .ports
+                .get(&port, 0)
+                .map_err(map_error(map_names::PORTS))?
+                != *want
+            {
+                self.ports
+                    .set(port, want, 0)
+                    .map_err(map_error(map_names::PORTS))?;
+            }
+        }
+        Ok(())
+    }
+
+    pub fn config(&self) -> Result<Config, MapsError> {
+        self.config.get(&0, 0).map_err(map_error(map_names::CONFIG))
+    }
+
+    /// Bans `addr`'s source key (masked with the live prefix) for `ttl`.
+    pub fn ban(&mut self, addr: IpAddr, ttl: Duration) -> Result<SourceKey, MapsError> {
+        let key = source_key(addr, &self.config()?);
+        let expires_ns =
+            boot_time_ns()?.saturating_add(ttl.as_nanos().min(u64::MAX as u128) as u64);
+        self.bans
+            .insert(key, Ban { expires_ns }, 0)
+            .map_err(map_error(map_names::BANS))?;
+        Ok(key)
+    }
+
+    /// Lifts the ban on `addr`'s source key; false if there was none.
+    pub fn unban(&mut self, addr: IpAddr) -> Result<bool, MapsError> {
+        let key = source_key(addr, &self.config()?);
+        match self.bans.remove(&key) {
+            Ok(()) => Ok(true),
+            Err(MapError::KeyNotFound) => Ok(false),
+            // aya's `remove` reports a missing key as the syscall's ENOENT.
+            Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => {
+                Ok(false)
+            }
+            Err(error) => Err(map_error(map_names::BANS)(error)),
+        }
+    }
+
+    /// Bans still in force, with the time each has left.
+    pub fn bans(&self) -> Result<Vec<(SourceKey, Duration)>, MapsError> {
+        let now = boot_time_ns()?;
+        let mut out = Vec::new();
+        for entry in self.bans.iter() {
+            let (key, ban) = entry.map_err(map_error(map_names::BANS))?;
+            if ban.expires_ns > now {
+                out.push((key, Duration::from_nanos(ban.expires_ns - now)));
+            }
+        }
+        Ok(out)
+    }
+
+    pub fn packet_counts(&self) -> Result<Vec<PacketCount>, MapsError> {
+        let mut out = Vec::new();
+        for direction in Direction::ALL {
+            for verdict in Verdict::ALL {
+                for reason in Reason::ALL {
+                    let slot = stat_slot(direction, verdict, reason);
+                    let packets = self
+                        .stats
+                        .get(&slot, 0)
+                        .map_err(map_error(map_names::STATS))?
+                        .iter()
+                        .sum();
+                    out.push(PacketCount {
+                        direction,
+                        verdict,
+                        reason,
+                        packets,
+                    });
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Packets of one (direction, verdict, reason), summed over CPUs.
+    pub fn packets(
+        &self,
+        direction: Direction,
+        verdict: Verdict,
+        reason: Reason,
+    ) -> Result<u64, MapsError> {
+        let slot = stat_slot(direction, verdict, reason);
+        Ok(self
+            .stats
+            .get(&slot, 0)
+            .map_err(map_error(map_names::STATS))?
+            .iter()
+            .sum())
+    }
+
+    pub fn events(&self, event: Event) -> Result<u64, MapsError> {
+        Ok(self
+            .events
+            .get(&(event as u32), 0)
+            .map_err(map_error(map_names::EVENTS))?
+            .iter()
+            .sum())
+    }
+
+    /// Open connections to the host, as the kernel counts them.
+    pub fn global_connections(&self) -> Result<u64, MapsError> {
+        self.global_conns
+            .get(&0, 0)
+            .map_err(map_error(map_names::GLOBAL_CONNS))
+    }
+
+    /// Open connections of one source (`addr` masked with the live prefix).
+    pub fn source_connections(&self, addr: IpAddr) -> Result<u64, MapsError> {
+        let key = source_key(addr, &self.config()?);
+        match self.source_conns.get(&key, 0) {
+            Ok(n) => Ok(n),
+            Err(MapError::KeyNotFound) => Ok(0),
+            Err(error) => Err(map_error(map_names::SOURCE_CONNS)(error)),
+        }
+    }
+
+    /// Every source's open connections, including sources at zero not yet swept.
+    pub fn all_source_connections(&self) -> Result<Vec<(SourceKey, u64)>, MapsError> {
+        self.source_conns
+            .iter()
+            .map(|entry| entry.map_err(map_error(map_names::SOURCE_CONNS)))
+            .collect()
+    }
+
+    pub fn flows(&self) -> Result<Vec<(FlowKey, Flow)>, MapsError> {
+        self.flows
+            .iter()
+            .map(|entry| entry.map_err(map_error(map_names::FLOWS)))
+            .collect()
+    }
+
+    /// Refusals per source, for top-blocked lists.
+    pub fn blocked(&self) -> Result<Vec<(SourceKey, Blocked)>, MapsError> {
+        self.blocked
+            .iter()
+            .map(|entry| entry.map_err(map_error(map_names::BLOCKED)))
+            .collect()
+    }
+
+    /// Deletes a source's counter entry if it still reads zero.
+    pub fn remove_idle_source(&mut self, key: &SourceKey) -> Result<bool, MapsError> {
+        match self.source_conns.get(key, 0) {
+            Ok(0) => Ok(self.source_conns.remove(key).is_ok()),
+            Ok(_) | Err(MapError::KeyNotFound) => Ok(false),
+            Err(e) => Err(map_error(map_names::SOURCE_CONNS)(e)),
+        }
+    }
+
+    /// Slots the flow table was created with (an adopted table keeps its original size).
+    pub fn flow_capacity(&self) -> Result<u32, MapsError> {
+        self.flows
+            .map()
+            .info()
+            .map(|info| info.max_entries())
+            .map_err(map_error(map_names::FLOWS))
+    }
+
+    /// Entries in the flow table, counted by walking keys only (half the syscalls of
+    /// [`Maps::flows`], which a metrics scrape of a full table would feel).
+    pub fn flow_count(&self) -> Result<usize, MapsError> {
+        let mut n = 0;
+        for key in self.flows.keys() {
+            key.map_err(map_error(map_names::FLOWS))?;
+            n += 1;
+        }
+        Ok(n)
+    }
+}

@@ -1,0 +1,24 @@
+//! The kernel side as the agent holds it: loading the embedded programs, attaching and pinning
+//! them, typed map access, the helper programs, and the [`Enforcer`] the services share.
+//! Nothing here knows about settings files, HTTP or the broker limiter.
+
+mod enforcer;
+mod helpers;
+pub mod keys;
+mod loader;
+mod maps;
+pub mod pins;
+mod policy;
+mod route;
+mod walk;
+
+pub use enforcer::{EnforceError, Enforcer};
+pub use loader::{
+    Attachment, Datapath, EBPF_OBJECT, KernelLogger, LoadError, LoadOptions, TC_PROGRAM,
+    XDP_PROGRAM, XdpAttachMode,
+};
+pub use maps::{Maps, MapsError, PacketCount};
+pub use pins::detach;
+pub use policy::Policy;
+pub use route::default_route_interface;
+pub use walk::{FlowBatch, SweepCursor};

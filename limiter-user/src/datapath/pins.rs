@@ -1,0 +1,155 @@
+//! The pin layout and its lifecycle: `maps/<MAP>` shared by every interface and
+//! `links/<iface>/{xdp,tc}` holding one interface's links, on a BPF filesystem this module
+//! mounts when needed, and `limiter detach`, which removes them.
+
+use std::path::{Path, PathBuf};
+
+use aya::programs::links::PinnedLink;
+
+use limiter_common::map_names;
+
+use super::LoadError;
+
+/// The maps whose state must outlive an agent (everything but the log ring buffer).
+pub const PINNED_MAPS: &[&str] = &[
+    map_names::CONFIG,
+    map_names::PORTS,
+    map_names::FLOWS,
+    map_names::SOURCE_CONNS,
+    map_names::GLOBAL_CONNS,
+    map_names::SYN_BUCKETS,
+    map_names::BANS,
+    map_names::ALLOW_V4,
+    map_names::ALLOW_V6,
+    map_names::DENY_V4,
+    map_names::DENY_V6,
+    map_names::STATS,
+    map_names::EVENTS,
+    map_names::BLOCKED,
+];
+
+pub fn maps(pin_dir: &Path) -> PathBuf {
+    pin_dir.join("maps")
+}
+
+pub fn map(pin_dir: &Path, name: &str) -> PathBuf {
+    maps(pin_dir).join(name)
+}
+
+pub fn links(pin_dir: &Path, iface: &str) -> PathBuf {
+    pin_dir.join("links").join(iface)
+}
+
+pub fn xdp_link(pin_dir: &Path, iface: &str) -> PathBuf {
+    links(pin_dir, iface).join("xdp")
+}
+
+pub fn tc_link(pin_dir: &Path, iface: &str) -> PathBuf {
+    links(pin_dir, iface).join("tc")
+}
+
+/// Where the BPF filesystem is conventionally mounted.
+const BPFFS: &str = "/sys/fs/bpf";
+
+/// Makes sure `pin_dir` lies on a BPF filesystem, mounting one at /sys/fs/bpf when the pin
+/// directory is under it and nothing is mounted there yet (minimal hosts and containers often
+/// boot without it). Pins anywhere else must already be on a BPF filesystem.
+pub(super) fn ensure_bpffs(pin_dir: &Path) -> Result<(), LoadError> {
+    let on_bpffs = |path: &Path| {
+        nix::sys::statfs::statfs(path)
+            .is_ok_and(|fs| fs.filesystem_type() == nix::sys::statfs::BPF_FS_MAGIC)
+    };
+    let mut existing = pin_dir;
+    while !existing.exists() {
+        match existing.parent() {
+            Some(parent) => existing = parent,
+            None => break,
+        }
+    }
+    if on_bpffs(existing) {
+        return Ok(());
+    }
+    let not_bpffs = |why: String| LoadError::Pin {
+        path: pin_dir.to_path_buf(),
+        source: std::io::Error::other(why),
+    };
+    if !pin_dir.starts_with(BPFFS) {
+        return Err(not_bpffs(format!(
+            "{} is not on a BPF filesystem",
+            existing.display()
+        )));
+    }
+    tracing::info!("mounting the BPF filesystem at {BPFFS}");
+    nix::mount::mount(
+        Some("bpf"),
+        BPFFS,
+        Some("bpf"),
+        nix::mount::MsFlags::empty(),
+        Some("mode=0700"),
+    )
+    .map_err(|e| not_bpffs(format!("mounting a BPF filesystem at {BPFFS}: {e}")))
+}
+
+/// Detaches limiter from `iface` (or every interface with pinned links when `None`) by
+/// removing the pinned links; once no interface is left, the pinned maps go too. Returns the
+/// interfaces detached.
+pub fn detach(pin_dir: &Path, iface: Option<&str>) -> Result<Vec<String>, LoadError> {
+    let all_links = pin_dir.join("links");
+    let ifaces: Vec<String> = match iface {
+        Some(iface) => vec![iface.to_string()],
+        None => match std::fs::read_dir(&all_links) {
+            Ok(entries) => entries
+                .filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect(),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+            Err(source) => {
+                return Err(LoadError::Pin {
+                    path: all_links,
+                    source,
+                });
+            }
+        },
+    };
+    let mut detached = Vec::new();
+    for iface in ifaces {
+        let dir = links(pin_dir, &iface);
+        if !dir.exists() {
+            continue;
+        }
+        for path in [xdp_link(pin_dir, &iface), tc_link(pin_dir, &iface)] {
+            if path.exists() {
+                // Unpinning drops the last reference to the link, which detaches the program.
+                let link = PinnedLink::from_pin(&path).map_err(|source| LoadError::Link {
+                    path: path.clone(),
+                    source,
+                })?;
+                drop(link.unpin().map_err(|source| LoadError::Pin {
+                    path: path.clone(),
+                    source,
+                })?);
+            }
+        }
+        std::fs::remove_dir(&dir).map_err(|source| LoadError::Pin { path: dir, source })?;
+        detached.push(iface);
+    }
+    let remaining = std::fs::read_dir(&all_links)
+        .map(|d| d.count())
+        .unwrap_or(0);
+    if remaining == 0 {
+        remove_tree(pin_dir)?;
+    }
+    Ok(detached)
+}
+
+/// Removes the pin directory: bpffs unlinks each pin, dropping the kernel's reference.
+fn remove_tree(pin_dir: &Path) -> Result<(), LoadError> {
+    match std::fs::remove_dir_all(pin_dir) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(source) => Err(LoadError::Pin {
+            path: pin_dir.to_path_buf(),
+            source,
+        }),
+    }
+}

@@ -1,0 +1,73 @@
+//! What the kernel enforces, as one checked value the agent hands to the maps.
+
+use ipnet::IpNet;
+use limiter_common::Config;
+
+/// The policy in force: limits and refusal modes, protected ports and source lists.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Policy {
+    /// Limits, prefixes and refusal modes. Its fields that follow from the ports and lists
+    /// (`all_ports`, `has_allow`, `has_deny`) are ignored here and derived by
+    /// [`Policy::config`], so they can never disagree with what the maps hold.
+    pub limits: Config,
+    /// Protected ports; empty means every port.
+    pub ports: Vec<u16>,
+    pub allow: Vec<IpNet>,
+    pub deny: Vec<IpNet>,
+}
+
+impl Policy {
+    /// The config map's value for this policy.
+    pub fn config(&self) -> Config {
+        Config {
+            all_ports: self.ports.is_empty().into(),
+            has_allow: (!self.allow.is_empty()).into(),
+            has_deny: (!self.deny.is_empty()).into(),
+            ..self.limits
+        }
+    }
+
+    /// This policy with extra list entries (the admin API's) added to its own.
+    pub fn with_lists(&self, allow: &[IpNet], deny: &[IpNet]) -> Policy {
+        let mut out = self.clone();
+        for (list, extra) in [(&mut out.allow, allow), (&mut out.deny, deny)] {
+            for net in extra {
+                if !list.contains(net) {
+                    list.push(*net);
+                }
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn derived_fields_follow_the_lists_and_ports() {
+        let mut policy = Policy {
+            limits: Config {
+                has_allow: 1,
+                all_ports: 0,
+                ..Config::UNCONFIGURED
+            },
+            ports: Vec::new(),
+            allow: Vec::new(),
+            deny: Vec::new(),
+        };
+        let config = policy.config();
+        assert_eq!(
+            (config.all_ports, config.has_allow, config.has_deny),
+            (1, 0, 0)
+        );
+        policy.ports.push(5672);
+        let with = policy.with_lists(&[], &["10.0.0.0/8".parse().unwrap()]);
+        let config = with.config();
+        assert_eq!(
+            (config.all_ports, config.has_allow, config.has_deny),
+            (0, 0, 1)
+        );
+    }
+}

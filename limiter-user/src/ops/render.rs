@@ -1,0 +1,127 @@
+//! What `limiter status` and `limiter top` print: the API's documents as text.
+
+use std::{fmt::Write as _, net::SocketAddr, time::Duration};
+
+use crate::api::{Connections, KernelLimits, RateLimits, Status};
+
+fn limit_text(n: u32) -> String {
+    if n == 0 {
+        "no limit".to_owned()
+    } else {
+        n.to_string()
+    }
+}
+
+fn render_limits(l: &KernelLimits) -> String {
+    let rate = if l.syn_rate == 0 {
+        "no limit".to_owned()
+    } else {
+        format!("{}/s (burst {})", l.syn_rate, l.syn_burst)
+    };
+    format!(
+        "per source {} ({}), total {} ({}), SYN rate {} ({}), sources keyed by IPv4 /{} and IPv6 /{}, {} when the flow table is full",
+        limit_text(l.max_conn_per_ip),
+        l.reject_conn,
+        limit_text(l.max_conn_total),
+        l.reject_conn,
+        rate,
+        l.reject_rate,
+        l.ipv4_prefix,
+        l.ipv6_prefix,
+        if l.fail_closed { "refuse" } else { "pass" },
+    )
+}
+
+/// `limiter status` as text.
+pub fn render_status(status: &Status, http: SocketAddr) -> String {
+    let mut out = String::new();
+    let _ = match (&status.version, status.ready) {
+        (Some(version), Some(ready)) => writeln!(
+            out,
+            "agent       limiter {version} at {http}, {}",
+            if ready { "ready" } else { "NOT READY" }
+        ),
+        _ => writeln!(out, "agent       not running (read from the pinned maps)"),
+    };
+    let _ = writeln!(
+        out,
+        "connections {} open, from {} sources",
+        status.connections, status.tracked_sources
+    );
+    let _ = writeln!(
+        out,
+        "flow table  {} of {} entries",
+        status.flow_table_entries, status.flow_table_capacity
+    );
+    let _ = writeln!(out, "bans        {} active", status.bans_active);
+    let _ = writeln!(out, "limits      {}", render_limits(&status.limits));
+    let refused: Vec<String> = status
+        .refused
+        .iter()
+        .map(|(reason, n)| format!("{reason} {n}"))
+        .collect();
+    let _ = writeln!(out, "refused     {}", refused.join(", "));
+    out
+}
+
+pub fn render_top(connections: &Connections, limits: &RateLimits) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "Sources by open connections ({} open, {} sources)",
+        connections.connections, connections.tracked_sources
+    );
+    if connections.sources.is_empty() {
+        let _ = writeln!(out, "  (none)");
+    } else {
+        let _ = writeln!(out, "  {:<40} {:>11}", "SOURCE", "CONNECTIONS");
+        for s in &connections.sources {
+            let _ = writeln!(out, "  {:<40} {:>11}", s.source, s.connections);
+        }
+    }
+    let _ = writeln!(out, "\nSources refused by the kernel, by reason");
+    let mut any = false;
+    for (reason, top) in &limits.kernel.top_blocked {
+        if top.is_empty() {
+            continue;
+        }
+        any = true;
+        let _ = writeln!(out, "  {reason}");
+        for b in top {
+            let _ = writeln!(out, "    {:<38} {:>11}", b.source, b.blocked);
+        }
+    }
+    if !any {
+        let _ = writeln!(out, "  (none)");
+    }
+    if !limits.kernel.bans.is_empty() {
+        let _ = writeln!(
+            out,
+            "\nBans ({} active, longest first)",
+            limits.kernel.bans_active
+        );
+        for ban in &limits.kernel.bans {
+            let left =
+                humantime::format_duration(Duration::from_secs(ban.expires_in_ms.div_ceil(1000)));
+            let _ = writeln!(out, "  {:<40} {left} left", ban.source);
+        }
+    }
+    if let Some(broker) = &limits.broker {
+        let _ = writeln!(out, "\nBroker keys refused, by action");
+        let mut any = false;
+        for action in &broker.actions {
+            if action.top_blocked.is_empty() {
+                continue;
+            }
+            any = true;
+            let _ = writeln!(out, "  {} ({} refused in all)", action.name, action.blocked);
+            for b in &action.top_blocked {
+                let _ = writeln!(out, "    {:<38} {:>11}", b.key, b.blocked);
+            }
+        }
+        if !any {
+            let _ = writeln!(out, "  (none)");
+        }
+    }
+    out
+}

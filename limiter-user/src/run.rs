@@ -1,0 +1,248 @@
+//! `limiter run`: the one place that wires the layers together. It resolves the settings,
+//! loads or adopts the datapath, builds the broker limiter, binds the listeners, attaches, and
+//! serves until SIGTERM or SIGINT; SIGHUP reloads through the same resolve as the start.
+
+use std::{net::IpAddr, process::ExitCode, sync::Arc, time::Duration};
+
+use anyhow::Context;
+
+use crate::{
+    buckets::{BanError, Banner, Limiter, MonotonicClock},
+    datapath::{Datapath, Enforcer, KernelLogger, LoadOptions, default_route_interface},
+    protocol::Server,
+    services::{
+        http::HttpServer,
+        sweeper::{self, SweepStats, SweepTargets},
+    },
+    settings::{ConfigError, Live, RunArgs, Settings},
+};
+
+/// Exit status for settings that cannot be used, before anything is attached.
+pub const EXIT_CONFIG: u8 = 2;
+
+/// Bans from the broker limiter's escalation and protocol go straight to the kernel map.
+struct KernelBans(Arc<Enforcer>);
+
+impl Banner for KernelBans {
+    fn ban(&self, addr: IpAddr, ttl: Duration) -> Result<(), BanError> {
+        self.0.ban(addr, ttl).map_err(|e| BanError::Failed {
+            addr,
+            reason: e.to_string(),
+        })
+    }
+
+    fn unban(&self, addr: IpAddr) -> Result<(), BanError> {
+        self.0.unban(addr).map(drop).map_err(|e| BanError::Failed {
+            addr,
+            reason: e.to_string(),
+        })
+    }
+}
+
+/// The running agent as the signal handlers see it.
+struct Agent {
+    args: RunArgs,
+    settings: Live,
+    enforcer: Arc<Enforcer>,
+}
+
+impl Agent {
+    /// Re-reads the configuration (SIGHUP) through the start's own resolve, and applies what
+    /// can change live: limits, lists, refusal modes, ports, timeouts and the admin token. A
+    /// bad file changes nothing.
+    fn reload(&self) -> Result<(), ConfigError> {
+        let new = self.args.resolve()?;
+        let old = self.settings.get();
+        for (what, changed) in [
+            ("iface", new.ifaces != old.ifaces),
+            ("pin-dir", new.pin_dir != old.pin_dir),
+            ("http", new.http != old.http),
+            (
+                "flow-table-size",
+                new.flow_table_size != old.flow_table_size,
+            ),
+            ("xdp-mode", new.xdp_mode != old.xdp_mode),
+            ("kernel-debug", new.kernel_debug != old.kernel_debug),
+        ] {
+            if changed {
+                tracing::warn!(
+                    setting = what,
+                    "changed in the file; takes effect on restart"
+                );
+            }
+        }
+        self.enforcer
+            .set_policy(new.policy.clone())
+            .map_err(|e| ConfigError::new("config", e))?;
+        self.settings.replace(Settings {
+            ifaces: old.ifaces,
+            pin_dir: old.pin_dir,
+            http: old.http,
+            flow_table_size: old.flow_table_size,
+            xdp_mode: old.xdp_mode,
+            kernel_debug: old.kernel_debug,
+            ..new
+        });
+        tracing::info!("configuration reloaded");
+        Ok(())
+    }
+}
+
+/// Checks every setting before touching the kernel (exit 2 on a bad one), loads or adopts the
+/// pinned datapath, attaches, then serves until SIGTERM or SIGINT. The programs stay attached
+/// after it exits; `limiter detach` removes them.
+pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
+    let settings = match args.resolve() {
+        Ok(settings) => settings,
+        Err(error) => {
+            tracing::error!("{error}");
+            return Ok(ExitCode::from(EXIT_CONFIG));
+        }
+    };
+    let ifaces = if settings.ifaces.is_empty() {
+        vec![default_route_interface()?]
+    } else {
+        settings.ifaces.clone()
+    };
+    let runtime = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
+    runtime.block_on(async move {
+        let mut datapath = Datapath::load(LoadOptions {
+            flow_table_size: settings.flow_table_size,
+            kernel_debug: settings.kernel_debug,
+            pin_dir: Some(settings.pin_dir.clone()),
+        })
+        .context("loading the kernel programs")?;
+        if let Some(logger) = datapath.take_logger() {
+            tokio::spawn(forward_kernel_log(logger));
+        }
+        let enforcer = Arc::new(Enforcer::new(datapath, settings.policy.clone()));
+        enforcer
+            .set_policy(settings.policy.clone())
+            .context("writing the settings to the kernel maps")?;
+        let limiter = Arc::new(Limiter::new(
+            settings.broker.limiter.clone(),
+            Arc::new(MonotonicClock::new()),
+            Arc::new(KernelBans(Arc::clone(&enforcer))),
+        ));
+        let mode = settings.xdp_mode;
+        let serve = settings.broker.serve.clone();
+        let pin_dir = settings.pin_dir.clone();
+        let live = Live::new(settings);
+        let sweep = SweepStats::new();
+        // Both listeners bind before anything attaches: a taken port or socket stops the agent
+        // here, with an error, rather than leaving it enforcing half-observable.
+        let protocol = Server::bind(&serve, Arc::clone(&limiter))
+            .await
+            .context("binding the broker protocol socket")?;
+        let http = HttpServer::bind(
+            Arc::clone(&enforcer),
+            Arc::clone(&limiter),
+            live.clone(),
+            &sweep,
+        )
+        .await
+        .context("binding the HTTP listener")?;
+        for iface in &ifaces {
+            let how = enforcer
+                .datapath()
+                .attach(iface, mode)
+                .with_context(|| format!("attaching to {iface}"))?;
+            tracing::info!(iface, ?how, "enforcing");
+        }
+        enforcer.set_ready();
+        warn_of_stale_links(&pin_dir, &ifaces);
+
+        let stop = tokio_util::sync::CancellationToken::new();
+        let mut tasks = tokio::task::JoinSet::new();
+        tasks.spawn(sweeper::run(
+            SweepTargets {
+                enforcer: Arc::clone(&enforcer),
+                limiter,
+                stats: sweep,
+                settings: live.clone(),
+            },
+            stop.clone().cancelled_owned(),
+        ));
+        tasks.spawn(protocol.run(stop.clone().cancelled_owned()));
+        {
+            let stop = stop.clone();
+            tasks.spawn(async move {
+                if let Err(error) = http.run(stop.cancelled_owned()).await {
+                    let error = anyhow::Error::from(error);
+                    tracing::error!("the HTTP listener failed: {error:#}");
+                }
+            });
+        }
+        tracing::info!("limiter is ready");
+        let agent = Agent {
+            args,
+            settings: live,
+            enforcer,
+        };
+        wait_for_signals(&agent).await?;
+        tracing::info!("stopping; the programs stay attached (limiter detach removes them)");
+        stop.cancel();
+        while tasks.join_next().await.is_some() {}
+        Ok(ExitCode::SUCCESS)
+    })
+}
+
+/// Links an earlier agent pinned for interfaces this one was not given keep enforcing (with
+/// the shared maps); say so, since only `limiter detach` removes them.
+fn warn_of_stale_links(pin_dir: &std::path::Path, ifaces: &[String]) {
+    let Ok(entries) = std::fs::read_dir(pin_dir.join("links")) else {
+        return;
+    };
+    for entry in entries.filter_map(Result::ok) {
+        let iface = entry.file_name().to_string_lossy().into_owned();
+        if !ifaces.contains(&iface) {
+            tracing::warn!(
+                iface,
+                "still enforcing through links an earlier agent pinned; `limiter detach --iface {iface}` removes them"
+            );
+        }
+    }
+}
+
+/// Reloads on SIGHUP; returns on SIGTERM or SIGINT.
+async fn wait_for_signals(agent: &Agent) -> anyhow::Result<()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    let mut hup = signal(SignalKind::hangup())?;
+    loop {
+        tokio::select! {
+            _ = term.recv() => return Ok(()),
+            _ = int.recv() => return Ok(()),
+            _ = hup.recv() => {
+                if let Err(error) = agent.reload() {
+                    tracing::error!("reload refused, the old settings stay: {error}");
+                }
+            }
+        }
+    }
+}
+
+/// Reads the kernel programs' aya-log ring buffer whenever it has records; they reach
+/// `tracing` through the `log` bridge.
+async fn forward_kernel_log(logger: KernelLogger) {
+    // SAFETY: the ring buffer's fd is owned by `logger`, which the AsyncFd owns from here on,
+    // so the fd outlives its registration.
+    let registered = unsafe {
+        tokio::io::unix::AsyncFd::register_with_interest(logger, tokio::io::Interest::READABLE)
+    };
+    let mut fd = match registered {
+        Ok(fd) => fd,
+        Err(error) => {
+            tracing::warn!(%error, "kernel log not forwarded");
+            return;
+        }
+    };
+    loop {
+        let Ok(mut guard) = fd.readable_mut().await else {
+            return;
+        };
+        guard.get_inner_mut().flush();
+        guard.clear_ready();
+    }
+}

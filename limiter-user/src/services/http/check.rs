@@ -1,0 +1,94 @@
+//! `POST /v1/check`: a broker verdict for dashboards and scripts. It never escalates into a
+//! ban, since any local user can reach the listener.
+
+use axum::{
+    Json,
+    extract::{State, rejection::JsonRejection},
+    http::{HeaderMap, HeaderName, StatusCode, header},
+    response::{IntoResponse, Response},
+};
+
+use super::{
+    AppState,
+    problem::{Problem, json_rejection},
+};
+use crate::{
+    api::{CheckAnswer, CheckRequest},
+    buckets::{CheckError, NEVER_MS, Outcome},
+};
+
+const RATE_LIMIT_LIMIT: HeaderName = HeaderName::from_static("x-ratelimit-limit");
+const RATE_LIMIT_REMAINING: HeaderName = HeaderName::from_static("x-ratelimit-remaining");
+const RATE_LIMIT_RESET: HeaderName = HeaderName::from_static("x-ratelimit-reset");
+
+/// 200 when allowed; 429 when limited (with `Retry-After`) or closed; 422 when the cost is
+/// more than the bucket can ever hold, since no wait will help.
+pub(super) async fn check(
+    State(state): State<AppState>,
+    body: Result<Json<CheckRequest>, JsonRejection>,
+) -> Result<Response, Problem> {
+    let Json(request) = body.map_err(json_rejection)?;
+    let cost = request.cost.unwrap_or(1);
+    let verdict = state
+        .limiter
+        .check_unescalated(&request.action, request.key.as_bytes(), cost)
+        .map_err(|error| match error {
+            CheckError::UnknownAction(action) => Problem::new(
+                StatusCode::NOT_FOUND,
+                format!("action: no action is named {action:?}"),
+            )
+            .with("field", "action"),
+            CheckError::InvalidKey { source, .. } => Problem::bad_request("key", source),
+            CheckError::ZeroCost => Problem::bad_request("cost", "must be at least 1"),
+        })?;
+    let never = |ms: u64| (ms != NEVER_MS).then_some(ms);
+    let answer = CheckAnswer {
+        action: request.action,
+        allowed: verdict.allowed,
+        outcome: verdict.outcome.as_str().to_owned(),
+        limit: verdict.limit,
+        remaining: (verdict.outcome != Outcome::Unlimited).then_some(verdict.remaining),
+        retry_after_ms: never(verdict.retry_after_ms),
+        reset_after_ms: never(verdict.reset_after_ms),
+    };
+    let mut headers = HeaderMap::new();
+    if verdict.outcome != Outcome::Unlimited {
+        headers.insert(RATE_LIMIT_LIMIT, verdict.limit.into());
+        headers.insert(RATE_LIMIT_REMAINING, verdict.remaining.into());
+        if verdict.reset_after_ms != NEVER_MS {
+            headers.insert(RATE_LIMIT_RESET, verdict.reset_after_secs().into());
+        }
+    }
+    if verdict.allowed {
+        return Ok((headers, Json(answer)).into_response());
+    }
+    let (status, detail) = match verdict.outcome {
+        Outcome::CostExceedsBurst => (
+            StatusCode::UNPROCESSABLE_ENTITY,
+            format!(
+                "cost: {cost} is more than action {:?} can ever allow at once",
+                answer.action
+            ),
+        ),
+        Outcome::Closed => (
+            StatusCode::TOO_MANY_REQUESTS,
+            format!("action {:?} refuses every request", answer.action),
+        ),
+        _ => (
+            StatusCode::TOO_MANY_REQUESTS,
+            format!("action {:?} is over its limit for this key", answer.action),
+        ),
+    };
+    if verdict.retry_after_ms != NEVER_MS {
+        headers.insert(header::RETRY_AFTER, verdict.retry_after_secs().into());
+    }
+    let mut problem = Problem::new(status, detail)
+        .with("action", answer.action)
+        .with("reason", answer.outcome)
+        .with("limit", answer.limit)
+        .with("retry_after_ms", answer.retry_after_ms)
+        .with("reset_after_ms", answer.reset_after_ms)
+        .with("remaining", answer.remaining);
+    problem.0.headers = headers;
+    Ok(problem.into_response())
+}

@@ -1,0 +1,185 @@
+//! Builds the API's JSON documents from the kernel maps and the broker limiter, for the HTTP
+//! listener and, from pinned maps when no agent runs, for the operator commands.
+
+use std::collections::BTreeMap;
+
+use limiter_common::{Reason, Verdict as PacketVerdict};
+
+use crate::{
+    api::{
+        ActionView, BanEntry, BlockedSource, BrokerRateLimits, Connections, EscalationView,
+        KernelLimits, KernelRateLimits, SourceConnections, Status, millis,
+    },
+    buckets::{ActionStats, Limiter, actions::Mode},
+    datapath::{Enforcer, Maps, MapsError, keys::key_address},
+};
+
+/// Where views read the kernel maps from: the running datapath (a short lock per read) or
+/// pinned maps.
+pub trait ReadMaps {
+    fn read<T>(&self, f: impl FnOnce(&Maps) -> T) -> T;
+}
+
+impl ReadMaps for Enforcer {
+    fn read<T>(&self, f: impl FnOnce(&Maps) -> T) -> T {
+        self.with_maps(|m| f(m))
+    }
+}
+
+impl ReadMaps for Maps {
+    fn read<T>(&self, f: impl FnOnce(&Maps) -> T) -> T {
+        f(self)
+    }
+}
+
+/// Builds the status from the maps; `version` and `ready` are the agent's to add.
+pub fn kernel_status(maps: &impl ReadMaps) -> Result<Status, MapsError> {
+    let config = maps.read(|m| m.config())?;
+    let counts = maps.read(|m| m.packet_counts())?;
+    let mut refused = BTreeMap::new();
+    for &reason in &Reason::ALL[..Reason::REFUSAL_COUNT] {
+        let n = counts
+            .iter()
+            .filter(|c| c.reason == reason && c.verdict != PacketVerdict::Pass)
+            .map(|c| c.packets)
+            .sum::<u64>();
+        refused.insert(reason.label().to_owned(), n);
+    }
+    let sources = maps.read(|m| m.all_source_connections())?;
+    Ok(Status {
+        version: None,
+        ready: None,
+        connections: maps.read(|m| m.global_connections())?,
+        tracked_sources: sources.iter().filter(|(_, n)| *n > 0).count(),
+        flow_table_entries: maps.read(|m| m.flow_count())?,
+        flow_table_capacity: maps.read(|m| m.flow_capacity())?,
+        bans_active: maps.read(|m| m.bans())?.len(),
+        refused,
+        limits: KernelLimits::from_config(&config),
+    })
+}
+
+/// `GET /connections`: open connections per source, largest first.
+pub fn connections_view(maps: &impl ReadMaps, limit: usize) -> Result<Connections, MapsError> {
+    let global = maps.read(|m| m.global_connections())?;
+    let mut sources: Vec<_> = maps
+        .read(|m| m.all_source_connections())?
+        .into_iter()
+        .filter(|(_, n)| *n > 0)
+        .collect();
+    let tracked_sources = sources.len();
+    sources.sort_unstable_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    Ok(Connections {
+        connections: global,
+        tracked_sources,
+        sources: sources
+            .into_iter()
+            .take(limit)
+            .map(|(key, connections)| SourceConnections {
+                source: key_address(&key).to_string(),
+                connections,
+            })
+            .collect(),
+    })
+}
+
+/// The kernel part of `/rate_limits`, from the maps alone.
+pub fn kernel_rate_limits(
+    maps: &impl ReadMaps,
+    limit: usize,
+) -> Result<KernelRateLimits, MapsError> {
+    let config = maps.read(|m| m.config())?;
+    let blocked = maps.read(|m| m.blocked())?;
+    let mut top_blocked = BTreeMap::new();
+    for &reason in &Reason::ALL[..Reason::REFUSAL_COUNT] {
+        let Some(slot) = reason.blocked_slot() else {
+            continue;
+        };
+        let mut top: Vec<_> = blocked
+            .iter()
+            .filter(|(_, b)| b.counts[slot] > 0)
+            .map(|(key, b)| (b.counts[slot], *key))
+            .collect();
+        top.sort_unstable_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.cmp(&b.1)));
+        top_blocked.insert(
+            reason.label().to_owned(),
+            top.into_iter()
+                .take(limit)
+                .map(|(blocked, key)| BlockedSource {
+                    source: key_address(&key).to_string(),
+                    blocked,
+                })
+                .collect(),
+        );
+    }
+    let mut bans = maps.read(|m| m.bans())?;
+    bans.sort_unstable_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    Ok(KernelRateLimits {
+        limits: KernelLimits::from_config(&config),
+        ports: None,
+        allow: None,
+        deny: None,
+        top_blocked,
+        bans_active: bans.len(),
+        bans: bans
+            .into_iter()
+            .take(limit)
+            .map(|(key, left)| BanEntry {
+                source: key_address(&key).to_string(),
+                expires_in_ms: millis(left),
+            })
+            .collect(),
+    })
+}
+
+pub fn broker_rate_limits(limiter: &Limiter, limit: usize) -> BrokerRateLimits {
+    let stats = limiter.stats();
+    let actions = limiter
+        .actions()
+        .map(|spec| {
+            let s = stats.iter().find(|s| s.action == spec.name);
+            let count = |f: fn(&ActionStats) -> u64| s.map_or(0, f);
+            ActionView {
+                name: spec.name.clone(),
+                mode: match spec.mode() {
+                    Mode::Limited(_) => "limited",
+                    Mode::Unlimited => "unlimited",
+                    Mode::Closed => "closed",
+                }
+                .to_owned(),
+                limit: spec.limit,
+                window_ms: millis(spec.window),
+                burst: spec.burst,
+                key: spec.key.as_str().to_owned(),
+                max_keys: spec.max_keys,
+                escalate: spec.escalate,
+                security: spec.security,
+                allowed: count(|s| s.allowed),
+                unlimited: count(|s| s.unlimited),
+                limited: count(|s| s.limited),
+                cost_exceeds_burst: count(|s| s.cost_exceeds_burst),
+                closed: count(|s| s.closed),
+                blocked: count(|s| s.blocked),
+                tracked_keys: s.map_or(0, |s| s.tracked_keys),
+                overflow_checks: count(|s| s.overflow_checks),
+                top_blocked: limiter.top_blocked(&spec.name, limit).unwrap_or_default(),
+            }
+        })
+        .collect();
+    let escalation = limiter.escalation_config().map(|config| {
+        let stats = limiter.escalation_stats().unwrap_or_default();
+        EscalationView {
+            after: config.after,
+            window_ms: millis(config.window),
+            ban_ms: millis(config.ban),
+            tracked_addresses: stats.tracked_addresses,
+            bans: stats.bans,
+            ban_failures: stats.ban_failures,
+            untracked: stats.untracked,
+        }
+    });
+    BrokerRateLimits {
+        actions,
+        escalation,
+    }
+}

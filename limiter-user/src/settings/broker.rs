@@ -1,0 +1,221 @@
+//! The broker-facing settings: where the protocol is served, escalation into kernel bans, and
+//! the actions' limits. Flags, the file's `[broker]` table and its `[actions.NAME]` tables meet
+//! here; [`BrokerLayer`] is both the flags and the `[broker]` table.
+
+use std::{
+    collections::BTreeMap,
+    net::{IpAddr, Ipv4Addr, SocketAddr},
+    path::PathBuf,
+    time::Duration,
+};
+
+use serde::{Deserialize, Serialize};
+
+use super::{defaults, flags::text_duration};
+use crate::{
+    buckets::{
+        ActionConfig, ConfigError, EscalationConfig, LimiterConfig, Window, escalation,
+        resolve_actions,
+    },
+    protocol::DEFAULT_MAX_FRAME,
+};
+
+/// The broker protocol's flags, and the file's `[broker]` table under them.
+#[derive(clap::Args, Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub struct BrokerLayer {
+    /// Unix socket the broker connects to (created mode 0660, its directory if missing).
+    /// [default: /run/limiter/limiter.sock]
+    #[arg(long, env = "LIMITER_SOCKET")]
+    pub socket: Option<PathBuf>,
+    /// Also serve the protocol over TCP: `PORT` (on 127.0.0.1) or `ADDR:PORT`.
+    #[arg(long, env = "LIMITER_LISTEN", value_parser = parse_listen)]
+    pub listen: Option<SocketAddr>,
+    /// Ban an address after more than this many auth failures within the window
+    /// (escalation is off unless set).
+    #[arg(long, env = "LIMITER_ESCALATE_AFTER")]
+    pub escalate_after: Option<u32>,
+    /// The window failures are counted in. [default: 60s]
+    #[arg(long, env = "LIMITER_ESCALATE_WINDOW", value_parser = humantime::parse_duration)]
+    #[serde(default, with = "text_duration")]
+    pub escalate_window: Option<Duration>,
+    /// How long an escalated ban lasts. [default: 10m]
+    #[arg(long, env = "LIMITER_ESCALATE_BAN", value_parser = humantime::parse_duration)]
+    #[serde(default, with = "text_duration")]
+    pub escalate_ban: Option<Duration>,
+}
+
+/// Declares the quick per-action overrides once: each built-in action gets a `--NAME-limit`
+/// and a `--NAME-window` flag, which win over its `[actions.NAME]` table.
+macro_rules! action_flags {
+    ($($action:literal: $limit:ident $limit_env:literal, $window:ident $window_env:literal, $limit_help:literal;)*) => {
+        /// Quick overrides of the built-in actions' limits and windows.
+        #[derive(clap::Args, Clone, Debug, Default, PartialEq, Eq)]
+        pub struct ActionFlags {
+            $(
+                #[arg(long, env = $limit_env, help = $limit_help)]
+                pub $limit: Option<u32>,
+                #[arg(long, env = $window_env, value_parser = humantime::parse_duration,
+                      help = concat!("Override `", $action, "`'s window."))]
+                pub $window: Option<Duration>,
+            )*
+        }
+
+        impl ActionFlags {
+            /// The overrides given, as `[actions.NAME]` tables.
+            pub fn overrides(&self) -> Vec<(&'static str, ActionConfig)> {
+                let mut out = Vec::new();
+                $(
+                    if self.$limit.is_some() || self.$window.is_some() {
+                        out.push(($action, ActionConfig {
+                            limit: self.$limit,
+                            window: self.$window.map(Window),
+                            ..ActionConfig::default()
+                        }));
+                    }
+                )*
+                out
+            }
+        }
+    };
+}
+
+action_flags! {
+    "auth": auth_limit "LIMITER_AUTH_LIMIT", auth_window "LIMITER_AUTH_WINDOW",
+        "Override `auth`'s limit (0 refuses every attempt).";
+    "dashboard_auth": dashboard_auth_limit "LIMITER_DASHBOARD_AUTH_LIMIT",
+        dashboard_auth_window "LIMITER_DASHBOARD_AUTH_WINDOW",
+        "Override `dashboard_auth`'s limit (0 refuses every attempt).";
+    "dashboard_api": dashboard_api_limit "LIMITER_DASHBOARD_API_LIMIT",
+        dashboard_api_window "LIMITER_DASHBOARD_API_WINDOW",
+        "Override `dashboard_api`'s limit (0 = no limit).";
+    "publish": publish_limit "LIMITER_PUBLISH_LIMIT", publish_window "LIMITER_PUBLISH_WINDOW",
+        "Override `publish`'s limit (0 = no limit, the default).";
+    "subscribe": subscribe_limit "LIMITER_SUBSCRIBE_LIMIT",
+        subscribe_window "LIMITER_SUBSCRIBE_WINDOW",
+        "Override `subscribe`'s limit (0 = no limit, the default).";
+}
+
+/// A bare port means loopback: exposing the limiter beyond the host must be spelled out.
+fn parse_listen(text: &str) -> Result<SocketAddr, String> {
+    if let Ok(port) = text.parse::<u16>() {
+        return Ok(SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), port));
+    }
+    text.parse()
+        .map_err(|_| format!("{text:?} is neither a port nor ADDR:PORT"))
+}
+
+/// Where and how the protocol is served.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServeConfig {
+    pub socket: PathBuf,
+    pub listen: Option<SocketAddr>,
+    pub socket_mode: u32,
+    pub max_frame: usize,
+}
+
+impl ServeConfig {
+    pub fn unix(socket: impl Into<PathBuf>) -> Self {
+        Self {
+            socket: socket.into(),
+            listen: None,
+            socket_mode: 0o660,
+            max_frame: DEFAULT_MAX_FRAME,
+        }
+    }
+}
+
+/// The broker side's settings, checked.
+#[derive(Clone, Debug)]
+pub struct BrokerSettings {
+    pub serve: ServeConfig,
+    pub limiter: LimiterConfig,
+}
+
+impl BrokerLayer {
+    /// Checks these settings with the actions' tables (flags already merged in).
+    pub fn resolve(
+        &self,
+        actions: &BTreeMap<String, ActionConfig>,
+        overrides: &[(&str, ActionConfig)],
+    ) -> Result<BrokerSettings, ConfigError> {
+        let escalation = match self.escalate_after {
+            None => None,
+            Some(0) => {
+                return Err(ConfigError::new(
+                    "escalate-after",
+                    "must be at least 1 (leave it out to turn escalation off)",
+                ));
+            }
+            Some(after) => {
+                let window = self.escalate_window.unwrap_or(defaults::ESCALATE_WINDOW);
+                let ban = self.escalate_ban.unwrap_or(defaults::ESCALATE_BAN);
+                for (flag, value) in [("escalate-window", window), ("escalate-ban", ban)] {
+                    if value.is_zero() {
+                        return Err(ConfigError::new(flag, "must be longer than zero"));
+                    }
+                }
+                Some(EscalationConfig {
+                    after,
+                    window,
+                    ban,
+                    max_addresses: escalation::DEFAULT_MAX_ADDRESSES,
+                })
+            }
+        };
+        Ok(BrokerSettings {
+            serve: ServeConfig {
+                listen: self.listen,
+                ..ServeConfig::unix(
+                    self.socket
+                        .clone()
+                        .unwrap_or_else(|| PathBuf::from(defaults::SOCKET)),
+                )
+            },
+            limiter: LimiterConfig {
+                actions: resolve_actions(actions, overrides)?,
+                escalation,
+            },
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        broker: BrokerLayer,
+    }
+
+    #[test]
+    fn listen_takes_a_port_or_an_address() {
+        let parse = |args: &[&str]| {
+            Cli::try_parse_from(std::iter::once("limiter").chain(args.iter().copied()))
+                .map(|c| c.broker.listen)
+        };
+        assert_eq!(parse(&[]).unwrap(), None);
+        assert_eq!(
+            parse(&["--listen", "7070"]).unwrap(),
+            Some("127.0.0.1:7070".parse().unwrap())
+        );
+        assert_eq!(
+            parse(&["--listen", "[::1]:7070"]).unwrap(),
+            Some("[::1]:7070".parse().unwrap())
+        );
+        assert!(parse(&["--listen", "nowhere"]).is_err());
+    }
+
+    #[test]
+    fn escalation_is_opt_in() {
+        let off = BrokerLayer::default()
+            .resolve(&BTreeMap::new(), &[])
+            .unwrap();
+        assert_eq!(off.limiter.escalation, None);
+        assert_eq!(off.serve.socket, PathBuf::from(defaults::SOCKET));
+    }
+}

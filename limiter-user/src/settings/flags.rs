@@ -1,0 +1,165 @@
+//! The settings as flags and file keys: one [`Layer`] type is both the command line (each flag
+//! also a `LIMITER_<NAME>` variable) and the file's top level, so a setting is declared once.
+
+use std::{net::SocketAddr, path::PathBuf, time::Duration};
+
+use clap::ValueEnum;
+use serde::{Deserialize, Serialize};
+
+use limiter_common::Refusal;
+
+use crate::datapath::XdpAttachMode;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RefusalArg {
+    /// Answer the SYN with RST|ACK: the client sees "connection refused" at once.
+    Rst,
+    /// Drop silently: the client retries into a timeout.
+    Drop,
+}
+
+impl From<RefusalArg> for Refusal {
+    fn from(arg: RefusalArg) -> Self {
+        match arg {
+            RefusalArg::Rst => Refusal::Rst,
+            RefusalArg::Drop => Refusal::Drop,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum XdpModeArg {
+    Auto,
+    Native,
+    Skb,
+}
+
+impl From<XdpModeArg> for XdpAttachMode {
+    fn from(mode: XdpModeArg) -> Self {
+        match mode {
+            XdpModeArg::Auto => XdpAttachMode::Auto,
+            XdpModeArg::Native => XdpAttachMode::Native,
+            XdpModeArg::Skb => XdpAttachMode::Skb,
+        }
+    }
+}
+
+/// One layer of settings: the command line (flags, each also `LIMITER_<NAME>`), or the TOML
+/// file (the same names, in kebab-case). Unset is `None` / empty so that layers can be merged:
+/// flags > environment > file > defaults.
+#[derive(clap::Args, Serialize, Deserialize, Clone, Debug, Default)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub struct Layer {
+    /// Interface to protect (repeatable); default: the interface of the default route.
+    #[arg(long, env = "LIMITER_IFACE", value_delimiter = ',')]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub iface: Vec<String>,
+    /// How XDP attaches: `native` needs driver support, `skb` works everywhere, `auto` tries
+    /// native first. [default: auto]
+    #[arg(long, env = "LIMITER_XDP_MODE", value_enum)]
+    pub xdp_mode: Option<XdpModeArg>,
+    /// Where maps and links are pinned, so enforcement outlives the agent and a new agent
+    /// adopts them. [default: /sys/fs/bpf/limiter]
+    #[arg(long, env = "LIMITER_PIN_DIR")]
+    pub pin_dir: Option<PathBuf>,
+    /// Protected local TCP ports, comma-separated; none protects every port.
+    #[arg(long, env = "LIMITER_PORTS", value_delimiter = ',')]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ports: Vec<u32>,
+    /// Concurrent connections per source (address masked to its prefix); 0 = no limit.
+    /// [default: 100]
+    #[arg(long, env = "LIMITER_MAX_CONN_PER_IP")]
+    pub max_conn_per_ip: Option<u32>,
+    /// Concurrent connections to the host; 0 = no limit. [default: 10000]
+    #[arg(long, env = "LIMITER_MAX_CONN_TOTAL")]
+    pub max_conn_total: Option<u32>,
+    /// New connections per second per source; 0 = no limit. [default: 20]
+    #[arg(long, env = "LIMITER_SYN_RATE")]
+    pub syn_rate: Option<u32>,
+    /// New connections a source may open back to back before the rate applies.
+    /// [default: twice the rate]
+    #[arg(long, env = "LIMITER_SYN_BURST")]
+    pub syn_burst: Option<u32>,
+    /// Prefix an IPv4 source is masked to before it is counted. [default: 32]
+    #[arg(long, env = "LIMITER_IPV4_PREFIX")]
+    pub ipv4_prefix: Option<u8>,
+    /// Prefix an IPv6 source is masked to (one client usually holds a whole /64). [default: 64]
+    #[arg(long, env = "LIMITER_IPV6_PREFIX")]
+    pub ipv6_prefix: Option<u8>,
+    /// How a SYN over a connection cap is refused. [default: rst]
+    #[arg(long, env = "LIMITER_REJECT_CONN", value_enum)]
+    pub reject_conn: Option<RefusalArg>,
+    /// How a SYN over the SYN rate is refused. [default: drop]
+    #[arg(long, env = "LIMITER_REJECT_RATE", value_enum)]
+    pub reject_rate: Option<RefusalArg>,
+    /// How a SYN from a banned source is refused (other packets are dropped). [default: drop]
+    #[arg(long, env = "LIMITER_REJECT_BAN", value_enum)]
+    pub reject_ban: Option<RefusalArg>,
+    /// How a SYN from a denylisted source is refused (other packets are dropped).
+    /// [default: drop]
+    #[arg(long, env = "LIMITER_REJECT_DENY", value_enum)]
+    pub reject_deny: Option<RefusalArg>,
+    /// Source CIDR never limited (repeatable).
+    #[arg(long, env = "LIMITER_ALLOW", value_delimiter = ',')]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub allow: Vec<String>,
+    /// Source CIDR whose packets to protected ports are dropped (repeatable).
+    #[arg(long, env = "LIMITER_DENY", value_delimiter = ',')]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub deny: Vec<String>,
+    /// Connections the flow table can track; sizes the per-source tables too. Applies when
+    /// the maps are created, not to maps adopted from a pin. [default: 131072]
+    #[arg(long, env = "LIMITER_FLOW_TABLE_SIZE")]
+    pub flow_table_size: Option<u32>,
+    /// Refuse new connections when the flow table is full, instead of passing them untracked.
+    #[arg(long, env = "LIMITER_FAIL_CLOSED", num_args = 0..=1, default_missing_value = "true")]
+    pub fail_closed: Option<bool>,
+    /// Forward the kernel programs' debug log (aya-log) to the agent's log.
+    #[arg(long, env = "LIMITER_KERNEL_DEBUG", num_args = 0..=1, default_missing_value = "true")]
+    pub kernel_debug: Option<bool>,
+    /// How often the sweeper runs. [default: 5s]
+    #[arg(long, env = "LIMITER_SWEEP_INTERVAL", value_parser = humantime::parse_duration)]
+    #[serde(default, with = "text_duration")]
+    pub sweep_interval: Option<Duration>,
+    /// Half-open connections older than this are evicted. [default: 30s]
+    #[arg(long, env = "LIMITER_SYN_TIMEOUT", value_parser = humantime::parse_duration)]
+    #[serde(default, with = "text_duration")]
+    pub syn_timeout: Option<Duration>,
+    /// Established connections idle longer than this are evicted. [default: 1h]
+    #[arg(long, env = "LIMITER_IDLE_TIMEOUT", value_parser = humantime::parse_duration)]
+    #[serde(default, with = "text_duration")]
+    pub idle_timeout: Option<Duration>,
+    /// Entries one sweep pass examines at most, so a huge table never stalls the agent.
+    /// [default: 65536]
+    #[arg(long, env = "LIMITER_SWEEP_BATCH")]
+    pub sweep_batch: Option<u32>,
+    /// Address of the HTTP listener (metrics, status, admin). [default: 127.0.0.1:9090]
+    #[arg(long, env = "LIMITER_HTTP")]
+    pub http: Option<SocketAddr>,
+    /// Bearer token the admin endpoints require; without one they are off.
+    #[arg(long, env = "LIMITER_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
+}
+
+/// Durations as text ("30s", "1h") in the file, and in the merged layers.
+pub mod text_duration {
+    use std::time::Duration;
+
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(value: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
+        match value {
+            Some(d) => s.serialize_str(&humantime::format_duration(*d).to_string()),
+            None => s.serialize_none(),
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+        let text = String::deserialize(d)?;
+        humantime::parse_duration(&text)
+            .map(Some)
+            .map_err(|e| serde::de::Error::custom(format!("`{text}` is not a duration: {e}")))
+    }
+}

@@ -1,0 +1,291 @@
+//! The agent's settings: declared once as flags that double as file keys ([`Layer`],
+//! [`BrokerLayer`], [`ActionFlags`]), merged by one generic rule (flags and `LIMITER_*` over the
+//! TOML file over the defaults), and checked into [`Settings`] by the one resolve that start
+//! and SIGHUP share. A bad value stops the agent before anything attaches, with a message
+//! naming the setting.
+
+mod broker;
+mod file;
+mod flags;
+mod resolve;
+
+use std::{
+    net::SocketAddr,
+    path::PathBuf,
+    sync::{Arc, RwLock},
+    time::Duration,
+};
+
+pub use broker::{ActionFlags, BrokerLayer, BrokerSettings, ServeConfig};
+pub use file::FileConfig;
+pub use flags::{Layer, RefusalArg, XdpModeArg};
+pub use resolve::{parse_cidr, parse_cidrs};
+
+use crate::datapath::{Policy, XdpAttachMode};
+pub use crate::errors::ConfigError;
+
+/// Every default, in one place.
+pub mod defaults {
+    use std::{
+        net::{IpAddr, Ipv4Addr, SocketAddr},
+        time::Duration,
+    };
+
+    pub const PIN_DIR: &str = "/sys/fs/bpf/limiter";
+    pub const HTTP: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 9090);
+    pub const SOCKET: &str = "/run/limiter/limiter.sock";
+    pub const MAX_CONN_PER_IP: u32 = 100;
+    pub const MAX_CONN_TOTAL: u32 = 10_000;
+    pub const SYN_RATE: u32 = 20;
+    pub const IPV4_PREFIX: u8 = 32;
+    pub const IPV6_PREFIX: u8 = 64;
+    pub const FLOW_TABLE_SIZE: u32 = 131_072;
+    pub const SWEEP_INTERVAL: Duration = Duration::from_secs(5);
+    pub const SYN_TIMEOUT: Duration = Duration::from_secs(30);
+    pub const IDLE_TIMEOUT: Duration = Duration::from_secs(3600);
+    pub const SWEEP_BATCH: u32 = 65_536;
+    pub const ESCALATE_WINDOW: Duration = Duration::from_secs(60);
+    pub const ESCALATE_BAN: Duration = Duration::from_secs(600);
+}
+
+/// Where `limiter run` takes its settings from.
+#[derive(clap::Args, Clone, Debug, Default)]
+pub struct RunArgs {
+    /// TOML configuration file; flags and environment variables win over it. SIGHUP re-reads it.
+    #[arg(long, env = "LIMITER_CONFIG")]
+    pub config: Option<PathBuf>,
+    #[command(flatten)]
+    pub layer: Layer,
+    #[command(flatten)]
+    pub broker: BrokerLayer,
+    #[command(flatten)]
+    pub actions: ActionFlags,
+}
+
+impl RunArgs {
+    /// Reads the file, puts the flags over it and checks the result: what `limiter run`
+    /// starts with and what SIGHUP reloads, by the same path.
+    pub fn resolve(&self) -> Result<Settings, ConfigError> {
+        let file = match &self.config {
+            Some(path) => FileConfig::read(path)?,
+            None => FileConfig::default(),
+        };
+        let layer = file::merge(&self.layer, &file.layer)?;
+        let broker = file::merge(&self.broker, &file.broker)?;
+        let broker = broker.resolve(&file.actions, &self.actions.overrides())?;
+        let mut settings = layer.resolve(broker)?;
+        settings.pinned = file::keys(&self.layer)?
+            .into_iter()
+            .chain(
+                file::keys(&self.broker)?
+                    .into_iter()
+                    .map(|k| format!("broker.{k}")),
+            )
+            .chain(
+                self.actions
+                    .overrides()
+                    .into_iter()
+                    .map(|(name, _)| format!("actions.{name}")),
+            )
+            .collect();
+        Ok(settings)
+    }
+}
+
+/// The sweeper's settings.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SweepSettings {
+    pub interval: Duration,
+    pub syn_timeout: Duration,
+    pub idle_timeout: Duration,
+    pub batch: u32,
+}
+
+/// Every setting of a running agent, checked.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    pub ifaces: Vec<String>,
+    pub xdp_mode: XdpAttachMode,
+    pub pin_dir: PathBuf,
+    pub policy: Policy,
+    /// Sizes the flow table and the per-source tables when the maps are created.
+    pub flow_table_size: u32,
+    pub kernel_debug: bool,
+    pub sweep: SweepSettings,
+    pub http: SocketAddr,
+    pub admin_token: Option<String>,
+    pub broker: BrokerSettings,
+    /// Settings the command line or the environment set, which the file cannot change.
+    pub pinned: Vec<String>,
+}
+
+/// The settings in force, shared by the services and replaced whole on SIGHUP; services read
+/// them per use, so a reload applies without restarting them.
+#[derive(Clone, Debug)]
+pub struct Live(Arc<RwLock<Settings>>);
+
+impl Live {
+    pub fn new(settings: Settings) -> Self {
+        Self(Arc::new(RwLock::new(settings)))
+    }
+
+    pub fn get(&self) -> Settings {
+        self.0.read().expect("settings lock").clone()
+    }
+
+    pub fn replace(&self, settings: Settings) {
+        *self.0.write().expect("settings lock") = settings;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+
+    use clap::Parser;
+    use limiter_common::Refusal;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Wrapper {
+        #[command(flatten)]
+        run: RunArgs,
+    }
+
+    fn args(args: &[&str]) -> RunArgs {
+        let mut argv = vec!["limiter"];
+        argv.extend_from_slice(args);
+        Wrapper::try_parse_from(argv).unwrap().run
+    }
+
+    fn policy(flags: &[&str]) -> Result<Policy, ConfigError> {
+        args(flags).resolve().map(|s| s.policy)
+    }
+
+    #[test]
+    fn defaults_suit_a_broker_host() {
+        let all = args(&[]).resolve().unwrap();
+        let config = all.policy.config();
+        assert_eq!(config.max_conn_per_ip, 100);
+        assert_eq!(config.syn_burst, 40);
+        assert_eq!(config.ipv6_prefix, 64);
+        assert_eq!(config.reject_conn, Refusal::Rst as u8);
+        assert_eq!(config.reject_rate, Refusal::Drop as u8);
+        assert_eq!(config.all_ports, 1);
+        assert_eq!(all.pin_dir, PathBuf::from(defaults::PIN_DIR));
+        assert_eq!(all.http, defaults::HTTP);
+        assert_eq!(all.admin_token, None);
+        assert_eq!(all.flow_table_size, defaults::FLOW_TABLE_SIZE);
+        assert!(all.pinned.is_empty());
+    }
+
+    #[test]
+    fn errors_name_the_setting() {
+        for (flags, setting) in [
+            (&["--ports", "70000"][..], "ports"),
+            (&["--ports", "0"][..], "ports"),
+            (&["--ipv4-prefix", "33"][..], "ipv4-prefix"),
+            (&["--ipv6-prefix", "129"][..], "ipv6-prefix"),
+            (&["--allow", "10.0.0.0/33"][..], "allow"),
+            (&["--allow", "not-a-net"][..], "allow"),
+            (&["--deny", "10.0.0.1/8"][..], "deny"),
+            (&["--syn-rate", "5", "--syn-burst", "0"][..], "syn-burst"),
+            (&["--flow-table-size", "0"][..], "flow-table-size"),
+            (&["--syn-timeout", "0s"][..], "syn-timeout"),
+            (&["--escalate-after", "0"][..], "escalate-after"),
+        ] {
+            let error = args(flags).resolve().unwrap_err();
+            assert_eq!(error.setting, setting, "{flags:?}: {error}");
+            assert!(error.to_string().contains(setting));
+        }
+    }
+
+    #[test]
+    fn lists_and_ports_reach_the_kernel_config() {
+        let p = policy(&[
+            "--ports",
+            "5672,8883",
+            "--allow",
+            "10.1.0.0/16,::1",
+            "--fail-closed",
+        ])
+        .unwrap();
+        assert_eq!(p.ports, vec![5672, 8883]);
+        let config = p.config();
+        assert_eq!(config.all_ports, 0);
+        assert_eq!(config.has_allow, 1);
+        assert_eq!(config.has_deny, 0);
+        assert_eq!(config.fail_closed, 1);
+        assert_eq!(p.allow[1].to_string(), "::1/128");
+        let mapped = policy(&["--deny", "::ffff:10.9.0.0/112"]).unwrap();
+        assert_eq!(mapped.deny[0].to_string(), "10.9.0.0/16");
+    }
+
+    fn with_file(text: &str, flags: &[&str]) -> Result<Settings, ConfigError> {
+        let mut file = tempfile::NamedTempFile::new().unwrap();
+        file.write_all(text.as_bytes()).unwrap();
+        let path = file.path().to_str().unwrap().to_owned();
+        let mut all = vec!["--config", path.as_str()];
+        all.extend_from_slice(flags);
+        args(&all).resolve()
+    }
+
+    #[test]
+    fn flags_win_over_the_file_and_the_file_over_defaults() {
+        let s = with_file(
+            "max-conn-per-ip = 7\nmax-conn-total = 70\nsyn-timeout = \"10s\"\nports = [5672]\n\n\
+             [broker]\nsocket = \"/tmp/x.sock\"\nescalate-after = 4\nescalate-window = \"2m\"\n\n\
+             [actions.login]\nlimit = 3\nwindow = \"1m\"\n\n[actions.auth]\nlimit = 7\nwindow = \"30s\"\n",
+            &["--max-conn-per-ip", "9", "--escalate-after", "9", "--auth-limit", "3"],
+        )
+        .unwrap();
+        let config = s.policy.config();
+        assert_eq!(config.max_conn_per_ip, 9);
+        assert_eq!(config.max_conn_total, 70);
+        assert_eq!(s.policy.ports, vec![5672]);
+        assert_eq!(s.sweep.syn_timeout, Duration::from_secs(10));
+        assert_eq!(s.sweep.idle_timeout, defaults::IDLE_TIMEOUT);
+        assert_eq!(s.broker.serve.socket, PathBuf::from("/tmp/x.sock"));
+        let escalation = s.broker.limiter.escalation.unwrap();
+        assert_eq!(
+            (escalation.after, escalation.window, escalation.ban),
+            (9, Duration::from_secs(120), defaults::ESCALATE_BAN)
+        );
+        let actions = &s.broker.limiter.actions;
+        assert!(actions.iter().any(|a| a.name == "login"));
+        let auth = actions.iter().find(|a| a.name == "auth").unwrap();
+        assert_eq!((auth.limit, auth.window), (3, Duration::from_secs(30)));
+        let mut pinned = s.pinned.clone();
+        pinned.sort();
+        assert_eq!(
+            pinned,
+            ["actions.auth", "broker.escalate-after", "max-conn-per-ip"]
+        );
+    }
+
+    #[test]
+    fn start_and_reload_reject_the_same_files() {
+        // An action with a limit and no window is refused by the one resolve both use.
+        let error = with_file("[actions.login]\nlimit = 3\n", &[]).unwrap_err();
+        assert!(error.setting.starts_with("actions.login"), "{error}");
+    }
+
+    #[test]
+    fn file_errors_name_the_key() {
+        for (text, needle) in [
+            (
+                "max-conn-per-ip = 1\nmax-conn-per-ipp = 2\n",
+                "max-conn-per-ipp",
+            ),
+            ("ipv4-prefix = 300\n", "300"),
+            ("idle-timeout = \"soon\"\n", "soon"),
+            ("reject-conn = \"maybe\"\n", "maybe"),
+            ("max-conn-total = \n", "config"),
+            ("[broker]\nsockett = \"/x\"\n", "sockett"),
+        ] {
+            let error = FileConfig::parse(text).unwrap_err();
+            assert!(error.to_string().contains(needle), "{text:?}: {error}");
+        }
+    }
+}

@@ -1,0 +1,184 @@
+//! Checks a merged [`Layer`] and fills in the defaults: the one path from what the operator
+//! wrote to the [`Settings`] the agent runs with, taken alike at start and on SIGHUP.
+
+use std::{net::IpAddr, path::PathBuf};
+
+use ipnet::IpNet;
+use limiter_common::{Config, Refusal};
+
+use super::{
+    BrokerSettings, ConfigError, Settings, SweepSettings, defaults,
+    flags::{Layer, RefusalArg, XdpModeArg},
+};
+use crate::datapath::Policy;
+
+impl Layer {
+    /// Fills in the defaults and checks every setting.
+    pub fn resolve(&self, broker: BrokerSettings) -> Result<Settings, ConfigError> {
+        let sweep = SweepSettings {
+            interval: self.sweep_interval.unwrap_or(defaults::SWEEP_INTERVAL),
+            syn_timeout: self.syn_timeout.unwrap_or(defaults::SYN_TIMEOUT),
+            idle_timeout: self.idle_timeout.unwrap_or(defaults::IDLE_TIMEOUT),
+            batch: self.sweep_batch.unwrap_or(defaults::SWEEP_BATCH),
+        };
+        for (setting, value) in [
+            ("sweep-interval", sweep.interval),
+            ("syn-timeout", sweep.syn_timeout),
+            ("idle-timeout", sweep.idle_timeout),
+        ] {
+            if value.is_zero() {
+                return Err(ConfigError::new(setting, "must be longer than zero"));
+            }
+        }
+        if sweep.batch == 0 {
+            return Err(ConfigError::new("sweep-batch", "must be at least 1"));
+        }
+        if self
+            .admin_token
+            .as_deref()
+            .is_some_and(|t| t.trim().is_empty())
+        {
+            return Err(ConfigError::new(
+                "admin-token",
+                "is empty (leave it out to turn the admin endpoints off)",
+            ));
+        }
+        Ok(Settings {
+            ifaces: self
+                .iface
+                .iter()
+                .map(|i| i.trim().to_string())
+                .filter(|i| !i.is_empty())
+                .collect(),
+            xdp_mode: self.xdp_mode.unwrap_or(XdpModeArg::Auto).into(),
+            pin_dir: self
+                .pin_dir
+                .clone()
+                .unwrap_or_else(|| PathBuf::from(defaults::PIN_DIR)),
+            policy: self.policy()?,
+            flow_table_size: self.flow_table_size()?,
+            kernel_debug: self.kernel_debug.unwrap_or(false),
+            sweep,
+            http: self.http.unwrap_or(defaults::HTTP),
+            admin_token: self.admin_token.clone(),
+            broker,
+            pinned: Vec::new(),
+        })
+    }
+
+    fn policy(&self) -> Result<Policy, ConfigError> {
+        let ports = self
+            .ports
+            .iter()
+            .map(|p| parse_port(*p))
+            .collect::<Result<Vec<_>, _>>()?;
+        let ipv4_prefix = self.ipv4_prefix.unwrap_or(defaults::IPV4_PREFIX);
+        let ipv6_prefix = self.ipv6_prefix.unwrap_or(defaults::IPV6_PREFIX);
+        if ipv4_prefix > 32 {
+            return Err(ConfigError::new(
+                "ipv4-prefix",
+                format!("{ipv4_prefix} is longer than an IPv4 address (32 bits)"),
+            ));
+        }
+        if ipv6_prefix > 128 {
+            return Err(ConfigError::new(
+                "ipv6-prefix",
+                format!("{ipv6_prefix} is longer than an IPv6 address (128 bits)"),
+            ));
+        }
+        let syn_rate = self.syn_rate.unwrap_or(defaults::SYN_RATE);
+        if syn_rate > 1_000_000_000 {
+            return Err(ConfigError::new(
+                "syn-rate",
+                "more than one SYN per nanosecond cannot be metered",
+            ));
+        }
+        let syn_burst = self.syn_burst.unwrap_or(syn_rate.saturating_mul(2));
+        if syn_rate != 0 && syn_burst == 0 {
+            return Err(ConfigError::new(
+                "syn-burst",
+                "must be at least 1 when a SYN rate is set",
+            ));
+        }
+        let allow = parse_cidrs("allow", &self.allow)?;
+        let deny = parse_cidrs("deny", &self.deny)?;
+        let refusal =
+            |arg: Option<RefusalArg>, default| Refusal::from(arg.unwrap_or(default)) as u8;
+        let limits = Config {
+            max_conn_per_ip: self.max_conn_per_ip.unwrap_or(defaults::MAX_CONN_PER_IP),
+            max_conn_total: self.max_conn_total.unwrap_or(defaults::MAX_CONN_TOTAL),
+            syn_rate,
+            syn_burst,
+            ipv4_prefix,
+            ipv6_prefix,
+            reject_conn: refusal(self.reject_conn, RefusalArg::Rst),
+            reject_rate: refusal(self.reject_rate, RefusalArg::Drop),
+            reject_ban: refusal(self.reject_ban, RefusalArg::Drop),
+            reject_deny: refusal(self.reject_deny, RefusalArg::Drop),
+            fail_closed: self.fail_closed.unwrap_or(false).into(),
+            ..Config::UNCONFIGURED
+        };
+        Ok(Policy {
+            limits,
+            ports,
+            allow,
+            deny,
+        })
+    }
+
+    fn flow_table_size(&self) -> Result<u32, ConfigError> {
+        match self.flow_table_size.unwrap_or(defaults::FLOW_TABLE_SIZE) {
+            0 => Err(ConfigError::new("flow-table-size", "must be at least 1")),
+            size => Ok(size),
+        }
+    }
+}
+
+fn parse_port(port: u32) -> Result<u16, ConfigError> {
+    match port {
+        1..=65_535 => Ok(port as u16),
+        _ => Err(ConfigError::new(
+            "ports",
+            format!("{port} is not a TCP port (1-65535)"),
+        )),
+    }
+}
+
+/// Parses CIDRs (a bare address is a host route); host bits set below the prefix are refused,
+/// since they usually mean a typo in the prefix.
+pub fn parse_cidrs(setting: &'static str, texts: &[String]) -> Result<Vec<IpNet>, ConfigError> {
+    texts
+        .iter()
+        .filter(|t| !t.trim().is_empty())
+        .map(|text| parse_cidr(setting, text))
+        .collect()
+}
+
+pub fn parse_cidr(setting: &'static str, text: &str) -> Result<IpNet, ConfigError> {
+    let text = text.trim();
+    let net = match text.parse::<IpNet>() {
+        Ok(net) => net,
+        Err(_) => match text.parse::<IpAddr>() {
+            Ok(addr) => IpNet::from(addr),
+            Err(_) => return Err(ConfigError::new(setting, format!("`{text}` is not a CIDR"))),
+        },
+    };
+    // An IPv4-mapped network is the IPv4 network it maps: IPv4 packets consult the IPv4 tries.
+    let net = match net {
+        IpNet::V6(v6) if v6.prefix_len() >= 96 => match v6.addr().to_ipv4_mapped() {
+            Some(v4) => IpNet::new(IpAddr::V4(v4), v6.prefix_len() - 96).unwrap_or(net),
+            None => net,
+        },
+        _ => net,
+    };
+    if net.trunc() != net {
+        return Err(ConfigError::new(
+            setting,
+            format!(
+                "`{text}` has host bits set below its prefix (did you mean {}?)",
+                net.trunc()
+            ),
+        ));
+    }
+    Ok(net)
+}
