@@ -8,10 +8,10 @@ use aya::{
 };
 use limiter_common::{AdjustRequest, FlowKey, ReleaseRequest, release};
 
-use super::{Datapath, LoadError, loader::program};
-
-pub const RELEASE_PROGRAM: &str = "limiter_release";
-pub const ADJUST_PROGRAM: &str = "limiter_adjust";
+use super::{
+    Datapath, LoadError,
+    programs::{ADJUST_PROGRAM, RELEASE_PROGRAM, program},
+};
 
 impl Datapath {
     /// Removes a flow and releases its slots exactly once, with the kernel's own atomics

@@ -14,13 +14,13 @@ use aya::{
 use limiter_common::map_names;
 use thiserror::Error;
 
-use super::{Maps, MapsError, helpers, pins};
+use super::{
+    Maps, MapsError, pins,
+    programs::{ADJUST_PROGRAM, RELEASE_PROGRAM, TC_PROGRAM, XDP_PROGRAM, program},
+};
 
 /// The kernel object, built by `cargo xtask build` and embedded so the agent is one file.
 pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(env!("LIMITER_EBPF_OBJECT"));
-
-pub const XDP_PROGRAM: &str = "limiter_xdp";
-pub const TC_PROGRAM: &str = "limiter_tc";
 
 #[derive(Debug, Error)]
 pub enum LoadError {
@@ -157,11 +157,7 @@ impl Datapath {
             }
         }
         let mut ebpf = loader.load(EBPF_OBJECT)?;
-        for name in [
-            XDP_PROGRAM,
-            helpers::RELEASE_PROGRAM,
-            helpers::ADJUST_PROGRAM,
-        ] {
+        for name in [XDP_PROGRAM, RELEASE_PROGRAM, ADJUST_PROGRAM] {
             program::<Xdp>(&mut ebpf, name)?
                 .load()
                 .map_err(|source| LoadError::Program { name, source })?;
@@ -294,14 +290,4 @@ where
         path: path.to_path_buf(),
         source: std::io::Error::other(e),
     })
-}
-
-pub(super) fn program<'a, P>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut P, LoadError>
-where
-    &'a mut P: TryFrom<&'a mut aya::programs::Program, Error = ProgramError>,
-{
-    ebpf.program_mut(name)
-        .ok_or(LoadError::MissingProgram(name))?
-        .try_into()
-        .map_err(|source| LoadError::Program { name, source })
 }

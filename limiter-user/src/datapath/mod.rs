@@ -9,16 +9,17 @@ mod loader;
 mod maps;
 pub mod pins;
 mod policy;
+mod programs;
 mod route;
 mod walk;
 
 pub use enforcer::{EnforceError, Enforcer};
 pub use loader::{
-    Attachment, Datapath, EBPF_OBJECT, KernelLogger, LoadError, LoadOptions, TC_PROGRAM,
-    XDP_PROGRAM, XdpAttachMode,
+    Attachment, Datapath, EBPF_OBJECT, KernelLogger, LoadError, LoadOptions, XdpAttachMode,
 };
 pub use maps::{Maps, MapsError, PacketCount};
 pub use pins::detach;
 pub use policy::Policy;
+pub use programs::{TC_PROGRAM, XDP_PROGRAM};
 pub use route::default_route_interface;
 pub use walk::{FlowBatch, SweepCursor};

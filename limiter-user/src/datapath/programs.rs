@@ -1,0 +1,20 @@
+//! The programs in the kernel object, by name, and how to find one of them.
+
+use aya::{Ebpf, programs::ProgramError};
+
+use super::LoadError;
+
+pub const XDP_PROGRAM: &str = "limiter_xdp";
+pub const TC_PROGRAM: &str = "limiter_tc";
+pub const RELEASE_PROGRAM: &str = "limiter_release";
+pub const ADJUST_PROGRAM: &str = "limiter_adjust";
+
+pub(super) fn program<'a, P>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut P, LoadError>
+where
+    &'a mut P: TryFrom<&'a mut aya::programs::Program, Error = ProgramError>,
+{
+    ebpf.program_mut(name)
+        .ok_or(LoadError::MissingProgram(name))?
+        .try_into()
+        .map_err(|source| LoadError::Program { name, source })
+}
