@@ -20,9 +20,9 @@ use limiter::{
         ActionConfig, KeyKind, Limiter, LimiterConfig, MonotonicClock, NoBans, Window,
         resolve_actions,
     },
-    client::Client,
     protocol::{ServeConfig, Server},
 };
+use limiter_client::Client;
 use tokio::net::{UnixListener, UnixStream};
 use tokio_util::codec::{Framed, LengthDelimitedCodec};
 

@@ -20,6 +20,7 @@ use axum::{
     routing::{delete, get, post},
 };
 use ipnet::IpNet;
+use limiter_client::{NEVER_MS, Outcome};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
@@ -27,7 +28,7 @@ use thiserror::Error;
 
 use crate::{
     agent::{Agent, AgentError, ListKind},
-    buckets::{CheckError, NEVER_MS, Outcome},
+    buckets::CheckError,
     maps::{MapsError, key_address, source_key},
     metrics::{self, Metrics, MetricsError},
     views::{

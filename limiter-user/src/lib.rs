@@ -4,7 +4,6 @@
 pub mod agent;
 pub mod buckets;
 pub mod cli;
-pub mod client;
 pub mod config;
 pub mod http;
 pub mod loader;

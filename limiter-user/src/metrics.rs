@@ -5,6 +5,7 @@
 
 use std::sync::{Arc, Mutex};
 
+use limiter_client::Outcome;
 use limiter_common::Event;
 use prometheus::{
     IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
@@ -13,11 +14,7 @@ use prometheus::{
 };
 use thiserror::Error;
 
-use crate::{
-    agent::Agent,
-    buckets::{Limiter, Outcome},
-    maps::MapsError,
-};
+use crate::{agent::Agent, buckets::Limiter, maps::MapsError};
 
 #[derive(Debug, Error)]
 pub enum MetricsError {

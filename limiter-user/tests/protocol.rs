@@ -12,12 +12,12 @@ use std::{
 
 use limiter::{
     buckets::{
-        ActionConfig, BanError, Banner, Escalation, EscalationConfig, Limiter, LimiterConfig,
-        ManualClock, Outcome, resolve_actions,
+        ActionConfig, BanError, Banner, EscalationConfig, Limiter, LimiterConfig, ManualClock,
+        resolve_actions,
     },
-    client::{Client, ClientError},
-    protocol::{ErrorCode, ServeConfig, Server},
+    protocol::{ServeConfig, Server},
 };
+use limiter_client::{Client, ClientError, ErrorCode, Escalation, Outcome};
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
     net::UnixStream,

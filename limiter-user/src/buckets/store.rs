@@ -16,16 +16,16 @@ use std::{
 };
 
 use dashmap::{DashMap, mapref::entry::Entry};
+use limiter_client::{Escalation, NEVER_MS, Outcome, Verdict};
 
 use super::{
     actions::{ActionSpec, KeyKind, Mode},
     ban::{BanError, Banner},
     clock::{Clock, ns_to_ms_ceil},
-    escalation::{Escalation, EscalationConfig, EscalationStats, Escalator},
+    escalation::{EscalationConfig, EscalationStats, Escalator},
     gcra::{Cell, Evaluation, Rate},
     keys::{self, KeyError, StoredKey},
     stats::{ActionStats, BlockedKey, OutcomeCounters},
-    verdict::{NEVER_MS, Outcome, Verdict},
 };
 
 /// Everything the limiter needs to start; see `protocol::AppArgs` for where it comes from.

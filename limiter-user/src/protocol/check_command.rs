@@ -5,9 +5,9 @@
 use std::{net::SocketAddr, path::PathBuf, process::ExitCode};
 
 use anyhow::{Context, Result};
+use limiter_client::{Client, NEVER_MS, Verdict};
 
 use super::config::DEFAULT_SOCKET;
-use crate::{buckets::Verdict, client::Client};
 
 #[derive(clap::Args, Debug)]
 pub struct CheckArgs {
@@ -63,7 +63,7 @@ impl CheckArgs {
 
 fn render(v: &Verdict) -> String {
     let ms = |ms: u64| {
-        if ms == crate::buckets::NEVER_MS {
+        if ms == NEVER_MS {
             "never".to_owned()
         } else {
             ms.to_string()

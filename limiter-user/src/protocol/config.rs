@@ -10,11 +10,11 @@ use std::{
     time::Duration,
 };
 
+use limiter_client::DEFAULT_MAX_FRAME;
+
 use crate::buckets::{
     ActionConfig, ConfigError, EscalationConfig, LimiterConfig, Window, escalation, resolve_actions,
 };
-
-use super::codec::DEFAULT_MAX_FRAME;
 
 pub const DEFAULT_SOCKET: &str = "/run/limiter/limiter.sock";
 

@@ -14,6 +14,7 @@ use std::{
 };
 
 use futures::{FutureExt, SinkExt, StreamExt};
+use limiter_client::{CodecError, ErrorCode, ParseError, Received, Request, Response, ServerCodec};
 use tokio::{
     io::{AsyncRead, AsyncWrite},
     net::{TcpListener, UnixListener},
@@ -21,11 +22,7 @@ use tokio::{
 };
 use tokio_util::codec::Framed;
 
-use super::{
-    codec::{CodecError, Received, ServerCodec},
-    config::ServeConfig,
-    frame::{ErrorCode, ParseError, Request, Response},
-};
+use super::config::ServeConfig;
 use crate::buckets::{CheckError, Limiter};
 
 #[derive(Debug, thiserror::Error)]
