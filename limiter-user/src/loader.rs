@@ -31,6 +31,9 @@ pub const ADJUST_PROGRAM: &str = "limiter_adjust";
 pub enum LoadError {
     #[error("loading the eBPF object")]
     Load(#[from] aya::EbpfError),
+    /// build.rs embedded an empty stub because the object had not been built.
+    #[error("this agent was built without its eBPF object: build it with `cargo xtask build`")]
+    NoObject,
     #[error("program {0} is missing from the eBPF object")]
     MissingProgram(&'static str),
     #[error("preparing program {name}")]
@@ -182,6 +185,9 @@ impl Datapath {
             for name in PINNED_MAPS {
                 loader.map_pin_path(name, pins::map(dir, name));
             }
+        }
+        if EBPF_OBJECT.is_empty() {
+            return Err(LoadError::NoObject);
         }
         let mut ebpf = loader.load(EBPF_OBJECT)?;
         for name in [XDP_PROGRAM, RELEASE_PROGRAM, ADJUST_PROGRAM] {
