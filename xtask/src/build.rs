@@ -19,7 +19,8 @@ pub fn ebpf() -> Result<PathBuf> {
     status(
         cargo(NIGHTLY)
             .args(["build", "-Z", "build-std=core", "--target", BPF_TARGET])
-            .args(["--release", "--bins", "-p", "limiter-ebpf", "--target-dir"])
+            .args(["--release", "--bins", "-p", "limiter-ebpf"])
+            .args(["--features", "bpf", "--target-dir"])
             .arg(paths::ebpf_target_dir())
             .env("PATH", path)
             .env(

@@ -39,7 +39,8 @@ pub fn run() -> Result<()> {
     status(
         cargo(NIGHTLY)
             .args(["clippy", "-Z", "build-std=core", "--target", BPF_TARGET])
-            .args(["--release", "-p", "limiter-ebpf", "--target-dir"])
+            .args(["--release", "-p", "limiter-ebpf"])
+            .args(["--features", "bpf", "--target-dir"])
             .arg(paths::ebpf_target_dir())
             .args(["--", "-D", "warnings"]),
     )?;
