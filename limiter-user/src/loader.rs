@@ -168,6 +168,9 @@ pub type KernelLogger = aya_log::EbpfLogger<&'static dyn log::Log>;
 
 impl Datapath {
     pub fn load(options: LoadOptions) -> Result<Self, LoadError> {
+        if EBPF_OBJECT.is_empty() {
+            return Err(LoadError::NoObject);
+        }
         // aya-log's levels: 0 turns every statement off, 4 keeps debug and above.
         let log_level: u8 = if options.kernel_debug { 4 } else { 0 };
         let mut loader = EbpfLoader::new();
@@ -185,9 +188,6 @@ impl Datapath {
             for name in PINNED_MAPS {
                 loader.map_pin_path(name, pins::map(dir, name));
             }
-        }
-        if EBPF_OBJECT.is_empty() {
-            return Err(LoadError::NoObject);
         }
         let mut ebpf = loader.load(EBPF_OBJECT)?;
         for name in [XDP_PROGRAM, RELEASE_PROGRAM, ADJUST_PROGRAM] {
