@@ -4,6 +4,8 @@
 //! with explicit padding fields: the agent must see exactly what the programs wrote, and the
 //! verifier rejects reads of uninitialised stack bytes in map keys.
 #![no_std]
+#![deny(missing_docs)]
+#![warn(missing_debug_implementations)]
 
 pub mod stats;
 
@@ -11,19 +13,33 @@ pub use stats::{Direction, Event, Reason, Verdict};
 
 /// Names of the maps, shared so that a rename breaks the build rather than the agent.
 pub mod map_names {
+    /// The one [`Config`](crate::Config), rewritten by the agent on every settings change.
     pub const CONFIG: &str = "CONFIG";
+    /// One byte per local port, non-zero for a protected port (unless `all_ports` is set).
     pub const PORTS: &str = "PORTS";
+    /// Admitted connections: [`FlowKey`](crate::FlowKey) to [`Flow`](crate::Flow).
     pub const FLOWS: &str = "FLOWS";
+    /// Open connections per [`SourceKey`](crate::SourceKey), for the per-source cap.
     pub const SOURCE_CONNS: &str = "SOURCE_CONNS";
+    /// Open connections to the host, for the total cap: a single counter.
     pub const GLOBAL_CONNS: &str = "GLOBAL_CONNS";
+    /// The SYN rate's [`SynBucket`](crate::SynBucket) per source.
     pub const SYN_BUCKETS: &str = "SYN_BUCKETS";
+    /// Banned sources and when each ban ends.
     pub const BANS: &str = "BANS";
+    /// IPv4 prefixes that bypass every limit.
     pub const ALLOW_V4: &str = "ALLOW_V4";
+    /// IPv6 prefixes that bypass every limit.
     pub const ALLOW_V6: &str = "ALLOW_V6";
+    /// IPv4 prefixes whose SYNs are always refused.
     pub const DENY_V4: &str = "DENY_V4";
+    /// IPv6 prefixes whose SYNs are always refused.
     pub const DENY_V6: &str = "DENY_V6";
+    /// Per-CPU packet counters, indexed by [`stat_slot`](crate::stats::stat_slot).
     pub const STATS: &str = "STATS";
+    /// Per-CPU flow event counters, indexed by [`Event`](crate::Event).
     pub const EVENTS: &str = "EVENTS";
+    /// Refusals per source and reason ([`Blocked`](crate::Blocked)), for the top-blocked lists.
     pub const BLOCKED: &str = "BLOCKED";
 }
 
@@ -38,6 +54,8 @@ pub enum Refusal {
 }
 
 impl Refusal {
+    /// Reads a byte the agent wrote into [`Config`]. Anything but `Rst` is `Drop`, so a byte
+    /// that is not a valid refusal fails quiet rather than answering floods with RSTs.
     pub const fn from_u8(value: u8) -> Self {
         if value == Refusal::Rst as u8 {
             Refusal::Rst
@@ -61,13 +79,18 @@ pub struct Config {
     pub syn_rate: u32,
     /// SYNs a source may send back to back before the rate applies.
     pub syn_burst: u32,
-    /// Prefix lengths the source address is masked to before it becomes a key.
+    /// Prefix length an IPv4 source is masked to before it becomes a key (32: per address).
     pub ipv4_prefix: u8,
+    /// Prefix length an IPv6 source is masked to (e.g. 64, since one host often holds a /64).
     pub ipv6_prefix: u8,
-    /// [`Refusal`] per reason, as `u8` so that any byte the agent writes is valid.
+    /// [`Refusal`] for the connection caps and a full flow table, as `u8` so that any byte
+    /// the agent writes is valid.
     pub reject_conn: u8,
+    /// [`Refusal`] for the SYN rate.
     pub reject_rate: u8,
+    /// [`Refusal`] for banned sources.
     pub reject_ban: u8,
+    /// [`Refusal`] for denylisted sources.
     pub reject_deny: u8,
     /// Non-zero: a new connection that finds the flow table full is refused, not let through.
     pub fail_closed: u8,
@@ -75,7 +98,9 @@ pub struct Config {
     pub all_ports: u8,
     /// Non-zero when the allow / deny tries hold entries: lets the fast path skip empty tries.
     pub has_allow: u8,
+    /// Non-zero when the deny tries hold entries.
     pub has_deny: u8,
+    /// Explicit padding, always zero, so the layout has no bytes the compiler chose.
     pub _pad: [u8; 2],
 }
 
@@ -105,6 +130,7 @@ impl Config {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct SourceKey {
+    /// The masked address, IPv6 byte order; bits beyond the prefix are zero.
     pub addr: [u8; 16],
 }
 
@@ -113,10 +139,15 @@ pub struct SourceKey {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct FlowKey {
+    /// The client's address, IPv4-mapped for IPv4, unmasked.
     pub remote: [u8; 16],
+    /// The protected address the client connected to.
     pub local: [u8; 16],
+    /// The client's port, host byte order.
     pub remote_port: u16,
+    /// The protected port, host byte order.
     pub local_port: u16,
+    /// Explicit padding, always zero: a key's every byte is hashed.
     pub _pad: u32,
 }
 
@@ -128,6 +159,7 @@ pub mod flow_state {
     pub const FIN_IN: u32 = 2;
     /// A FIN went to the client.
     pub const FIN_OUT: u32 = 4;
+    /// Both FINs seen: whoever sets the second bit deletes the flow.
     pub const FIN_BOTH: u32 = FIN_IN | FIN_OUT;
 }
 
@@ -145,9 +177,12 @@ pub struct Flow {
     pub source: SourceKey,
     /// [`flow_state`] bits.
     pub state: u32,
+    /// Explicit padding, always zero.
     pub _pad: u32,
 }
 
+/// How stale [`Flow::last_seen_ns`] may be. Writing it on every packet would bounce the
+/// flow's cache line between cores; idle timeouts are many seconds, so a second is plenty.
 pub const LAST_SEEN_GRANULARITY_NS: u64 = 1_000_000_000;
 
 /// GCRA state of one source's SYN rate: the theoretical arrival time of the next SYN.
@@ -155,6 +190,7 @@ pub const LAST_SEEN_GRANULARITY_NS: u64 = 1_000_000_000;
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SynBucket {
+    /// Theoretical arrival time, `CLOCK_BOOTTIME` nanoseconds.
     pub tat_ns: u64,
 }
 
@@ -162,11 +198,14 @@ pub struct SynBucket {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Ban {
+    /// `CLOCK_BOOTTIME` nanoseconds at which the ban ends.
     pub expires_ns: u64,
 }
 
-/// Key of the allow / deny LPM tries' data part (the prefix length is aya's `Key` wrapper).
+/// Key of the IPv4 allow / deny LPM tries' data part (the prefix length is aya's `Key`
+/// wrapper), in network byte order as the trie compares bits from the first byte.
 pub type Ipv4Bits = [u8; 4];
+/// Key of the IPv6 allow / deny LPM tries' data part.
 pub type Ipv6Bits = [u8; 16];
 
 /// Per-source refusal counts, for the agent's top-blocked lists; one slot per refusal reason,
@@ -174,6 +213,7 @@ pub type Ipv6Bits = [u8; 16];
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct Blocked {
+    /// Refused SYNs, per [`Reason::blocked_slot`].
     pub counts: [u64; Reason::REFUSAL_COUNT],
 }
 
@@ -183,6 +223,7 @@ pub struct Blocked {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ReleaseRequest {
+    /// The flow to delete and release.
     pub flow: FlowKey,
 }
 
@@ -192,11 +233,13 @@ pub struct ReleaseRequest {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AdjustRequest {
+    /// The source whose counter drifted (ignored when `global` is set).
     pub source: SourceKey,
     /// Added to the counter (two's complement: negative lowers it).
     pub delta: i64,
     /// Non-zero: adjust the global counter, not `source`'s.
     pub global: u32,
+    /// Explicit padding, always zero.
     pub _pad: u32,
 }
 

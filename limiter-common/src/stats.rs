@@ -4,7 +4,9 @@
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Direction {
+    /// XDP, on packets arriving: where SYNs are admitted or refused.
     Ingress = 0,
+    /// TC, on packets leaving: tracks the server's side of each flow (FINs, RSTs).
     Egress = 1,
 }
 
@@ -12,8 +14,11 @@ pub enum Direction {
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Verdict {
+    /// Let through to the stack.
     Pass = 0,
+    /// Dropped without an answer.
     Drop = 1,
+    /// Refused with a RST|ACK sent back from XDP.
     Rst = 2,
 }
 
@@ -21,10 +26,15 @@ pub enum Verdict {
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Reason {
+    /// The source already holds its maximum of concurrent connections.
     ConnPerIp = 0,
+    /// The host already holds its maximum of concurrent connections.
     ConnTotal = 1,
+    /// The source sent SYNs faster than its rate and burst allow.
     SynRate = 2,
+    /// The source is banned (by an operator or by escalation).
     Banned = 3,
+    /// The source is in a deny prefix.
     Denylisted = 4,
     /// The flow table was full: refused when fail-closed, passed untracked when fail-open.
     FlowTableFull = 5,
@@ -36,9 +46,13 @@ pub enum Reason {
     Tracked = 8,
     /// A TCP packet to a protected port that belongs to no tracked flow.
     Untracked = 9,
+    /// The source is in an allow prefix: passed without counting towards any limit.
     Allowlisted = 10,
+    /// TCP to a port that is not protected.
     UnprotectedPort = 11,
+    /// IP, but not TCP.
     NonTcp = 12,
+    /// Neither IPv4 nor IPv6.
     NonIp = 13,
     /// An IPv4 or IPv6 fragment other than the first: no TCP header to read.
     Fragment = 14,
@@ -47,9 +61,11 @@ pub enum Reason {
 }
 
 impl Reason {
+    /// Number of reasons; sizes the `STATS` array.
     pub const COUNT: usize = 16;
     /// Reasons a SYN can be refused for: the first six.
     pub const REFUSAL_COUNT: usize = 6;
+    /// Every reason in wire order, for code that reads every counter.
     pub const ALL: [Reason; Reason::COUNT] = [
         Reason::ConnPerIp,
         Reason::ConnTotal,
@@ -103,9 +119,12 @@ impl Reason {
 }
 
 impl Verdict {
+    /// Number of verdicts; sizes the `STATS` array.
     pub const COUNT: usize = 3;
+    /// Every verdict in wire order.
     pub const ALL: [Verdict; Verdict::COUNT] = [Verdict::Pass, Verdict::Drop, Verdict::Rst];
 
+    /// The verdict as a metric label.
     pub const fn label(self) -> &'static str {
         match self {
             Verdict::Pass => "pass",
@@ -116,9 +135,12 @@ impl Verdict {
 }
 
 impl Direction {
+    /// Number of directions; sizes the `STATS` array.
     pub const COUNT: usize = 2;
+    /// Both directions in wire order.
     pub const ALL: [Direction; Direction::COUNT] = [Direction::Ingress, Direction::Egress];
 
+    /// The direction as a metric label.
     pub const fn label(self) -> &'static str {
         match self {
             Direction::Ingress => "ingress",
@@ -151,7 +173,9 @@ pub enum Event {
 }
 
 impl Event {
+    /// Number of events; sizes the `EVENTS` array.
     pub const COUNT: usize = 4;
+    /// Every event in wire order.
     pub const ALL: [Event; Event::COUNT] = [
         Event::Opened,
         Event::ClosedRst,
@@ -159,6 +183,7 @@ impl Event {
         Event::Released,
     ];
 
+    /// The event as a metric label.
     pub const fn label(self) -> &'static str {
         match self {
             Event::Opened => "opened",

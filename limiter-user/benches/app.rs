@@ -20,10 +20,10 @@ use limiter::{
         ActionConfig, KeyKind, Limiter, LimiterConfig, MonotonicClock, NoBans, Window,
         resolve_actions,
     },
-    client::Client,
     protocol::Server,
     settings::ServeConfig,
 };
+use limiter_client::Client;
 use tokio::net::{UnixListener, UnixStream};
 use tokio_util::codec::{Framed, LengthDelimitedCodec};
 

@@ -14,7 +14,6 @@
 pub mod api;
 pub mod buckets;
 pub mod cli;
-pub mod client;
 pub mod datapath;
 pub mod errors;
 pub mod ops;

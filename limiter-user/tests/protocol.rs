@@ -12,13 +12,13 @@ use std::{
 
 use limiter::{
     buckets::{
-        ActionConfig, BanError, Banner, Escalation, EscalationConfig, Limiter, LimiterConfig,
-        ManualClock, Outcome, resolve_actions,
+        ActionConfig, BanError, Banner, EscalationConfig, Limiter, LimiterConfig, ManualClock,
+        resolve_actions,
     },
-    client::{Client, ClientError},
-    protocol::{ErrorCode, Server},
+    protocol::Server,
     settings::ServeConfig,
 };
+use limiter_client::{Client, ClientError, ErrorCode, Escalation, Outcome};
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
     net::UnixStream,

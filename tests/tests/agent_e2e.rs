@@ -295,7 +295,7 @@ fn repeated_auth_refusals_become_a_kernel_ban() {
         .build()
         .unwrap();
     let refused = runtime.block_on(async {
-        let client = limiter::client::Client::connect_unix(s.socket())
+        let client = limiter_client::Client::connect_unix(s.socket())
             .await
             .unwrap();
         let key = CLIENT_V4.to_string();

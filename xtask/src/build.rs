@@ -2,45 +2,13 @@
 
 use std::{path::PathBuf, process::Command};
 
-use anyhow::{Context, Result, bail};
+use anyhow::Result;
 
 use crate::{
+    cmd::{cargo, status},
     paths::{self, BPF_TARGET, NIGHTLY},
     setup,
 };
-
-/// Environment a nested cargo must not inherit from the `cargo run` that started xtask.
-const INHERITED: &[&str] = &[
-    "RUSTUP_TOOLCHAIN",
-    "RUSTC",
-    "RUSTC_WRAPPER",
-    "RUSTFLAGS",
-    "CARGO_ENCODED_RUSTFLAGS",
-    "CARGO_BUILD_RUSTFLAGS",
-    "CARGO_TARGET_DIR",
-];
-
-/// A cargo command on the given toolchain, run from the workspace root, with a clean environment.
-pub fn cargo(toolchain: &str) -> Command {
-    let mut cmd = Command::new("rustup");
-    cmd.args(["run", toolchain, "cargo"])
-        .current_dir(paths::root());
-    for var in INHERITED {
-        cmd.env_remove(var);
-    }
-    cmd.env("LIMITER_EBPF_OBJECT", paths::ebpf_object());
-    cmd
-}
-
-/// Runs a command, echoing it, and fails with its exit status.
-pub fn status(cmd: &mut Command) -> Result<()> {
-    let shown = format!("{cmd:?}");
-    let st = cmd.status().with_context(|| format!("starting {shown}"))?;
-    if !st.success() {
-        bail!("{shown} failed: {st}");
-    }
-    Ok(())
-}
 
 /// Builds the kernel programs with BPF CPU v3 (atomic fetch-add and compare-and-swap) and BTF.
 pub fn ebpf() -> Result<PathBuf> {
@@ -51,7 +19,8 @@ pub fn ebpf() -> Result<PathBuf> {
     status(
         cargo(NIGHTLY)
             .args(["build", "-Z", "build-std=core", "--target", BPF_TARGET])
-            .args(["--release", "--bins", "-p", "limiter-ebpf", "--target-dir"])
+            .args(["--release", "--bins", "-p", "limiter-ebpf"])
+            .args(["--features", "bpf", "--target-dir"])
             .arg(paths::ebpf_target_dir())
             .env("PATH", path)
             .env(

@@ -2,8 +2,11 @@
 //!
 //! Every command that builds calls [`setup::ensure`] first, so a machine with nothing but
 //! rustup and a stable toolchain gets the pinned nightly and `bpf-linker` on first use.
+//!
+//! Modules import only those below them: `test` → `build` → `setup` → `cmd` → `paths`.
 
 mod build;
+mod cmd;
 mod paths;
 mod setup;
 mod test;

@@ -4,7 +4,10 @@ use std::{fs, os::unix::fs::symlink, path::Path, process::Command};
 
 use anyhow::{Context, Result, bail};
 
-use crate::paths::{self, BPF_LINKER_VERSION, NIGHTLY};
+use crate::{
+    cmd::{output, status},
+    paths::{self, BPF_LINKER_VERSION, NIGHTLY},
+};
 
 /// `rust-src` for `-Z build-std=core`; clippy to lint the eBPF crate on its own toolchain.
 const NIGHTLY_COMPONENTS: &[&str] = &["rust-src", "clippy"];
@@ -40,7 +43,7 @@ fn ensure_nightly() -> Result<()> {
     for component in NIGHTLY_COMPONENTS {
         cmd.args(["--component", component]);
     }
-    crate::build::status(&mut cmd)
+    status(&mut cmd)
 }
 
 fn ensure_bpf_linker() -> Result<()> {
@@ -68,7 +71,7 @@ fn ensure_bpf_linker() -> Result<()> {
     println!(
         "setup: building bpf-linker {BPF_LINKER_VERSION} against {NIGHTLY}'s LLVM {major} (about 90 s)"
     );
-    crate::build::status(
+    status(
         Command::new("cargo")
             .args([
                 "install",
@@ -120,22 +123,6 @@ fn link_libllvm(sysroot: &Path, soname: &str, dir: &Path) -> Result<()> {
     Ok(())
 }
 
-fn output(program: &str, args: &[&str]) -> Result<String> {
-    let out = Command::new(program)
-        .args(args)
-        .env_remove("RUSTUP_TOOLCHAIN")
-        .output()
-        .with_context(|| format!("running {program}"))?;
-    if !out.status.success() {
-        bail!(
-            "{program} {} failed: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-    }
-    Ok(String::from_utf8(out.stdout)?)
-}
-
 /// The network-namespace tests drive `ip` (iproute2); a minimal image may lack it.
 pub fn ensure_iproute2() -> Result<()> {
     if Command::new("ip")
@@ -146,6 +133,6 @@ pub fn ensure_iproute2() -> Result<()> {
         return Ok(());
     }
     println!("setup: installing iproute2");
-    crate::build::status(Command::new("apt-get").args(["update", "-q"]))?;
-    crate::build::status(Command::new("apt-get").args(["install", "-y", "-q", "iproute2"]))
+    status(Command::new("apt-get").args(["update", "-q"]))?;
+    status(Command::new("apt-get").args(["install", "-y", "-q", "iproute2"]))
 }

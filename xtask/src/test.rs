@@ -9,15 +9,17 @@ use std::{
 use anyhow::{Context, Result, bail};
 
 use crate::{
-    build::{self, cargo, status},
+    build,
+    cmd::{cargo, status},
     paths::{self, BPF_TARGET, NIGHTLY},
+    setup,
 };
 
 /// The package holding every test that needs root, BPF and network namespaces.
 const PRIVILEGED: &str = "limiter-tests";
 
 pub fn run() -> Result<()> {
-    crate::setup::ensure()?;
+    setup::ensure()?;
     step("formatting");
     status(cargo("stable").args(["fmt", "--all", "--check"]))?;
     step("eBPF build");
@@ -37,7 +39,8 @@ pub fn run() -> Result<()> {
     status(
         cargo(NIGHTLY)
             .args(["clippy", "-Z", "build-std=core", "--target", BPF_TARGET])
-            .args(["--release", "-p", "limiter-ebpf", "--target-dir"])
+            .args(["--release", "-p", "limiter-ebpf"])
+            .args(["--features", "bpf", "--target-dir"])
             .arg(paths::ebpf_target_dir())
             .args(["--", "-D", "warnings"]),
     )?;
@@ -117,7 +120,7 @@ fn preflight() -> Result<()> {
     if !Path::new("/sys/kernel/btf/vmlinux").exists() {
         bail!("this kernel exposes no BTF (/sys/kernel/btf/vmlinux): the kernel programs need it");
     }
-    crate::setup::ensure_iproute2()
+    setup::ensure_iproute2()
 }
 
 const BPFFS: &str = "/sys/fs/bpf";

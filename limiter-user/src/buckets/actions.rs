@@ -6,6 +6,7 @@
 
 use std::{collections::BTreeMap, fmt, time::Duration};
 
+use limiter_client::MAX_ACTION_NAME;
 use serde::{Deserialize, Deserializer, Serialize, de};
 
 use super::gcra::Rate;
@@ -149,9 +150,6 @@ pub fn builtin_actions() -> Vec<ActionSpec> {
 
 /// Errors name the setting as the operator wrote it (`actions.auth.window`).
 pub use crate::errors::ConfigError;
-
-/// Longest action name; names travel in a one-byte length field.
-pub const MAX_ACTION_NAME: usize = 64;
 
 /// Applies the config file's tables, then the flag overrides, over the built-ins.
 /// `overrides` is keyed by action name; their errors name the action's flags as a group.

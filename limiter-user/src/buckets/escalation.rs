@@ -15,6 +15,7 @@ use std::{
 };
 
 use dashmap::{DashMap, mapref::entry::Entry};
+use limiter_client::Escalation;
 use serde::Serialize;
 
 use super::{
@@ -34,23 +35,6 @@ pub struct EscalationConfig {
     /// T.
     pub ban: Duration,
     pub max_addresses: usize,
-}
-
-/// What one failure led to.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Escalation {
-    /// Escalation is not configured.
-    Off,
-    /// Counted; `failures` within the window so far.
-    Counted { failures: u32 },
-    /// This failure crossed the threshold and the ban was placed.
-    Banned,
-    /// The address is already banned by this tracker; nothing new happens.
-    AlreadyBanned,
-    /// The threshold was crossed but the ban could not be placed; the next failure retries.
-    BanFailed,
-    /// The tracker is full of other addresses; this one is not counted.
-    Untracked,
 }
 
 #[derive(Debug, Default)]

@@ -3,12 +3,10 @@
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
+use limiter_client::MAX_KEY_LEN;
 use sha2::{Digest, Sha256};
 
 use super::actions::KeyKind;
-
-/// Longest key accepted; session tokens and user names fit with room to spare.
-pub const MAX_KEY_LEN: usize = 1024;
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum KeyError {

@@ -9,18 +9,13 @@ pub mod gcra;
 pub mod keys;
 pub mod stats;
 pub mod store;
-pub mod verdict;
 
-pub use actions::{
-    ActionConfig, ActionSpec, ConfigError, KeyKind, MAX_ACTION_NAME, Window, resolve_actions,
-};
+pub use actions::{ActionConfig, ActionSpec, ConfigError, KeyKind, Window, resolve_actions};
 pub use ban::{BanError, Banner, NoBans};
 pub use clock::{Clock, ManualClock, MonotonicClock};
-pub use escalation::{Escalation, EscalationConfig, EscalationStats};
-pub use keys::MAX_KEY_LEN;
+pub use escalation::{EscalationConfig, EscalationStats};
 pub use stats::ActionStats;
 pub use store::{CheckError, Limiter, LimiterConfig};
-pub use verdict::{NEVER_MS, Outcome, Verdict};
 
 #[cfg(test)]
 mod tests;

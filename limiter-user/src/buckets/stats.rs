@@ -7,9 +7,8 @@ use std::{
     sync::atomic::{AtomicU64, AtomicUsize, Ordering},
 };
 
+use limiter_client::Outcome;
 use serde::Serialize;
-
-use super::verdict::Outcome;
 
 const STRIPES: usize = 16;
 

@@ -16,6 +16,7 @@ use std::{
 };
 
 use dashmap::{DashMap, mapref::entry::Entry};
+use limiter_client::{Escalation, NEVER_MS, Outcome, Verdict};
 
 use crate::api::BlockedKey;
 
@@ -23,11 +24,10 @@ use super::{
     actions::{ActionSpec, KeyKind, Mode},
     ban::{BanError, Banner},
     clock::{Clock, ns_to_ms_ceil},
-    escalation::{Escalation, EscalationConfig, EscalationStats, Escalator},
+    escalation::{EscalationConfig, EscalationStats, Escalator},
     gcra::{Cell, Evaluation, Rate},
     keys::{self, KeyError, StoredKey},
     stats::{ActionStats, OutcomeCounters},
-    verdict::{NEVER_MS, Outcome, Verdict},
 };
 
 /// Everything the limiter needs to start; see `protocol::AppArgs` for where it comes from.

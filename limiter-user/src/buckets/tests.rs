@@ -8,6 +8,8 @@ use std::{
     time::Duration,
 };
 
+use limiter_client::{Escalation, NEVER_MS, Outcome};
+
 use super::{escalation::tests::RecordingBanner, *};
 
 fn limiter_with(

@@ -26,6 +26,9 @@ pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(env!("LIMITER_EBPF_O
 pub enum LoadError {
     #[error("loading the eBPF object")]
     Load(#[from] aya::EbpfError),
+    /// build.rs embedded an empty stub because the object had not been built.
+    #[error("this agent was built without its eBPF object: build it with `cargo xtask build`")]
+    NoObject,
     #[error("program {0} is missing from the eBPF object")]
     MissingProgram(&'static str),
     #[error("preparing program {name}")]
@@ -138,6 +141,9 @@ pub type KernelLogger = aya_log::EbpfLogger<&'static dyn log::Log>;
 
 impl Datapath {
     pub fn load(options: LoadOptions) -> Result<Self, LoadError> {
+        if EBPF_OBJECT.is_empty() {
+            return Err(LoadError::NoObject);
+        }
         // aya-log's levels: 0 turns every statement off, 4 keeps debug and above.
         let log_level: u8 = if options.kernel_debug { 4 } else { 0 };
         let mut loader = EbpfLoader::new();

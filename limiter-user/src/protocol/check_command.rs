@@ -5,8 +5,7 @@
 use std::{net::SocketAddr, path::PathBuf, process::ExitCode};
 
 use anyhow::{Context, Result};
-
-use crate::{buckets::Verdict, client::Client};
+use limiter_client::{Client, NEVER_MS, Verdict};
 
 #[derive(clap::Args, Debug)]
 pub struct CheckArgs {
@@ -62,7 +61,7 @@ impl CheckArgs {
 
 fn render(v: &Verdict) -> String {
     let ms = |ms: u64| {
-        if ms == crate::buckets::NEVER_MS {
+        if ms == NEVER_MS {
             "never".to_owned()
         } else {
             ms.to_string()

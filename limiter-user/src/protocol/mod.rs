@@ -1,11 +1,10 @@
 //! The broker protocol: binary, length-prefixed, pipelined request/response frames over a
 //! Unix socket (and optionally TCP). docs/protocol.md is the byte-level specification.
+//!
+//! The messages, the codecs and the client live in the `limiter-client` crate, so that brokers
+//! can depend on them without the agent; this module serves them.
 
 pub mod check_command;
-pub mod codec;
-pub mod frame;
 pub mod server;
 
-pub use codec::{ClientCodec, CodecError, DEFAULT_MAX_FRAME, Received, ServerCodec};
-pub use frame::{ErrorCode, ParseError, Request, Response};
 pub use server::{ServeError, Server, serve};

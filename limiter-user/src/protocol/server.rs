@@ -14,6 +14,7 @@ use std::{
 };
 
 use futures::{FutureExt, SinkExt, StreamExt};
+use limiter_client::{CodecError, ErrorCode, ParseError, Received, Request, Response, ServerCodec};
 use tokio::{
     io::{AsyncRead, AsyncWrite},
     net::{TcpListener, UnixListener},
@@ -21,10 +22,6 @@ use tokio::{
 };
 use tokio_util::codec::Framed;
 
-use super::{
-    codec::{CodecError, Received, ServerCodec},
-    frame::{ErrorCode, ParseError, Request, Response},
-};
 use crate::{
     buckets::{CheckError, Limiter},
     settings::ServeConfig,

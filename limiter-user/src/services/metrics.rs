@@ -5,6 +5,7 @@
 
 use std::sync::{Arc, Mutex};
 
+use limiter_client::Outcome;
 use limiter_common::Event;
 use prometheus::{
     IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
@@ -15,9 +16,8 @@ use thiserror::Error;
 
 use super::sweeper::SweepStats;
 use crate::{
-    buckets::{Limiter, Outcome},
-    datapath::Enforcer,
-    datapath::MapsError,
+    buckets::Limiter,
+    datapath::{Enforcer, MapsError},
 };
 
 #[derive(Debug, Error)]

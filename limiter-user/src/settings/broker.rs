@@ -9,15 +9,12 @@ use std::{
     time::Duration,
 };
 
+use limiter_client::DEFAULT_MAX_FRAME;
 use serde::{Deserialize, Serialize};
 
 use super::{defaults, flags::text_duration};
-use crate::{
-    buckets::{
-        ActionConfig, ConfigError, EscalationConfig, LimiterConfig, Window, escalation,
-        resolve_actions,
-    },
-    protocol::DEFAULT_MAX_FRAME,
+use crate::buckets::{
+    ActionConfig, ConfigError, EscalationConfig, LimiterConfig, Window, escalation, resolve_actions,
 };
 
 /// The broker protocol's flags, and the file's `[broker]` table under them.

@@ -8,13 +8,15 @@ use axum::{
     response::{IntoResponse, Response},
 };
 
+use limiter_client::{NEVER_MS, Outcome};
+
 use super::{
     AppState,
     problem::{Problem, json_rejection},
 };
 use crate::{
     api::{CheckAnswer, CheckRequest},
-    buckets::{CheckError, NEVER_MS, Outcome},
+    buckets::CheckError,
 };
 
 const RATE_LIMIT_LIMIT: HeaderName = HeaderName::from_static("x-ratelimit-limit");

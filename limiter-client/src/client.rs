@@ -13,7 +13,7 @@ use std::{
 };
 
 use bytes::Bytes;
-use futures::{SinkExt, StreamExt};
+use futures_util::{SinkExt, StreamExt};
 use tokio::{
     io::{AsyncRead, AsyncWrite},
     net::{TcpStream, UnixStream},
@@ -22,48 +22,71 @@ use tokio::{
 use tokio_util::codec::{FramedRead, FramedWrite};
 
 use crate::{
-    buckets::{Escalation, Verdict},
-    protocol::{
-        ClientCodec, CodecError, DEFAULT_MAX_FRAME, ErrorCode, Request, Response,
-        frame::validate_request,
-    },
+    codec::{ClientCodec, CodecError, DEFAULT_MAX_FRAME},
+    frame::{ErrorCode, Request, Response, validate_request},
+    verdict::{Escalation, Verdict},
 };
 
 /// Requests in flight per connection. Bounded so that a client that stops reading cannot make
 /// both ends block on full socket buffers.
 const MAX_IN_FLIGHT: usize = 1024;
 
+/// Why a call got no answer it could return. A refused check is not an error: it is a
+/// [`Verdict`] whose `allowed` is false.
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
+    /// The socket could not be reached; the agent is probably not running.
     #[error("connecting to the limiter at {target}")]
     Connect {
+        /// The socket path or TCP address, as tried.
         target: String,
+        /// Why the connection failed.
         #[source]
         source: io::Error,
     },
+    /// The agent answered with an error reply, e.g. an unknown action.
     #[error("the limiter answered {code:?}: {message}")]
-    Server { code: ErrorCode, message: String },
+    Server {
+        /// What kind of failure, for code to branch on.
+        code: ErrorCode,
+        /// The agent's explanation.
+        message: String,
+    },
+    /// The request breaks a limit of the wire format (an empty or overlong name or key, a
+    /// zero cost) and was not sent.
     #[error("the request cannot be sent: {0}")]
     Invalid(String),
+    /// The connection ended before this request was answered. The client does not
+    /// reconnect: make a new one.
     #[error("the connection to the limiter closed before the reply")]
     Closed,
+    /// A reply could not be read, which means the two ends disagree about the protocol.
     #[error("the limiter sent an unreadable reply: {0}")]
     Protocol(String),
+    /// A reply of the wrong kind for its request, e.g. a `done` answering a check.
     #[error("the limiter sent a {got} reply to a {sent} request")]
     UnexpectedReply {
+        /// The request's name.
         sent: &'static str,
+        /// The reply's name.
         got: &'static str,
     },
 }
 
 type Reply = oneshot::Sender<Result<Response, ClientError>>;
 
+/// A connection to the agent. Cheap to clone: clones share the connection, and requests
+/// from any of them pipeline onto it, so one `Client` per process is usually right.
+///
+/// Every method needs a running tokio runtime; the connection's driver task ends when the
+/// last clone is dropped.
 #[derive(Clone, Debug)]
 pub struct Client {
     calls: mpsc::Sender<(Request, Reply)>,
 }
 
 impl Client {
+    /// Connects to the agent's Unix socket (by default `/run/limiter/limiter.sock`).
     pub async fn connect_unix(path: impl AsRef<Path>) -> Result<Self, ClientError> {
         let path = path.as_ref();
         let stream = UnixStream::connect(path)
@@ -75,6 +98,8 @@ impl Client {
         Ok(Self::over(stream))
     }
 
+    /// Connects over TCP, for an agent started with `--listen`. Nagle is turned off: a
+    /// check is one small frame and waiting to batch it only adds latency.
     pub async fn connect_tcp(addr: SocketAddr) -> Result<Self, ClientError> {
         let stream = TcpStream::connect(addr)
             .await
@@ -96,6 +121,8 @@ impl Client {
         Self { calls }
     }
 
+    /// Spends `cost` tokens from `key`'s bucket in `action` if it can pay. A refusal is an
+    /// `Ok` verdict with `allowed == false`; `Err` means there is no answer.
     pub async fn check(
         &self,
         action: &str,
@@ -113,6 +140,7 @@ impl Client {
         }
     }
 
+    /// What [`check`](Self::check) would answer now, spending nothing.
     pub async fn peek(
         &self,
         action: &str,
@@ -130,7 +158,8 @@ impl Client {
         }
     }
 
-    /// `true` if the key had a bucket to forget.
+    /// Forgets `key`'s bucket, so its next check finds it full. `true` if the key had a
+    /// bucket to forget.
     pub async fn reset(&self, action: &str, key: impl AsRef<[u8]>) -> Result<bool, ClientError> {
         let request = Request::Reset {
             action: action.to_owned(),
@@ -142,6 +171,8 @@ impl Client {
         }
     }
 
+    /// Reports a failed authentication by `addr`, which counts towards a kernel ban when the
+    /// agent has escalation configured.
     pub async fn report_auth_failure(&self, addr: IpAddr) -> Result<Escalation, ClientError> {
         match self.call(Request::AuthFailure { addr }).await? {
             Response::Escalation(e) => Ok(e),
@@ -149,6 +180,8 @@ impl Client {
         }
     }
 
+    /// Bans `addr` in the kernel for `ttl` (whole milliseconds): its new connections are
+    /// refused before they reach any socket.
     pub async fn ban(&self, addr: IpAddr, ttl: Duration) -> Result<(), ClientError> {
         match self.call(Request::Ban { addr, ttl }).await? {
             Response::Done { .. } => Ok(()),
@@ -156,6 +189,7 @@ impl Client {
         }
     }
 
+    /// Lifts a ban on `addr` and clears its escalation count.
     pub async fn unban(&self, addr: IpAddr) -> Result<(), ClientError> {
         match self.call(Request::Unban { addr }).await? {
             Response::Done { .. } => Ok(()),

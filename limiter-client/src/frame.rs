@@ -5,63 +5,116 @@ use std::{net::IpAddr, time::Duration};
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 
-use crate::buckets::{Escalation, MAX_ACTION_NAME, MAX_KEY_LEN, Outcome, Verdict};
+use crate::verdict::{Escalation, Outcome, Verdict};
 
-/// Request opcodes.
+/// Longest action name. Names travel behind a one-byte length, and the agent refuses to
+/// configure a name it could not be asked about.
+pub const MAX_ACTION_NAME: usize = 64;
+
+/// Longest key. Session tokens and user names fit with room to spare; the bound keeps every
+/// request well under [`DEFAULT_MAX_FRAME`](crate::DEFAULT_MAX_FRAME).
+pub const MAX_KEY_LEN: usize = 1024;
+
+/// The first byte of every frame body. Requests are below `0x80` and replies above, so a
+/// frame sent the wrong way is recognisably wrong rather than misread.
 pub mod op {
+    /// Spend tokens if the bucket can pay: [`Request::Check`](crate::Request::Check).
     pub const CHECK: u8 = 0x01;
+    /// Ask what a check would answer without spending: [`Request::Peek`](crate::Request::Peek).
     pub const PEEK: u8 = 0x02;
+    /// Forget one key's bucket: [`Request::Reset`](crate::Request::Reset).
     pub const RESET: u8 = 0x03;
+    /// Count a failed login: [`Request::AuthFailure`](crate::Request::AuthFailure).
     pub const AUTH_FAILURE: u8 = 0x04;
+    /// Ban an address in the kernel: [`Request::Ban`](crate::Request::Ban).
     pub const BAN: u8 = 0x05;
+    /// Lift a ban: [`Request::Unban`](crate::Request::Unban).
     pub const UNBAN: u8 = 0x06;
+    /// The reply to a check or peek: [`Response::Verdict`](crate::Response::Verdict).
     pub const VERDICT: u8 = 0x81;
+    /// The reply to reset, ban and unban: [`Response::Done`](crate::Response::Done).
     pub const DONE: u8 = 0x82;
+    /// The reply to an auth failure: [`Response::Escalation`](crate::Response::Escalation).
     pub const ESCALATION: u8 = 0x83;
+    /// The reply to anything that failed: [`Response::Error`](crate::Response::Error).
     pub const ERROR: u8 = 0xFF;
 }
 
 /// Bytes in a frame before its payload: opcode and correlation id.
-pub const HEADER_LEN: usize = 5;
+pub(crate) const HEADER_LEN: usize = 5;
 
+/// What a broker can ask the agent. Keys are bytes, not strings, because an action may be
+/// keyed by anything the broker has (an address, a token, a user name).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Request {
+    /// Spend `cost` tokens from `key`'s bucket in `action` if it can pay; answered with a
+    /// [`Response::Verdict`].
     Check {
+        /// The action's configured name, 1 to [`MAX_ACTION_NAME`] bytes.
         action: String,
+        /// Whose bucket, 1 to [`MAX_KEY_LEN`] bytes.
         key: Bytes,
+        /// Tokens to spend; at least 1.
         cost: u32,
     },
+    /// What [`Request::Check`] would answer, without spending anything, so a broker can
+    /// show a user their remaining budget.
     Peek {
+        /// The action's configured name.
         action: String,
+        /// Whose bucket.
         key: Bytes,
+        /// Tokens the hypothetical check would spend; at least 1.
         cost: u32,
     },
+    /// Forget `key`'s bucket, e.g. after a successful login clears earlier failures;
+    /// answered with [`Response::Done`].
     Reset {
+        /// The action's configured name.
         action: String,
+        /// Whose bucket.
         key: Bytes,
     },
+    /// Report a failed authentication from `addr`, so repeated failures escalate to a
+    /// kernel ban; answered with [`Response::Escalation`].
     AuthFailure {
+        /// The address that failed.
         addr: IpAddr,
     },
+    /// Ban `addr` in the kernel for `ttl`: its SYNs are refused before they reach any
+    /// socket. Answered with [`Response::Done`].
     Ban {
+        /// The address to ban.
         addr: IpAddr,
+        /// How long; carried in whole milliseconds.
         ttl: Duration,
     },
+    /// Lift a ban on `addr`; answered with [`Response::Done`].
     Unban {
+        /// The address to unban.
         addr: IpAddr,
     },
 }
 
+/// What the agent answers. Each request has one expected reply kind, or
+/// [`Response::Error`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Response {
+    /// The answer to a check or a peek.
     Verdict(Verdict),
-    /// Reset, ban and unban. `changed` is false for a reset of a key that had no bucket.
+    /// Reset, ban and unban.
     Done {
+        /// False for a reset of a key that had no bucket.
         changed: bool,
     },
+    /// What a reported auth failure led to.
     Escalation(Escalation),
+    /// The request failed; the connection stays open unless `code` is
+    /// [`ErrorCode::FrameTooLarge`].
     Error {
+        /// What kind of failure, for code to branch on.
         code: ErrorCode,
+        /// What went wrong, for a human.
         message: String,
     },
 }
@@ -70,16 +123,25 @@ pub enum Response {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(u8)]
 pub enum ErrorCode {
+    /// The frame could not be read: short, trailing bytes, a bad length or encoding.
     Malformed = 1,
+    /// The opcode is not one this side knows.
     UnknownOpcode = 2,
+    /// No action has this name in the agent's configuration.
     UnknownAction = 3,
+    /// The key is empty, too long, or not what the action is keyed by (e.g. not an address).
     InvalidKey = 4,
+    /// A cost of 0.
     InvalidCost = 5,
+    /// The frame's length exceeds the maximum; the agent closes the connection after this,
+    /// since skipping the frame would mean reading what a misbehaving client chose.
     FrameTooLarge = 6,
+    /// A ban or unban could not be written to the kernel.
     BanFailed = 7,
 }
 
 impl ErrorCode {
+    /// The code for a wire byte, or `None` for a byte no version of the protocol uses.
     pub fn from_wire(value: u8) -> Option<Self> {
         Some(match value {
             1 => ErrorCode::Malformed,
@@ -98,7 +160,9 @@ impl ErrorCode {
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("{message}")]
 pub struct ParseError {
+    /// The code the agent answers with when it is the one that could not parse.
     pub code: ErrorCode,
+    /// What could not be read and where, for a human.
     pub message: String,
 }
 
@@ -210,7 +274,7 @@ impl Fields {
 }
 
 /// Parses a request body (everything after the correlation id).
-pub fn parse_request(opcode: u8, body: Bytes) -> Result<Request, ParseError> {
+pub(crate) fn parse_request(opcode: u8, body: Bytes) -> Result<Request, ParseError> {
     let what = match opcode {
         op::CHECK => "check",
         op::PEEK => "peek",
@@ -272,7 +336,7 @@ fn put_addr(dst: &mut BytesMut, addr: IpAddr) {
 }
 
 /// Writes the body of a request; the caller has checked the name and key lengths.
-pub fn put_request(dst: &mut BytesMut, request: &Request) -> u8 {
+pub(crate) fn put_request(dst: &mut BytesMut, request: &Request) -> u8 {
     let put_target = |dst: &mut BytesMut, action: &str, key: &Bytes| {
         dst.put_u8(action.len() as u8);
         dst.put_slice(action.as_bytes());
@@ -310,7 +374,7 @@ pub fn put_request(dst: &mut BytesMut, request: &Request) -> u8 {
 }
 
 /// Checks what the wire cannot carry before anything is sent.
-pub fn validate_request(request: &Request) -> Result<(), ParseError> {
+pub(crate) fn validate_request(request: &Request) -> Result<(), ParseError> {
     let target = match request {
         Request::Check { action, key, cost } | Request::Peek { action, key, cost } => {
             if *cost == 0 {
@@ -353,7 +417,7 @@ fn escalation_wire(escalation: Escalation) -> (u8, u32) {
 }
 
 /// Writes the body of a response and returns its opcode.
-pub fn put_response(dst: &mut BytesMut, response: &Response) -> u8 {
+pub(crate) fn put_response(dst: &mut BytesMut, response: &Response) -> u8 {
     match response {
         Response::Verdict(v) => {
             dst.put_u8(v.outcome as u8);
@@ -385,7 +449,7 @@ pub fn put_response(dst: &mut BytesMut, response: &Response) -> u8 {
 }
 
 /// Parses a response body (everything after the correlation id).
-pub fn parse_response(opcode: u8, body: Bytes) -> Result<Response, ParseError> {
+pub(crate) fn parse_response(opcode: u8, body: Bytes) -> Result<Response, ParseError> {
     let what = match opcode {
         op::VERDICT => "verdict",
         op::DONE => "done",

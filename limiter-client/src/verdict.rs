@@ -1,13 +1,11 @@
-//! The answer to a check, shaped so that each front end (the socket protocol, an HTTP 429)
-//! can render it without knowing how buckets work.
-
-use serde::Serialize;
+//! The answers the agent gives, shaped so that each front end (the socket protocol, an HTTP
+//! 429, a broker's own error page) can render them without knowing how buckets work.
 
 /// Why a check passed or not. The numbers are the protocol's wire values.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
-#[serde(rename_all = "snake_case")]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(u8)]
 pub enum Outcome {
+    /// The bucket paid the cost.
     Allowed = 0,
     /// The action has no limit (limit 0 on an ordinary action); nothing is counted per key.
     Unlimited = 1,
@@ -20,10 +18,13 @@ pub enum Outcome {
 }
 
 impl Outcome {
+    /// Whether the request may go ahead. Two outcomes allow, three refuse; callers that only
+    /// need yes or no should not have to know which are which.
     pub fn allowed(self) -> bool {
         matches!(self, Outcome::Allowed | Outcome::Unlimited)
     }
 
+    /// The outcome for a wire byte, or `None` for a byte no version of the protocol uses.
     pub fn from_wire(value: u8) -> Option<Self> {
         Some(match value {
             0 => Outcome::Allowed,
@@ -35,6 +36,8 @@ impl Outcome {
         })
     }
 
+    /// The outcome's stable name (`cost_exceeds_burst`), as in JSON answers, metrics labels
+    /// and `limiter check`'s output.
     pub fn as_str(self) -> &'static str {
         match self {
             Outcome::Allowed => "allowed",
@@ -49,9 +52,13 @@ impl Outcome {
 /// `u64::MAX` milliseconds stands for "never" (a cost above the burst, a closed action).
 pub const NEVER_MS: u64 = u64::MAX;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+/// The answer to a check or a peek: the outcome and the numbers an HTTP front end turns into
+/// `X-RateLimit-*` and `Retry-After` headers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Verdict {
+    /// Why the check passed or not.
     pub outcome: Outcome,
+    /// `outcome.allowed()`, kept as a field so the common question needs no method call.
     pub allowed: bool,
     /// The action's limit per window (`X-RateLimit-Limit`); 0 when unlimited or closed.
     pub limit: u32,
@@ -65,6 +72,7 @@ pub struct Verdict {
 }
 
 impl Verdict {
+    /// A verdict whose `allowed` agrees with its outcome; the only way the agent builds one.
     pub fn new(outcome: Outcome, limit: u32, remaining: u32, retry_ms: u64, reset_ms: u64) -> Self {
         Self {
             outcome,
@@ -86,6 +94,26 @@ impl Verdict {
     pub fn reset_after_secs(&self) -> u64 {
         self.reset_after_ms.div_ceil(1000)
     }
+}
+
+/// What one reported authentication failure led to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Escalation {
+    /// Escalation is not configured.
+    Off,
+    /// Counted; more failures within the window will ban the address.
+    Counted {
+        /// Failures within the window so far, this one included.
+        failures: u32,
+    },
+    /// This failure crossed the threshold and the ban was placed.
+    Banned,
+    /// The address is already banned by this tracker; nothing new happens.
+    AlreadyBanned,
+    /// The threshold was crossed but the ban could not be placed; the next failure retries.
+    BanFailed,
+    /// The tracker is full of other addresses; this one is not counted.
+    Untracked,
 }
 
 #[cfg(test)]

@@ -11,17 +11,26 @@ use std::io;
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use tokio_util::codec::{Decoder, Encoder};
 
-use super::frame::{
+use crate::frame::{
     self, ErrorCode, HEADER_LEN, ParseError, Request, Response, parse_request, parse_response,
 };
 
 /// Largest frame body accepted by default: a check with the longest name and key is 1,095.
 pub const DEFAULT_MAX_FRAME: usize = 4096;
 
+/// Why a connection cannot go on. A frame that is merely unreadable is not one of these: it
+/// arrives as a [`Received`] whose message is an error.
 #[derive(Debug, thiserror::Error)]
 pub enum CodecError {
+    /// A frame announced a body longer than the codec's maximum.
     #[error("frame of {len} bytes exceeds the maximum of {max}")]
-    TooLarge { len: usize, max: usize },
+    TooLarge {
+        /// The length the frame announced.
+        len: usize,
+        /// The codec's maximum.
+        max: usize,
+    },
+    /// Reading or writing the stream failed.
     #[error(transparent)]
     Io(#[from] io::Error),
 }
@@ -30,7 +39,9 @@ pub enum CodecError {
 /// and the message, or why the message could not be read.
 #[derive(Debug)]
 pub struct Received<T> {
+    /// The correlation id, echoed in the reply so a pipelining peer can match them up.
     pub id: u32,
+    /// The message, or why it could not be read; either way the frame was consumed whole.
     pub message: Result<T, ParseError>,
 }
 
@@ -94,6 +105,8 @@ pub struct ServerCodec {
 }
 
 impl ServerCodec {
+    /// A codec refusing frames whose body is longer than `max_frame` bytes
+    /// ([`DEFAULT_MAX_FRAME`] unless the agent is configured otherwise).
     pub fn new(max_frame: usize) -> Self {
         Self { max_frame }
     }
@@ -128,6 +141,8 @@ pub struct ClientCodec {
 }
 
 impl ClientCodec {
+    /// A codec refusing replies whose body is longer than `max_frame` bytes; replies are
+    /// small, so [`DEFAULT_MAX_FRAME`] is always enough.
     pub fn new(max_frame: usize) -> Self {
         Self { max_frame }
     }
@@ -160,7 +175,7 @@ mod tests {
     use std::{net::IpAddr, time::Duration};
 
     use super::*;
-    use crate::buckets::{Escalation, Outcome, Verdict};
+    use crate::{Escalation, Outcome, Verdict};
 
     fn round_trip_request(request: Request) {
         let mut buf = BytesMut::new();
