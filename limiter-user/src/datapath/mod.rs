@@ -11,6 +11,7 @@ pub mod pins;
 mod policy;
 mod programs;
 mod route;
+pub mod sockets;
 mod walk;
 
 pub use enforcer::{EnforceError, Enforcer};

@@ -94,6 +94,13 @@ pub struct SweepCursor {
     bans: Option<SourceKey>,
 }
 
+impl SweepCursor {
+    /// Whether the next flow batch starts at the table's first key.
+    pub fn at_flow_start(&self) -> bool {
+        self.flows.is_none()
+    }
+}
+
 /// One batch of the flow table, read for the sweeper.
 pub struct FlowBatch {
     pub flows: Vec<(FlowKey, Flow)>,

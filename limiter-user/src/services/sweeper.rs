@@ -13,7 +13,7 @@ use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, Opts};
 
 use crate::{
     buckets::Limiter,
-    datapath::{EnforceError, Enforcer, SweepCursor, keys::boot_time_ns},
+    datapath::{EnforceError, Enforcer, SweepCursor, keys::boot_time_ns, sockets::SocketTable},
     settings::{Live, SweepSettings},
 };
 
@@ -63,6 +63,9 @@ impl Default for SweepStats {
 /// What one pass did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct PassReport {
+    /// Flows released because the host has no socket for them any more.
+    pub closed: u64,
+    /// Flows released by the timeouts, where the socket table cannot speak for them.
     pub half_open: u64,
     pub idle: u64,
     pub buckets: u64,
@@ -71,29 +74,33 @@ pub struct PassReport {
     pub repairs: u64,
 }
 
+/// A connection counter: a source's (`Some`) or the global one (`None`).
+type Counter = Option<SourceKey>;
+
 /// A counter that disagreed with the flow table: (counter read, flows counted).
 type Mismatch = (u64, u64);
+
+/// How long a new flow may go without a socket: the programs insert the flow as the
+/// handshake's last ACK passes, a moment before the host makes the socket.
+const SOCKET_GRACE: Duration = Duration::from_secs(1);
 
 /// The sweeper's memory between passes.
 #[derive(Default)]
 pub struct Sweeper {
     cursor: SweepCursor,
-    /// Flows per source seen so far in this cycle over the flow table.
+    /// Flows per source counted so far in this cycle over the flow table.
     tally: HashMap<SourceKey, u64>,
-    /// Whether the current cycle fits in one pass, which is when its tally is a snapshot good
-    /// enough to reconcile against.
-    single_pass: bool,
+    /// The counters as they read when this cycle began; `None` until a cycle has begun at the
+    /// table's start, since a tally that starts mid-table counts only part of it.
+    cycle_start: Option<HashMap<Counter, u64>>,
     /// Mismatches of the last reconciliation: only a drift seen twice in a row is repaired, so
     /// a connection opening or closing between two reads is never "repaired" into a real drift.
-    suspects: HashMap<Option<SourceKey>, Mismatch>,
+    suspects: HashMap<Counter, Mismatch>,
 }
 
 impl Sweeper {
     pub fn new() -> Self {
-        Self {
-            single_pass: true,
-            ..Self::default()
-        }
+        Self::default()
     }
 
     /// One pass: bounded by `settings.batch` entries per map.
@@ -106,39 +113,58 @@ impl Sweeper {
     ) -> Result<PassReport, EnforceError> {
         let started = Instant::now();
         let mut report = PassReport::default();
+        if self.cycle_start.is_none() && self.cursor.at_flow_start() {
+            self.cycle_start = Some(counters(enforcer)?);
+        }
         let now = boot_time_ns()?;
         let batch = settings.batch as usize;
         let flows = enforcer.with_maps(|m| m.flow_batch(&mut self.cursor, batch))?;
+        // Read after the flows, so a flow in the batch whose socket is missing really has none.
+        let sockets = match SocketTable::read() {
+            Ok(sockets) => Some(sockets),
+            Err(error) => {
+                tracing::warn!(%error, "the host's socket table is unreadable; flows are judged by the timeouts alone");
+                None
+            }
+        };
         for (key, flow) in &flows.flows {
-            let half_open = flow.state & flow_state::ESTABLISHED == 0
-                && older_than(now, flow.first_seen_ns, settings.syn_timeout);
-            let idle = older_than(now, flow.last_seen_ns, settings.idle_timeout);
-            if half_open || idle {
-                // Released through the kernel, so it happens once even if a FIN races it.
-                if enforcer.datapath().release(key)? {
-                    if half_open {
-                        report.half_open += 1;
-                    } else {
-                        report.idle += 1;
-                    }
+            let judged = sockets.as_ref().filter(|s| s.covers(key));
+            let release = match judged {
+                Some(sockets) => (!sockets.has(key)
+                    && older_than(now, flow.first_seen_ns, SOCKET_GRACE))
+                .then_some(Release::Closed),
+                None if flow.state & flow_state::ESTABLISHED == 0
+                    && older_than(now, flow.first_seen_ns, settings.syn_timeout) =>
+                {
+                    Some(Release::HalfOpen)
                 }
-            } else {
-                *self.tally.entry(flow.source).or_default() += 1;
+                None if older_than(now, flow.last_seen_ns, settings.idle_timeout) => {
+                    Some(Release::Idle)
+                }
+                None => None,
+            };
+            match release {
+                // Released through the kernel, so it happens once even if a FIN races it.
+                Some(why) if enforcer.datapath().release(key)? => match why {
+                    Release::Closed => report.closed += 1,
+                    Release::HalfOpen => report.half_open += 1,
+                    Release::Idle => report.idle += 1,
+                },
+                Some(_) => {}
+                None => *self.tally.entry(flow.source).or_default() += 1,
             }
         }
         if flows.wrapped {
-            if self.single_pass {
-                report.repairs = self.reconcile(enforcer)?;
+            if let Some(start) = self.cycle_start.take() {
+                report.repairs = self.reconcile(enforcer, &start)?;
             }
             self.tally.clear();
-            self.single_pass = true;
-        } else {
-            self.single_pass = false;
         }
         report.buckets = enforcer.with_maps(|m| m.sweep_buckets(&mut self.cursor, batch, now))?;
         report.bans = enforcer.with_maps(|m| m.sweep_bans(&mut self.cursor, batch, now))?;
         report.app_keys = limiter.sweep() as u64;
         for (kind, n) in [
+            ("closed", report.closed),
             ("half_open", report.half_open),
             ("idle", report.idle),
             ("syn_bucket", report.buckets),
@@ -152,27 +178,42 @@ impl Sweeper {
         Ok(report)
     }
 
-    /// Compares every counter with the flows counted this cycle and repairs drift seen twice.
-    fn reconcile(&mut self, enforcer: &Enforcer) -> Result<u64, EnforceError> {
-        let counters = enforcer.with_maps(|m| m.all_source_connections())?;
-        let global = enforcer.with_maps(|m| m.global_connections())?;
-        let mut seen: HashMap<Option<SourceKey>, Mismatch> = HashMap::new();
-        for (source, count) in &counters {
-            let counted = self.tally.get(source).copied().unwrap_or(0);
-            if *count != counted {
-                seen.insert(Some(*source), (*count, counted));
-            } else if *count == 0 {
-                enforcer.with_maps(|m| m.remove_idle_source(source))?;
+    /// Compares every counter with the flows counted over the cycle just ended, in time linear
+    /// in the entries. A counter is judged only if it read the same when the cycle began and
+    /// now (nothing opened or closed for it meanwhile), and repaired only if the same drift
+    /// was seen the cycle before.
+    fn reconcile(
+        &mut self,
+        enforcer: &Enforcer,
+        start: &HashMap<Counter, u64>,
+    ) -> Result<u64, EnforceError> {
+        let end = counters(enforcer)?;
+        let total: u64 = self.tally.values().sum();
+        let mut seen: HashMap<Counter, Mismatch> = HashMap::new();
+        let mut judge = |who: Counter, count: u64, counted: u64| {
+            let stable = start.get(&who).copied().unwrap_or(0) == count;
+            if stable && count != counted {
+                seen.insert(who, (count, counted));
             }
+        };
+        for (who, count) in &end {
+            let counted = match who {
+                Some(source) => self.tally.get(source).copied().unwrap_or(0),
+                None => total,
+            };
+            judge(*who, *count, counted);
         }
         for (source, counted) in &self.tally {
-            if !counters.iter().any(|(s, _)| s == source) {
-                seen.insert(Some(*source), (0, *counted));
+            if !end.contains_key(&Some(*source)) {
+                judge(Some(*source), 0, *counted);
             }
         }
-        let total: u64 = self.tally.values().sum();
-        if global != total {
-            seen.insert(None, (global, total));
+        for (who, count) in &end {
+            if let Some(source) = who
+                && *count == 0
+            {
+                enforcer.with_maps(|m| m.remove_idle_source(source))?;
+            }
         }
         let mut repairs = 0;
         for (who, mismatch) in &seen {
@@ -193,6 +234,24 @@ impl Sweeper {
         self.suspects = seen;
         Ok(repairs)
     }
+}
+
+/// Why a flow is released.
+enum Release {
+    Closed,
+    HalfOpen,
+    Idle,
+}
+
+/// Every connection counter, the global one under `None`.
+fn counters(enforcer: &Enforcer) -> Result<HashMap<Counter, u64>, EnforceError> {
+    let mut out: HashMap<Counter, u64> = enforcer
+        .with_maps(|m| m.all_source_connections())?
+        .into_iter()
+        .map(|(source, n)| (Some(source), n))
+        .collect();
+    out.insert(None, enforcer.with_maps(|m| m.global_connections())?);
+    Ok(out)
 }
 
 fn older_than(now: u64, then: u64, age: Duration) -> bool {

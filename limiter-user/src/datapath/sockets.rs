@@ -1,0 +1,167 @@
+//! The host's TCP socket table, read through `sock_diag` netlink: the truth the sweeper holds
+//! the flow table against. A tracked flow whose socket is gone (the host closed it in a way
+//! the programs did not see, or the agent was away) is released; one whose socket exists is
+//! kept however idle it is.
+
+use std::{collections::HashSet, io};
+
+use limiter_common::FlowKey;
+use netlink_packet_core::{
+    NLM_F_DUMP, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload,
+};
+use netlink_packet_sock_diag::{
+    SockDiagMessage,
+    constants::{AF_INET, AF_INET6, IPPROTO_TCP, TCP_LISTEN},
+    inet::{ExtensionFlags, InetRequest, SocketId, StateFlags},
+};
+use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_SOCK_DIAG};
+use thiserror::Error;
+
+use super::keys::mapped;
+
+#[derive(Debug, Error)]
+pub enum SocketsError {
+    #[error("sock_diag netlink socket")]
+    Io(#[from] io::Error),
+    #[error("sock_diag answer: {0}")]
+    Decode(String),
+}
+
+/// The TCP sockets of this network namespace, keyed like the flow table.
+#[derive(Debug, Default)]
+pub struct SocketTable {
+    /// Connections, oriented as flows are: `remote` is the peer, `local` this host.
+    connections: HashSet<([u8; 16], u16, [u8; 16], u16)>,
+    /// Local ports something listens on: connections to them end in this namespace, so the
+    /// table speaks for their flows. Flows to other ports (a broker in another namespace
+    /// behind the protected interface) are not judged by it.
+    listening: HashSet<u16>,
+}
+
+impl SocketTable {
+    /// Dumps every IPv4 and IPv6 TCP socket of the caller's network namespace.
+    pub fn read() -> Result<Self, SocketsError> {
+        let mut table = SocketTable::default();
+        for family in [AF_INET, AF_INET6] {
+            dump(family, |state, id| {
+                if state == TCP_LISTEN {
+                    table.listening.insert(id.source_port);
+                } else {
+                    table.connections.insert((
+                        mapped(id.destination_address).octets(),
+                        id.destination_port,
+                        mapped(id.source_address).octets(),
+                        id.source_port,
+                    ));
+                }
+            })?;
+        }
+        Ok(table)
+    }
+
+    /// Whether the table can say anything about `flow`: its local port is served here.
+    pub fn covers(&self, flow: &FlowKey) -> bool {
+        self.listening.contains(&flow.local_port)
+    }
+
+    /// Whether a socket for `flow` exists.
+    pub fn has(&self, flow: &FlowKey) -> bool {
+        self.connections
+            .contains(&(flow.remote, flow.remote_port, flow.local, flow.local_port))
+    }
+}
+
+/// The states worth reading: everything but the ends of a connection (TIME_WAIT, CLOSE),
+/// whose flows are over, and outgoing attempts (SYN_SENT), which the programs never track.
+fn wanted_states() -> StateFlags {
+    StateFlags::all() - StateFlags::TIME_WAIT - StateFlags::CLOSE - StateFlags::SYN_SENT
+}
+
+fn dump(family: u8, mut each: impl FnMut(u8, &SocketId)) -> Result<(), SocketsError> {
+    let mut socket = Socket::new(NETLINK_SOCK_DIAG)?;
+    socket.bind_auto()?;
+    socket.connect(&SocketAddr::new(0, 0))?;
+    let mut header = NetlinkHeader::default();
+    header.flags = NLM_F_REQUEST | NLM_F_DUMP;
+    let mut request = NetlinkMessage::new(
+        header,
+        SockDiagMessage::InetRequest(InetRequest {
+            family,
+            protocol: IPPROTO_TCP,
+            extensions: ExtensionFlags::empty(),
+            states: wanted_states(),
+            socket_id: if family == AF_INET {
+                SocketId::new_v4()
+            } else {
+                SocketId::new_v6()
+            },
+        })
+        .into(),
+    );
+    request.finalize();
+    let mut out = vec![0; request.buffer_len()];
+    request.serialize(&mut out);
+    socket.send(&out, 0)?;
+    let mut buffer = vec![0; 64 * 1024];
+    loop {
+        let size = socket.recv(&mut &mut buffer[..], 0)?;
+        let mut offset = 0;
+        while offset < size {
+            let message = NetlinkMessage::<SockDiagMessage>::deserialize(&buffer[offset..size])
+                .map_err(|e| SocketsError::Decode(e.to_string()))?;
+            let length = message.header.length as usize;
+            match message.payload {
+                NetlinkPayload::InnerMessage(SockDiagMessage::InetResponse(response)) => {
+                    each(response.header.state, &response.header.socket_id);
+                }
+                NetlinkPayload::Done(_) => return Ok(()),
+                NetlinkPayload::Error(error) => {
+                    return Err(SocketsError::Decode(format!("{error:?}")));
+                }
+                _ => {}
+            }
+            if length == 0 {
+                break;
+            }
+            offset += length;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::{IpAddr, Ipv4Addr, TcpListener, TcpStream};
+
+    use super::*;
+
+    fn key(remote: IpAddr, remote_port: u16, local: IpAddr, local_port: u16) -> FlowKey {
+        FlowKey {
+            remote: mapped(remote).octets(),
+            local: mapped(local).octets(),
+            remote_port,
+            local_port,
+            _pad: 0,
+        }
+    }
+
+    #[test]
+    fn a_live_loopback_connection_is_in_the_table_and_a_made_up_one_is_not() {
+        let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+        let server = listener.local_addr().unwrap();
+        let client = TcpStream::connect(server).unwrap();
+        let (_accepted, _) = listener.accept().unwrap();
+        let from = client.local_addr().unwrap();
+        let table = SocketTable::read().unwrap();
+        let live = key(from.ip(), from.port(), server.ip(), server.port());
+        assert!(table.covers(&live));
+        assert!(table.has(&live));
+        let gone = key(
+            from.ip(),
+            from.port().wrapping_add(1),
+            server.ip(),
+            server.port(),
+        );
+        assert!(table.covers(&gone));
+        assert!(!table.has(&gone));
+    }
+}
