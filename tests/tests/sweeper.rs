@@ -76,7 +76,7 @@ fn half_open_and_idle_flows_are_evicted_and_their_slots_released_once() {
     assert_eq!(agent.with_maps(|m| m.global_connections()).unwrap(), 1);
     assert_eq!(agent.with_maps(|m| m.source_connections(v4(2))).unwrap(), 0);
 
-    outlive(settings.idle_timeout);
+    outlive(settings.idle_timeout.unwrap());
     let report = agent.sweep_pass(&mut sweeper, &settings).unwrap();
     assert_eq!((report.half_open, report.idle), (0, 1));
     assert_eq!(agent.with_maps(|m| m.global_connections()).unwrap(), 0);

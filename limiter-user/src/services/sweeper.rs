@@ -131,14 +131,17 @@ impl Sweeper {
             let judged = sockets.as_ref().filter(|s| s.covers(key));
             let release = match judged {
                 Some(sockets) => (!sockets.has(key)
-                    && older_than(now, flow.first_seen_ns, SOCKET_GRACE))
+                    && older_than(now, flow.last_seen_ns, SOCKET_GRACE))
                 .then_some(Release::Closed),
                 None if flow.state & flow_state::ESTABLISHED == 0
                     && older_than(now, flow.first_seen_ns, settings.syn_timeout) =>
                 {
                     Some(Release::HalfOpen)
                 }
-                None if older_than(now, flow.last_seen_ns, settings.idle_timeout) => {
+                None if settings
+                    .idle_timeout
+                    .is_some_and(|idle| older_than(now, flow.last_seen_ns, idle)) =>
+                {
                     Some(Release::Idle)
                 }
                 None => None,

@@ -127,7 +127,9 @@ pub struct Layer {
     #[arg(long, env = "LIMITER_SYN_TIMEOUT", value_parser = humantime::parse_duration)]
     #[serde(default, with = "text_duration")]
     pub syn_timeout: Option<Duration>,
-    /// Established connections idle longer than this are evicted. [default: 1h]
+    /// Connections the host's socket table cannot speak for (no listener on their port in the
+    /// agent's network namespace) are released this long after their handshake. Others are
+    /// released when their socket is gone, however idle. [default: never]
     #[arg(long, env = "LIMITER_IDLE_TIMEOUT", value_parser = humantime::parse_duration)]
     #[serde(default, with = "text_duration")]
     pub idle_timeout: Option<Duration>,

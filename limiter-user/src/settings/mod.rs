@@ -42,7 +42,6 @@ pub mod defaults {
     pub const FLOW_TABLE_SIZE: u32 = 131_072;
     pub const SWEEP_INTERVAL: Duration = Duration::from_secs(5);
     pub const SYN_TIMEOUT: Duration = Duration::from_secs(30);
-    pub const IDLE_TIMEOUT: Duration = Duration::from_secs(3600);
     pub const SWEEP_BATCH: u32 = 65_536;
     pub const ESCALATE_WINDOW: Duration = Duration::from_secs(60);
     pub const ESCALATE_BAN: Duration = Duration::from_secs(600);
@@ -97,7 +96,10 @@ impl RunArgs {
 pub struct SweepSettings {
     pub interval: Duration,
     pub syn_timeout: Duration,
-    pub idle_timeout: Duration,
+    /// For flows the host's socket table cannot speak for (no listener on their port in the
+    /// agent's namespace): how long after the handshake they are released. `None`: never, since
+    /// releasing a live connection lets its source past its cap.
+    pub idle_timeout: Option<Duration>,
     pub batch: u32,
 }
 
@@ -245,7 +247,7 @@ mod tests {
         assert_eq!(config.max_conn_total, 70);
         assert_eq!(s.policy.ports, vec![5672]);
         assert_eq!(s.sweep.syn_timeout, Duration::from_secs(10));
-        assert_eq!(s.sweep.idle_timeout, defaults::IDLE_TIMEOUT);
+        assert_eq!(s.sweep.idle_timeout, None);
         assert_eq!(s.broker.serve.socket, PathBuf::from("/tmp/x.sock"));
         let escalation = s.broker.limiter.escalation.unwrap();
         assert_eq!(

@@ -1,7 +1,7 @@
 //! Checks a merged [`Layer`] and fills in the defaults: the one path from what the operator
 //! wrote to the [`Settings`] the agent runs with, taken alike at start and on SIGHUP.
 
-use std::{net::IpAddr, path::PathBuf};
+use std::{net::IpAddr, path::PathBuf, time::Duration};
 
 use ipnet::IpNet;
 use limiter_common::{Config, Refusal};
@@ -18,13 +18,13 @@ impl Layer {
         let sweep = SweepSettings {
             interval: self.sweep_interval.unwrap_or(defaults::SWEEP_INTERVAL),
             syn_timeout: self.syn_timeout.unwrap_or(defaults::SYN_TIMEOUT),
-            idle_timeout: self.idle_timeout.unwrap_or(defaults::IDLE_TIMEOUT),
+            idle_timeout: self.idle_timeout,
             batch: self.sweep_batch.unwrap_or(defaults::SWEEP_BATCH),
         };
         for (setting, value) in [
             ("sweep-interval", sweep.interval),
             ("syn-timeout", sweep.syn_timeout),
-            ("idle-timeout", sweep.idle_timeout),
+            ("idle-timeout", sweep.idle_timeout.unwrap_or(Duration::MAX)),
         ] {
             if value.is_zero() {
                 return Err(ConfigError::new(setting, "must be longer than zero"));
