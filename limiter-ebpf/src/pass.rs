@@ -1,5 +1,6 @@
-//! An XDP program that passes every packet and does nothing else: the anchor the kernel
-//! benchmark measures beside limiter's programs in the same run.
+//! The benchmarks' anchors, measured beside limiter's programs in the same run: an XDP program
+//! that passes every packet (the floor of `BPF_PROG_TEST_RUN`) and one that drops every packet
+//! (the floor of a SYN flood's cost on a real interface).
 #![no_std]
 #![no_main]
 
@@ -8,6 +9,11 @@ use aya_ebpf::{bindings::xdp_action, macros::xdp, programs::XdpContext};
 #[xdp]
 pub fn pass(_ctx: XdpContext) -> u32 {
     xdp_action::XDP_PASS
+}
+
+#[xdp]
+pub fn drop_all(_ctx: XdpContext) -> u32 {
+    xdp_action::XDP_DROP
 }
 
 #[cfg(not(test))]

@@ -125,14 +125,33 @@ fn link_libllvm(sysroot: &Path, soname: &str, dir: &Path) -> Result<()> {
 
 /// The network-namespace tests drive `ip` (iproute2); a minimal image may lack it.
 pub fn ensure_iproute2() -> Result<()> {
-    if Command::new("ip")
-        .arg("-V")
-        .output()
-        .is_ok_and(|o| o.status.success())
-    {
+    ensure_tools(&[("ip", "iproute2")])
+}
+
+/// Installs, through the package manager, the Debian package of each `(command, package)`
+/// whose command is not on `PATH`; nothing when all are there.
+pub fn ensure_tools(tools: &[(&str, &str)]) -> Result<()> {
+    let missing: Vec<&str> = tools
+        .iter()
+        .filter(|(command, _)| !on_path(command))
+        .map(|(_, package)| *package)
+        .collect();
+    if missing.is_empty() {
         return Ok(());
     }
-    println!("setup: installing iproute2");
-    status(Command::new("apt-get").args(["update", "-q"]))?;
-    status(Command::new("apt-get").args(["install", "-y", "-q", "iproute2"]))
+    println!("setup: installing {}", missing.join(" "));
+    // Waits for the package database rather than failing when another install holds it.
+    let lock = ["-o", "DPkg::Lock::Timeout=600"];
+    status(Command::new("apt-get").args(lock).args(["update", "-q"]))?;
+    status(
+        Command::new("apt-get")
+            .args(lock)
+            .args(["install", "-y", "-q", "--no-install-recommends"])
+            .args(&missing),
+    )
+}
+
+fn on_path(command: &str) -> bool {
+    std::env::var_os("PATH")
+        .is_some_and(|path| std::env::split_paths(&path).any(|dir| dir.join(command).is_file()))
 }

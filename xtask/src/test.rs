@@ -95,6 +95,18 @@ pub fn bench_kernel() -> Result<()> {
     )
 }
 
+/// The firewalls it is compared with come from Debian's packages.
+pub fn bench_flood() -> Result<()> {
+    let agent = build::all()?;
+    preflight()?;
+    crate::setup::ensure_tools(&[("nft", "nftables"), ("iptables", "iptables")])?;
+    status(
+        cargo("stable")
+            .args(["bench", "-p", PRIVILEGED, "--bench", "flood"])
+            .env("LIMITER_BIN", &agent),
+    )
+}
+
 /// The application-layer limiter needs no privileges: it is measured from the agent's crate.
 pub fn bench_app() -> Result<()> {
     build::ebpf()?;

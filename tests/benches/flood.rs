@@ -1,0 +1,342 @@
+//! `cargo xtask bench flood`: what a SYN flood costs the host, per SYN, with limiter beside the
+//! floor (an XDP program that drops everything) and beside the firewalls an operator would
+//! otherwise use (nftables meter + ct count, iptables hashlimit + connlimit), all in one run.
+//!
+//! Each case makes its own pair of network namespaces joined by a veth, puts the filter under
+//! test on the server end, and sends pre-built SYNs from the client end through an AF_PACKET
+//! socket, from 1 or 10,000 source addresses, to a protected port with nothing listening. The
+//! cost is the softirq time all CPUs spent (from `/proc/stat`) divided by the SYNs sent: on a
+//! veth the receive side, XDP included, runs in softirq. Rounds interleave the cases so that
+//! machine noise hits all of them alike; the median of the rounds is printed, and the ratios.
+
+use std::{
+    net::{IpAddr, Ipv4Addr},
+    os::fd::{AsRawFd, FromRawFd, OwnedFd},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, Result, bail};
+use aya::{
+    Ebpf,
+    programs::{Xdp, XdpMode},
+};
+use limiter::datapath::{Datapath, LoadOptions, XdpAttachMode};
+use limiter_tests::{
+    frames::{SERVER_MAC, Tcp},
+    kernel::settings,
+    netns::{Pair, SERVER_V4},
+};
+
+const PORT: u16 = 5672;
+/// SYNs per case and round: enough for the softirq clock (10 ms ticks) to resolve 1%.
+const SYNS: usize = 1_000_000;
+/// A case that cannot send its SYNs in this long is cut short (and says so).
+const CASE_LIMIT: Duration = Duration::from_secs(30);
+const ROUNDS: usize = 3;
+/// Sent per `sendmmsg` call.
+const BATCH: usize = 64;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Filter {
+    DropAll,
+    Limiter,
+    Nftables,
+    Iptables,
+}
+
+impl Filter {
+    const ALL: [Filter; 4] = [
+        Filter::DropAll,
+        Filter::Limiter,
+        Filter::Nftables,
+        Filter::Iptables,
+    ];
+
+    fn name(self) -> &'static str {
+        match self {
+            Filter::DropAll => "drop-all XDP",
+            Filter::Limiter => "limiter",
+            Filter::Nftables => "nftables",
+            Filter::Iptables => "iptables",
+        }
+    }
+}
+
+/// What keeps a case's filter in place until the case ends (the firewalls live in the
+/// namespace, which goes with the case).
+type Installed = Option<Box<dyn std::any::Any + Send>>;
+
+fn anchor_object() -> Result<Ebpf> {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../target/ebpf/bpfel-unknown-none/release/pass"
+    );
+    Ebpf::load_file(path).context("the anchor object (cargo xtask build builds it)")
+}
+
+/// Puts `filter` on the server end of `pair`, refusing as limiter does with
+/// `--syn-rate 1 --syn-burst 1`: almost every SYN of the flood is refused.
+fn install(filter: Filter, pair: &Pair) -> Result<Installed> {
+    let port = PORT.to_string();
+    match filter {
+        Filter::DropAll => pair.server.run(|| {
+            let mut ebpf = anchor_object()?;
+            let prog: &mut Xdp = ebpf
+                .program_mut("drop_all")
+                .context("drop_all in the anchor object")?
+                .try_into()?;
+            prog.load()?;
+            prog.attach(&pair.server_if, XdpMode::Driver)?;
+            Ok(Some(Box::new(ebpf) as Box<dyn std::any::Any + Send>))
+        })?,
+        Filter::Limiter => pair.server.run(|| {
+            let settings = settings(&["--ports", &port, "--syn-rate", "1", "--syn-burst", "1"]);
+            let mut dp = Datapath::load(LoadOptions {
+                flow_table_size: settings.flow_table_size,
+                ..LoadOptions::default()
+            })?;
+            dp.maps.apply(&settings.policy)?;
+            dp.attach(&pair.server_if, XdpAttachMode::Native)?;
+            Ok(Some(Box::new(dp) as Box<dyn std::any::Any + Send>))
+        })?,
+        Filter::Nftables => {
+            let rules = format!(
+                "table inet limiter_bench {{
+                   chain input {{
+                     type filter hook input priority 0; policy accept;
+                     tcp dport {port} ct state new meter syn_rate size 65535 {{ ip saddr limit rate over 1/second burst 1 packets }} drop
+                     tcp dport {port} ct state new meter conns size 65535 {{ ip saddr ct count over 100 }} reject with tcp reset
+                   }}
+                 }}"
+            );
+            let file = tempfile::NamedTempFile::new()?;
+            std::fs::write(file.path(), rules)?;
+            let path = file.path().to_str().context("temp path")?.to_owned();
+            pair.server.exec(&["nft", "-f", &path])?;
+            Ok(None)
+        }
+        Filter::Iptables => {
+            for rule in [
+                vec![
+                    "-A",
+                    "INPUT",
+                    "-p",
+                    "tcp",
+                    "--dport",
+                    &port,
+                    "--syn",
+                    "-m",
+                    "hashlimit",
+                    "--hashlimit-above",
+                    "1/sec",
+                    "--hashlimit-burst",
+                    "1",
+                    "--hashlimit-mode",
+                    "srcip",
+                    "--hashlimit-name",
+                    "syn_rate",
+                    "-j",
+                    "DROP",
+                ],
+                vec![
+                    "-A",
+                    "INPUT",
+                    "-p",
+                    "tcp",
+                    "--dport",
+                    &port,
+                    "--syn",
+                    "-m",
+                    "connlimit",
+                    "--connlimit-above",
+                    "100",
+                    "--connlimit-mask",
+                    "32",
+                    "-j",
+                    "REJECT",
+                    "--reject-with",
+                    "tcp-reset",
+                ],
+            ] {
+                let mut cmd = vec!["iptables"];
+                cmd.extend(rule);
+                pair.server.exec(&cmd)?;
+            }
+            Ok(None)
+        }
+    }
+}
+
+/// Distinct SYNs sent in turn: a flood repeats no 4-tuple soon, or the programs would pass the
+/// repeats as retransmissions of a tracked SYN.
+const DISTINCT: u32 = 60_000;
+
+/// SYNs from `sources` addresses in 198.18.0.0/15 (the benchmarking range), each address with
+/// its share of the source ports.
+fn frames(sources: u32) -> Vec<Vec<u8>> {
+    (0..DISTINCT)
+        .map(|i| {
+            let src = Ipv4Addr::from(u32::from(Ipv4Addr::new(198, 18, 0, 1)) + i % sources);
+            Tcp::syn(
+                IpAddr::V4(src),
+                1_024 + (i / sources) as u16,
+                IpAddr::V4(SERVER_V4),
+                PORT,
+            )
+            .build()
+        })
+        .collect()
+}
+
+/// An AF_PACKET socket bound to `iface` in the caller's namespace.
+fn packet_socket(iface: &str) -> Result<OwnedFd> {
+    let protocol = (libc::ETH_P_ALL as u16).to_be();
+    // SAFETY: plain socket(2); the descriptor is owned below.
+    let fd = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_RAW, i32::from(protocol)) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error()).context("AF_PACKET socket");
+    }
+    // SAFETY: `fd` is a fresh descriptor nothing else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let index = nix::net::if_::if_nametoindex(iface).context("the client interface")?;
+    // SAFETY: an all-zero sockaddr_ll is valid; the fields that matter are set next.
+    let mut addr: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+    addr.sll_family = libc::AF_PACKET as u16;
+    addr.sll_protocol = protocol;
+    addr.sll_ifindex = index as i32;
+    // SAFETY: `addr` is a valid sockaddr_ll of the length given.
+    let rc = unsafe {
+        libc::bind(
+            fd.as_raw_fd(),
+            (&addr as *const libc::sockaddr_ll).cast(),
+            std::mem::size_of::<libc::sockaddr_ll>() as u32,
+        )
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error()).context("binding the AF_PACKET socket");
+    }
+    Ok(fd)
+}
+
+/// Sends `count` frames, cycling through `frames`, in batches; returns how many went out.
+fn send(fd: &OwnedFd, frames: &[Vec<u8>], count: usize) -> Result<usize> {
+    let mut iovecs: Vec<libc::iovec> = frames
+        .iter()
+        .map(|f| libc::iovec {
+            iov_base: f.as_ptr() as *mut libc::c_void,
+            iov_len: f.len(),
+        })
+        .collect();
+    let deadline = Instant::now() + CASE_LIMIT;
+    let mut sent = 0;
+    let mut at = 0;
+    while sent < count && Instant::now() < deadline {
+        let n = BATCH.min(count - sent);
+        // SAFETY: an all-zero mmsghdr is valid; each gets one iovec below.
+        let mut headers: Vec<libc::mmsghdr> =
+            (0..n).map(|_| unsafe { std::mem::zeroed() }).collect();
+        for header in headers.iter_mut() {
+            header.msg_hdr.msg_iov = &mut iovecs[at];
+            header.msg_hdr.msg_iovlen = 1;
+            at = (at + 1) % frames.len();
+        }
+        // SAFETY: every header points at one iovec over a frame that outlives the call.
+        let rc = unsafe { libc::sendmmsg(fd.as_raw_fd(), headers.as_mut_ptr(), n as u32, 0) };
+        if rc < 0 {
+            let error = std::io::Error::last_os_error();
+            if error.raw_os_error() == Some(libc::ENOBUFS) {
+                continue;
+            }
+            return Err(error).context("sendmmsg");
+        }
+        sent += rc as usize;
+    }
+    Ok(sent)
+}
+
+/// Softirq time of all CPUs, from the `cpu` line of `/proc/stat`.
+fn softirq() -> Result<Duration> {
+    let stat = std::fs::read_to_string("/proc/stat")?;
+    let line = stat.lines().next().context("/proc/stat is empty")?;
+    let ticks: u64 = line
+        .split_whitespace()
+        .nth(7)
+        .context("no softirq column in /proc/stat")?
+        .parse()?;
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as u64;
+    Ok(Duration::from_nanos(ticks * 1_000_000_000 / hz))
+}
+
+/// One case: µs of softirq per SYN.
+fn case(filter: Filter, frames: &[Vec<u8>]) -> Result<f64> {
+    let pair = Pair::new()?;
+    let mac = SERVER_MAC
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect::<Vec<_>>()
+        .join(":");
+    // The frames carry this destination: frames to another MAC never reach the IP layer.
+    pair.server
+        .exec(&["ip", "link", "set", &pair.server_if, "address", &mac])?;
+    let installed = install(filter, &pair)?;
+    let fd = pair.client.run(|| packet_socket(&pair.client_if))??;
+    // Warm the caches and the tables the filters keep, then measure.
+    send(&fd, frames, frames.len().min(SYNS / 10))?;
+    let before = softirq()?;
+    let sent = send(&fd, frames, SYNS)?;
+    let spent = softirq()? - before;
+    drop(installed);
+    if sent < SYNS {
+        eprintln!("  {}: only {sent} SYNs in {CASE_LIMIT:?}", filter.name());
+    }
+    if sent == 0 {
+        bail!("no SYN went out");
+    }
+    Ok(spent.as_secs_f64() * 1e6 / sent as f64)
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
+}
+
+fn main() -> Result<()> {
+    println!(
+        "flood bench: {SYNS} SYNs per case to a protected port, {ROUNDS} rounds (median); \
+         softirq µs per SYN; every filter refuses past 1 SYN/s per source"
+    );
+    println!(
+        "{:>8} {:>13} {:>9} {:>9} {:>9} {:>13} {:>13} {:>13}",
+        "sources",
+        "drop-all XDP",
+        "limiter",
+        "nftables",
+        "iptables",
+        "limiter/floor",
+        "nft/limiter",
+        "ipt/limiter"
+    );
+    for sources in [1, 10_000] {
+        let frames = frames(sources);
+        let mut results = vec![Vec::new(); Filter::ALL.len()];
+        for _ in 0..ROUNDS {
+            for (i, filter) in Filter::ALL.into_iter().enumerate() {
+                results[i].push(case(filter, &frames)?);
+            }
+        }
+        let m: Vec<f64> = results.into_iter().map(median).collect();
+        println!(
+            "{:>8} {:>13.3} {:>9.3} {:>9.3} {:>9.3} {:>13.2} {:>13.2} {:>13.2}",
+            sources,
+            m[0],
+            m[1],
+            m[2],
+            m[3],
+            m[1] / m[0],
+            m[2] / m[1],
+            m[3] / m[1]
+        );
+    }
+    Ok(())
+}
