@@ -282,6 +282,7 @@ pub fn run(args: crate::cli::RunArgs) -> anyhow::Result<std::process::ExitCode> 
             flow_table_size: settings.kernel.flow_table_size,
             kernel_debug: settings.kernel_debug,
             pin_dir: Some(settings.pin_dir.clone()),
+            ..crate::loader::LoadOptions::default()
         })
         .context("loading the kernel programs")?;
         if let Some(logger) = datapath.take_logger() {

@@ -141,6 +141,10 @@ pub struct Layer {
     /// Refuse new connections when the flow table is full, instead of passing them untracked.
     #[arg(long, env = "LIMITER_FAIL_CLOSED", num_args = 0..=1, default_missing_value = "true")]
     pub fail_closed: Option<bool>,
+    /// Send RSTs with XDP_TX (fastest, but on a veth only reaches peers that run XDP) instead
+    /// of through the TC ingress program (works on every interface).
+    #[arg(long, env = "LIMITER_RST_XDP_TX", num_args = 0..=1, default_missing_value = "true")]
+    pub rst_xdp_tx: Option<bool>,
     /// Forward the kernel programs' debug log (aya-log) to the agent's log.
     #[arg(long, env = "LIMITER_KERNEL_DEBUG", num_args = 0..=1, default_missing_value = "true")]
     pub kernel_debug: Option<bool>,
@@ -285,6 +289,7 @@ impl Layer {
             deny: list(self.deny, lower.deny),
             flow_table_size: self.flow_table_size.or(lower.flow_table_size),
             fail_closed: self.fail_closed.or(lower.fail_closed),
+            rst_xdp_tx: self.rst_xdp_tx.or(lower.rst_xdp_tx),
             kernel_debug: self.kernel_debug.or(lower.kernel_debug),
             sweep_interval: self.sweep_interval.or(lower.sweep_interval),
             syn_timeout: self.syn_timeout.or(lower.syn_timeout),
@@ -379,7 +384,9 @@ impl Layer {
                 "must be at least 1 when a SYN rate is set",
             ));
         }
-        let flow_table_size = self.flow_table_size.unwrap_or(131_072);
+        let flow_table_size = self
+            .flow_table_size
+            .unwrap_or(limiter_common::maps::FLOWS.default_entries);
         if flow_table_size == 0 {
             return Err(ConfigError::new("flow-table-size", "must be at least 1"));
         }
@@ -402,7 +409,9 @@ impl Layer {
             all_ports: ports.is_empty().into(),
             has_allow: (!allow.is_empty()).into(),
             has_deny: (!deny.is_empty()).into(),
-            _pad: [0; 2],
+            // `Maps::apply` keeps the live value: it follows the ban table, not the settings.
+            has_bans: 0,
+            rst_xdp_tx: self.rst_xdp_tx.unwrap_or(false).into(),
         };
         Ok(KernelSettings {
             config,

@@ -24,6 +24,9 @@ pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(env!("LIMITER_EBPF_O
 
 pub const XDP_PROGRAM: &str = "limiter_xdp";
 pub const TC_PROGRAM: &str = "limiter_tc";
+/// TC ingress: answers the SYNs the XDP program refused with `rst` and marked (see
+/// `Config::rst_xdp_tx`).
+pub const TC_INGRESS_PROGRAM: &str = "limiter_tc_ingress";
 pub const RELEASE_PROGRAM: &str = "limiter_release";
 pub const ADJUST_PROGRAM: &str = "limiter_adjust";
 
@@ -73,6 +76,8 @@ pub enum LoadError {
 pub struct LoadOptions {
     /// Sizes the flow table and the per-source tables.
     pub flow_table_size: u32,
+    /// Sizes the LRU table of half-open connections (SYN seen, handshake not completed).
+    pub half_open_size: u32,
     /// Keeps the programs' debug log statements (otherwise the verifier removes them).
     pub kernel_debug: bool,
     /// Where maps and links are pinned. With a pin directory the programs stay attached when
@@ -85,7 +90,8 @@ pub struct LoadOptions {
 impl Default for LoadOptions {
     fn default() -> Self {
         Self {
-            flow_table_size: 65_536,
+            flow_table_size: limiter_common::maps::FLOWS.default_entries,
+            half_open_size: limiter_common::maps::HALF_OPEN.default_entries,
             kernel_debug: false,
             pin_dir: None,
         }
@@ -97,6 +103,8 @@ const PINNED_MAPS: &[&str] = &[
     map_names::CONFIG,
     map_names::PORTS,
     map_names::FLOWS,
+    map_names::HALF_OPEN,
+    map_names::ACK_HINTS,
     map_names::SOURCE_CONNS,
     map_names::GLOBAL_CONNS,
     map_names::SYN_BUCKETS,
@@ -134,6 +142,10 @@ pub mod pins {
     pub fn tc_link(pin_dir: &Path, iface: &str) -> PathBuf {
         links(pin_dir, iface).join("tc")
     }
+
+    pub fn tc_ingress_link(pin_dir: &Path, iface: &str) -> PathBuf {
+        links(pin_dir, iface).join("tc_ingress")
+    }
 }
 
 /// How an interface came to be enforced.
@@ -170,6 +182,7 @@ impl Datapath {
         let mut loader = EbpfLoader::new();
         loader
             .map_max_entries(map_names::FLOWS, options.flow_table_size)
+            .map_max_entries(map_names::HALF_OPEN, options.half_open_size)
             .map_max_entries(map_names::SOURCE_CONNS, options.flow_table_size)
             .map_max_entries(map_names::SYN_BUCKETS, options.flow_table_size)
             .map_max_entries(map_names::BLOCKED, options.flow_table_size)
@@ -189,12 +202,11 @@ impl Datapath {
                 .load()
                 .map_err(|source| LoadError::Program { name, source })?;
         }
-        program::<SchedClassifier>(&mut ebpf, TC_PROGRAM)?
-            .load()
-            .map_err(|source| LoadError::Program {
-                name: TC_PROGRAM,
-                source,
-            })?;
+        for name in [TC_PROGRAM, TC_INGRESS_PROGRAM] {
+            program::<SchedClassifier>(&mut ebpf, name)?
+                .load()
+                .map_err(|source| LoadError::Program { name, source })?;
+        }
         let logger = if options.kernel_debug {
             Some(aya_log::EbpfLogger::init(&mut ebpf)?)
         } else {
@@ -250,14 +262,14 @@ impl Datapath {
         }
     }
 
-    /// Enforces on `iface`: XDP on ingress, TC on egress. With a pin directory, links an
+    /// Enforces on `iface`: XDP and TC (answering marked SYNs) on ingress, TC on egress. With a pin directory, links an
     /// earlier agent pinned for `iface` are adopted (their programs swapped for ours, with no
     /// moment unenforced); otherwise the programs are attached and their links pinned.
     pub fn attach(&mut self, iface: &str, mode: XdpAttachMode) -> Result<Attachment, LoadError> {
         let Some(dir) = self.pin_dir.clone() else {
-            return self
-                .attach_unpinned(iface, mode)
-                .map(|(mode, _, _)| Attachment::New(mode));
+            let (mode, _, _) = self.attach_unpinned(iface, mode)?;
+            self.attach_tc_ingress_unpinned(iface)?;
+            return Ok(Attachment::New(mode));
         };
         let (xdp_pin, tc_pin) = (pins::xdp_link(&dir, iface), pins::tc_link(&dir, iface));
         if xdp_pin.exists() && tc_pin.exists() {
@@ -275,19 +287,8 @@ impl Datapath {
                 xdp.take_link(id)
                     .map_err(|source| attach_error(XDP_PROGRAM, iface, source))?,
             );
-            let link = pinned_link(&tc_pin)?;
-            let link = SchedClassifierLink::try_from(link).map_err(|source| LoadError::Link {
-                path: tc_pin.clone(),
-                source,
-            })?;
-            let tc = program::<SchedClassifier>(&mut self.ebpf, TC_PROGRAM)?;
-            let id = tc
-                .attach_to_link(link)
-                .map_err(|source| attach_error(TC_PROGRAM, iface, source))?;
-            drop(
-                tc.take_link(id)
-                    .map_err(|source| attach_error(TC_PROGRAM, iface, source))?,
-            );
+            self.adopt_tc(TC_PROGRAM, &tc_pin, iface)?;
+            self.tc_ingress_pinned(&dir, iface)?;
             return Ok(Attachment::Adopted);
         }
         let (taken, xdp_id, tc_id) = self.attach_unpinned(iface, mode)?;
@@ -304,7 +305,44 @@ impl Datapath {
             .take_link(tc_id)
             .map_err(|source| attach_error(TC_PROGRAM, iface, source))?;
         pin_link(FdLink::try_from(link), &tc_pin)?;
+        self.tc_ingress_pinned(&dir, iface)?;
         Ok(Attachment::New(taken))
+    }
+
+    /// Swaps our TC program `name` into the pinned link at `pin`.
+    fn adopt_tc(&mut self, name: &'static str, pin: &Path, iface: &str) -> Result<(), LoadError> {
+        let link = pinned_link(pin)?;
+        let link = SchedClassifierLink::try_from(link).map_err(|source| LoadError::Link {
+            path: pin.to_path_buf(),
+            source,
+        })?;
+        let tc = program::<SchedClassifier>(&mut self.ebpf, name)?;
+        let id = tc
+            .attach_to_link(link)
+            .map_err(|source| attach_error(name, iface, source))?;
+        // Taken out of the program so that dropping the program leaves it attached.
+        drop(
+            tc.take_link(id)
+                .map_err(|source| attach_error(name, iface, source))?,
+        );
+        Ok(())
+    }
+
+    /// The TC ingress program on `iface`, pinned: adopted from an earlier agent's pin, or
+    /// attached and pinned (an agent from before the program existed pinned none).
+    fn tc_ingress_pinned(&mut self, dir: &Path, iface: &str) -> Result<(), LoadError> {
+        let pin = pins::tc_ingress_link(dir, iface);
+        if pin.exists() {
+            return self.adopt_tc(TC_INGRESS_PROGRAM, &pin, iface);
+        }
+        let tc = program::<SchedClassifier>(&mut self.ebpf, TC_INGRESS_PROGRAM)?;
+        let id = tc
+            .attach(iface, TcAttachType::Ingress)
+            .map_err(|source| attach_error(TC_INGRESS_PROGRAM, iface, source))?;
+        let link = tc
+            .take_link(id)
+            .map_err(|source| attach_error(TC_INGRESS_PROGRAM, iface, source))?;
+        pin_link(FdLink::try_from(link), &pin)
     }
 
     /// Attaches both programs to `iface`, the links owned by this process.
@@ -331,6 +369,15 @@ impl Datapath {
             .attach(iface, TcAttachType::Egress)
             .map_err(|source| attach_error(TC_PROGRAM, iface, source))?;
         Ok((taken, xdp_id, tc_id))
+    }
+
+    /// Attaches the TC ingress program to `iface`, the link owned by this process (the pinned
+    /// path attaches it in [`Datapath::attach`]).
+    fn attach_tc_ingress_unpinned(&mut self, iface: &str) -> Result<(), LoadError> {
+        program::<SchedClassifier>(&mut self.ebpf, TC_INGRESS_PROGRAM)?
+            .attach(iface, TcAttachType::Ingress)
+            .map(drop)
+            .map_err(|source| attach_error(TC_INGRESS_PROGRAM, iface, source))
     }
 
     /// The loaded object, so its programs can be run directly (`BPF_PROG_TEST_RUN` in the
@@ -444,6 +491,7 @@ pub fn detach(pin_dir: &Path, iface: Option<&str>) -> Result<Vec<String>, LoadEr
         for path in [
             pins::xdp_link(pin_dir, &iface),
             pins::tc_link(pin_dir, &iface),
+            pins::tc_ingress_link(pin_dir, &iface),
         ] {
             if path.exists() {
                 // Unpinning drops the last reference to the link, which detaches the program.

@@ -153,8 +153,10 @@ impl Maps {
             "allow",
         )?;
         sync_list(&mut self.deny_v4, &mut self.deny_v6, &settings.deny, "deny")?;
+        let mut config = settings.config;
+        config.has_bans = self.bans.keys().next().is_some().into();
         self.config
-            .set(0, settings.config, 0)
+            .set(0, config, 0)
             .map_err(map_error(map_names::CONFIG))
     }
 
@@ -192,6 +194,14 @@ impl Maps {
         self.bans
             .insert(key, Ban { expires_ns }, 0)
             .map_err(map_error(map_names::BANS))?;
+        // After the insert: the programs look bans up only once this is set.
+        let mut config = self.config()?;
+        if config.has_bans == 0 {
+            config.has_bans = 1;
+            self.config
+                .set(0, config, 0)
+                .map_err(map_error(map_names::CONFIG))?;
+        }
         Ok(key)
     }
 
@@ -373,23 +383,12 @@ fn sync_list(
     Ok(())
 }
 
-/// The key the kernel charges `addr` to: mapped to IPv6 and masked to the live prefix.
+/// The key the kernel charges `addr` to: mapped to IPv6 and masked to the live prefix, by the
+/// kernel's own masking function.
 pub fn source_key(addr: IpAddr, config: &Config) -> SourceKey {
     // `::ffff:a.b.c.d` is the IPv4 client it maps, and takes the IPv4 prefix.
-    let addr = addr.to_canonical();
-    let v6 = mapped(addr);
-    let bits = match addr {
-        IpAddr::V4(_) => 96 + u32::from(config.ipv4_prefix.min(32)),
-        IpAddr::V6(_) => u32::from(config.ipv6_prefix.min(128)),
-    };
-    let mask = if bits == 0 {
-        0
-    } else {
-        u128::MAX << (128 - bits)
-    };
-    SourceKey {
-        addr: (u128::from(v6) & mask).to_be_bytes(),
-    }
+    let v6 = mapped(addr.to_canonical());
+    limiter_common::source_key(&v6.octets(), config.ipv4_prefix, config.ipv6_prefix)
 }
 
 /// A source key as an address, IPv4-mapped keys shown as plain IPv4.
