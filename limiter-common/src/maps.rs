@@ -70,16 +70,17 @@ pub const HALF_OPEN: MapDef = MapDef {
 };
 
 /// The ingress pre-filter for handshake-completing ACKs: per hash of (server ISN + 1), the
-/// coarse time of the last SYN-ACK that carried such an ISN (see the kernel's `policy.rs`).
+/// coarse time of the last SYN-ACK that carried such an ISN, and in one more slot at the end
+/// the coarse time of the last SYN-ACK of all (see the kernel's `policy.rs`).
 pub const ACK_HINTS: MapDef = MapDef {
     name: "ACK_HINTS",
     kind: MapKind::Array,
     key: "u32",
     value: "u32",
-    default_entries: 1 << ACK_HINT_BITS,
+    default_entries: (1 << ACK_HINT_BITS) + 1,
 };
 
-/// `ACK_HINTS` has `2^ACK_HINT_BITS` slots.
+/// `ACK_HINTS` has `2^ACK_HINT_BITS` hint slots.
 pub const ACK_HINT_BITS: u32 = 16;
 
 /// Admitted connections per source key. A plain hash for the same reason as `FLOWS`; entries

@@ -12,7 +12,7 @@ mod reply;
 
 use aya_ebpf::{
     bindings::{TC_ACT_OK, TC_ACT_SHOT, xdp_action},
-    helpers::{bpf_ktime_get_boot_ns, bpf_redirect},
+    helpers::bpf_redirect,
     macros::{classifier, xdp},
     programs::{TcContext, XdpContext},
 };
@@ -20,13 +20,6 @@ use aya_log_ebpf::debug;
 use limiter_common::{AdjustRequest, Direction, Event, FlowKey, ReleaseRequest, release};
 use parsing::Window;
 use policy::Action;
-
-/// `CLOCK_BOOTTIME`: keeps counting through suspend, so bans and timeouts never stretch.
-#[inline(always)]
-fn now() -> u64 {
-    // SAFETY: the helper has no preconditions.
-    unsafe { bpf_ktime_get_boot_ns() }
-}
 
 /// Ingress: refuses connections over their limits before the socket layer sees them.
 #[xdp]
@@ -44,7 +37,7 @@ pub fn limiter_xdp(ctx: XdpContext) -> u32 {
             };
         }
     };
-    let action = policy::ingress(&segment, now());
+    let action = policy::ingress(&segment);
     match action {
         Action::Pass => xdp_action::XDP_PASS,
         Action::Drop => xdp_action::XDP_DROP,
@@ -105,7 +98,7 @@ pub fn limiter_tc(ctx: TcContext) -> i32 {
         end: ctx.data_end(),
     };
     match parsing::parse(&window, false) {
-        Ok(segment) => policy::egress(&segment, now()),
+        Ok(segment) => policy::egress(&segment),
         Err(reason) => policy::unparsed(Direction::Egress, reason),
     };
     TC_ACT_OK

@@ -147,14 +147,8 @@ fn parse_ipv4(w: &Window, l3: usize, whole: bool) -> Result<Segment, Reason> {
         // Not the first fragment: no TCP header at all.
         return Err(Reason::Fragment);
     }
-    let mut src = [0u8; 16];
-    let mut dst = [0u8; 16];
-    src[10] = 0xFF;
-    src[11] = 0xFF;
-    dst[10] = 0xFF;
-    dst[11] = 0xFF;
-    src[12..16].copy_from_slice(&header[12..16]);
-    dst[12..16].copy_from_slice(&header[16..20]);
+    let src = mapped([header[12], header[13], header[14], header[15]]);
+    let dst = mapped([header[16], header[17], header[18], header[19]]);
     let ip = Ip {
         l3,
         l4: l3 + ihl,
@@ -233,6 +227,15 @@ fn parse_ipv6(w: &Window, l3: usize, whole: bool) -> Result<Segment, Reason> {
         }
     }
     Err(Reason::HeaderChain)
+}
+
+/// `::ffff:a.b.c.d`, built as two words: byte-wise zeroing would compile to a `memset` loop.
+#[inline(always)]
+fn mapped(v4: [u8; 4]) -> [u8; 16] {
+    let lo = (0xFFFF_u64 << 32) | u32::from_be_bytes(v4) as u64;
+    let mut out = [0u8; 16];
+    out[8..].copy_from_slice(&lo.to_be_bytes());
+    out
 }
 
 /// Whether a header of this type is TCP or may be followed by TCP.

@@ -14,7 +14,7 @@
 //! The established fast path (a data or ACK segment) reads two or three array slots and
 //! writes none: no hash lookup, no map write (see [`hinted`]).
 
-use aya_ebpf::maps::lpm_trie::Key;
+use aya_ebpf::{helpers::bpf_ktime_get_boot_ns, maps::lpm_trie::Key};
 use limiter_common::{
     Blocked, Config, Direction, Event, Flow, FlowKey, HalfOpen, Reason, Refusal, SourceKey,
     SynBucket, Verdict, flow_state, maps::ACK_HINT_BITS, source_key, stats::stat_slot,
@@ -92,10 +92,10 @@ fn refuse(seg: &Segment, source: &SourceKey, reason: Reason, mode: u8, config: &
 /// Counts a refusal against its source, for the agent's top-blocked lists.
 #[inline(always)]
 fn record_blocked(source: &SourceKey, reason: Reason) {
-    if let (Some(slot), Some(blocked)) = (
-        reason.blocked_slot(),
-        maps::lru_get_or_insert(&BLOCKED, source, &Blocked::default()),
-    ) {
+    let Some(slot) = reason.blocked_slot() else {
+        return;
+    };
+    if let Some(blocked) = maps::lru_get_or_insert(&BLOCKED, source, &Blocked::default()) {
         // SAFETY: pointer from a successful lookup; the slot index is below REFUSAL_COUNT.
         atomics::fetch_add(unsafe { &mut (*blocked).counts[slot] }, 1);
     }
@@ -130,9 +130,17 @@ fn outbound(seg: &Segment) -> FlowKey {
     }
 }
 
+/// `CLOCK_BOOTTIME`: keeps counting through suspend, so bans and timeouts never stretch. Read
+/// only on the paths that need it: the established fast path reads no clock.
+#[inline(always)]
+fn now() -> u64 {
+    // SAFETY: the helper has no preconditions.
+    unsafe { bpf_ktime_get_boot_ns() }
+}
+
 /// Policy for a packet arriving at the host (XDP).
 #[inline(never)]
-pub fn ingress(seg: &Segment, now: u64) -> Action {
+pub fn ingress(seg: &Segment) -> Action {
     let config = maps::config();
     if !protected(&config, seg.dport) {
         return pass(Direction::Ingress, Reason::UnprotectedPort);
@@ -157,19 +165,19 @@ pub fn ingress(seg: &Segment, now: u64) -> Action {
     }
     if config.has_bans != 0 {
         let source = source_of(seg, &config);
-        if banned(&source, now) {
+        if banned(&source, now()) {
             return refuse(seg, &source, Reason::Banned, config.reject_ban, &config);
         }
     }
     if seg.is_syn() {
-        return syn(seg, &config, now);
+        return syn(seg, &config, now());
     }
     if seg.has(TCP_RST) {
         return reset(seg, Direction::Ingress);
     }
     let mut reason = Reason::Segment;
-    if seg.has(TCP_ACK) && !seg.has(TCP_SYN) && hinted(seg.ack, now) {
-        match complete(seg, &config, now) {
+    if seg.has(TCP_ACK) && !seg.has(TCP_SYN) && hinted(seg.ack) {
+        match complete(seg, &config, now()) {
             Completion::Admitted => reason = Reason::Admitted,
             Completion::Refused(action) => return action,
             Completion::NotAHandshake => {}
@@ -183,13 +191,13 @@ pub fn ingress(seg: &Segment, now: u64) -> Action {
 
 /// Policy for a packet leaving the host (TC): the server's ISN, and close tracking.
 #[inline(never)]
-pub fn egress(seg: &Segment, now: u64) -> Action {
+pub fn egress(seg: &Segment) -> Action {
     let config = maps::config();
     if !protected(&config, seg.sport) {
         return pass(Direction::Egress, Reason::UnprotectedPort);
     }
     if seg.flags & (TCP_SYN | TCP_ACK | TCP_RST) == TCP_SYN | TCP_ACK {
-        return syn_ack(seg, now);
+        return syn_ack(seg, now());
     }
     if seg.has(TCP_RST) {
         return reset(seg, Direction::Egress);
@@ -349,6 +357,10 @@ fn hint_now(now: u64) -> u32 {
     ((now >> 30) as u32).wrapping_add(1)
 }
 
+/// The slot of `ACK_HINTS` that holds the coarse time of the last SYN-ACK: the clock the
+/// ingress filter compares stamps against, so that it reads no clock of its own.
+const HINT_CLOCK: u32 = 1 << ACK_HINT_BITS;
+
 #[inline(always)]
 fn hint_slot(expected_ack: u32) -> u32 {
     // Fibonacci hashing: ISNs are spread already, but a multiply costs nothing.
@@ -358,21 +370,28 @@ fn hint_slot(expected_ack: u32) -> u32 {
 /// The pre-filter that spares every ACK a `HALF_OPEN` lookup: an array slot per hash of an
 /// expected acknowledgment number (server ISN + 1), stamped with the coarse time of the last
 /// SYN-ACK that carried it. A segment whose ack hashes to a slot stamped within
-/// [`HINT_WINDOW`] may complete a handshake and is looked up; any other is not.
+/// [`HINT_WINDOW`] of the last SYN-ACK's time may complete a handshake and is looked up; any
+/// other is not.
 ///
 /// There are no false negatives: a slot is only ever restamped forward, never cleared, so
-/// the ACK of any SYN-ACK sent within the window finds its slot fresh. A false positive (a
-/// data or ACK segment whose ack collides with a recent ISN's slot) costs one `HALF_OPEN`
-/// lookup that finds nothing or an ISN that does not match, and no write. Under a SYN flood
-/// every slot is fresh, and every ACK pays that lookup until the flood is a window old.
+/// the ACK of any SYN-ACK sent within the window finds its slot fresh; and the clock it is
+/// compared with is the last SYN-ACK's, never later than the true time, so it can only make a
+/// stamp look fresher. A false positive (a data or ACK segment whose ack collides with a
+/// recent ISN's slot, or a stale stamp while no SYN-ACK has moved the clock) costs one
+/// `HALF_OPEN` lookup that finds nothing or an ISN that does not match, and no write. Under a
+/// SYN flood every slot is fresh, and every ACK pays that lookup until the flood is a window
+/// old.
 ///
 /// Data segments are filtered too, not only pure ACKs: a client may carry its first bytes on
 /// the handshake's last segment, and skipping those would let it connect uncounted.
 #[inline(always)]
-fn hinted(ack: u32, now: u64) -> bool {
-    ACK_HINTS
-        .get(hint_slot(ack))
-        .is_some_and(|stamp| *stamp != 0 && hint_now(now).wrapping_sub(*stamp) <= HINT_WINDOW)
+fn hinted(ack: u32) -> bool {
+    let (Some(stamp), Some(clock)) = (ACK_HINTS.get(hint_slot(ack)), ACK_HINTS.get(HINT_CLOCK))
+    else {
+        return false;
+    };
+    // Signed: a stamp written a moment after the clock (racing CPUs) reads as fresh.
+    *stamp != 0 && (clock.wrapping_sub(*stamp) as i32) <= HINT_WINDOW as i32
 }
 
 /// The server's SYN-ACK of a half-open connection: record its ISN (the first one: a client
@@ -390,9 +409,17 @@ fn syn_ack(seg: &Segment, now: u64) -> Action {
             (*entry).isn_seen = 1;
         }
     }
-    if let Some(stamp) = ACK_HINTS.get_ptr_mut(hint_slot(seg.seq.wrapping_add(1))) {
-        // SAFETY: pointer from a successful array lookup.
-        unsafe { *stamp = hint_now(now) };
+    let stamp = hint_now(now);
+    for slot in [hint_slot(seg.seq.wrapping_add(1)), HINT_CLOCK] {
+        if let Some(ptr) = ACK_HINTS.get_ptr_mut(slot) {
+            // SAFETY: pointer from a successful array lookup. Racing CPUs write times a moment
+            // apart: either is fine (see `hinted`).
+            unsafe {
+                if *ptr != stamp {
+                    *ptr = stamp;
+                }
+            }
+        }
     }
     pass(Direction::Egress, Reason::Tracked)
 }
