@@ -11,8 +11,8 @@
 //! the cap, and rolled back if over, so racing CPUs can never admit past a cap; a slot is given
 //! back only by whoever succeeded in deleting the flow from `FLOWS`, so it is released once.
 //!
-//! The established fast path (a data or ACK segment) reads two or three array slots and
-//! writes none: no hash lookup, no map write (see [`hinted`]).
+//! The established fast path (a data or ACK segment) reads a few array slots and a per-CPU
+//! counter: no hash lookup, no map write, no clock (see [`hinted`]).
 
 use aya_ebpf::{helpers::bpf_ktime_get_boot_ns, maps::lpm_trie::Key};
 use limiter_common::{
