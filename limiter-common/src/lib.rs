@@ -7,40 +7,49 @@
 #![deny(missing_docs)]
 #![warn(missing_debug_implementations)]
 
+pub mod maps;
+pub mod source;
 pub mod stats;
 
+pub use source::source_key;
 pub use stats::{Direction, Event, Reason, Verdict};
 
-/// Names of the maps, shared so that a rename breaks the build rather than the agent.
+/// Names of the maps, from the catalogue in [`maps`], so that a rename breaks the build rather
+/// than the agent.
 pub mod map_names {
+    use crate::maps;
     /// The one [`Config`](crate::Config), rewritten by the agent on every settings change.
-    pub const CONFIG: &str = "CONFIG";
+    pub const CONFIG: &str = maps::CONFIG.name;
     /// One byte per local port, non-zero for a protected port (unless `all_ports` is set).
-    pub const PORTS: &str = "PORTS";
+    pub const PORTS: &str = maps::PORTS.name;
     /// Admitted connections: [`FlowKey`](crate::FlowKey) to [`Flow`](crate::Flow).
-    pub const FLOWS: &str = "FLOWS";
+    pub const FLOWS: &str = maps::FLOWS.name;
+    /// Connections awaiting their handshake's last ACK, which hold no slot until it comes.
+    pub const HALF_OPEN: &str = maps::HALF_OPEN.name;
+    /// Recent SYN-ACK ISNs, so that only an ACK that may complete a handshake pays a lookup.
+    pub const ACK_HINTS: &str = maps::ACK_HINTS.name;
     /// Open connections per [`SourceKey`](crate::SourceKey), for the per-source cap.
-    pub const SOURCE_CONNS: &str = "SOURCE_CONNS";
+    pub const SOURCE_CONNS: &str = maps::SOURCE_CONNS.name;
     /// Open connections to the host, for the total cap: a single counter.
-    pub const GLOBAL_CONNS: &str = "GLOBAL_CONNS";
+    pub const GLOBAL_CONNS: &str = maps::GLOBAL_CONNS.name;
     /// The SYN rate's [`SynBucket`](crate::SynBucket) per source.
-    pub const SYN_BUCKETS: &str = "SYN_BUCKETS";
+    pub const SYN_BUCKETS: &str = maps::SYN_BUCKETS.name;
     /// Banned sources and when each ban ends.
-    pub const BANS: &str = "BANS";
+    pub const BANS: &str = maps::BANS.name;
     /// IPv4 prefixes that bypass every limit.
-    pub const ALLOW_V4: &str = "ALLOW_V4";
+    pub const ALLOW_V4: &str = maps::ALLOW_V4.name;
     /// IPv6 prefixes that bypass every limit.
-    pub const ALLOW_V6: &str = "ALLOW_V6";
-    /// IPv4 prefixes whose SYNs are always refused.
-    pub const DENY_V4: &str = "DENY_V4";
-    /// IPv6 prefixes whose SYNs are always refused.
-    pub const DENY_V6: &str = "DENY_V6";
+    pub const ALLOW_V6: &str = maps::ALLOW_V6.name;
+    /// IPv4 prefixes whose packets to protected ports are always refused.
+    pub const DENY_V4: &str = maps::DENY_V4.name;
+    /// IPv6 prefixes whose packets to protected ports are always refused.
+    pub const DENY_V6: &str = maps::DENY_V6.name;
     /// Per-CPU packet counters, indexed by [`stat_slot`](crate::stats::stat_slot).
-    pub const STATS: &str = "STATS";
+    pub const STATS: &str = maps::STATS.name;
     /// Per-CPU flow event counters, indexed by [`Event`](crate::Event).
-    pub const EVENTS: &str = "EVENTS";
+    pub const EVENTS: &str = maps::EVENTS.name;
     /// Refusals per source and reason ([`Blocked`](crate::Blocked)), for the top-blocked lists.
-    pub const BLOCKED: &str = "BLOCKED";
+    pub const BLOCKED: &str = maps::BLOCKED.name;
 }
 
 /// How a refused SYN is answered.
@@ -49,7 +58,7 @@ pub mod map_names {
 pub enum Refusal {
     /// Silently dropped: the client retries into a timeout. Right for floods.
     Drop = 0,
-    /// Answered with RST|ACK from XDP: the client sees "connection refused" at once.
+    /// Answered with RST|ACK (SYNs only; other refused packets are dropped): the client sees "connection refused" at once.
     Rst = 1,
 }
 
@@ -83,8 +92,8 @@ pub struct Config {
     pub ipv4_prefix: u8,
     /// Prefix length an IPv6 source is masked to (e.g. 64, since one host often holds a /64).
     pub ipv6_prefix: u8,
-    /// [`Refusal`] for the connection caps and a full flow table, as `u8` so that any byte
-    /// the agent writes is valid.
+    /// [`Refusal`] for the connection caps and a full flow table (fail-closed), as `u8` so
+    /// that any byte the agent writes is valid.
     pub reject_conn: u8,
     /// [`Refusal`] for the SYN rate.
     pub reject_rate: u8,
@@ -96,13 +105,24 @@ pub struct Config {
     pub fail_closed: u8,
     /// Non-zero: every local port is protected and `PORTS` is not consulted.
     pub all_ports: u8,
-    /// Non-zero when the allow / deny tries hold entries: lets the fast path skip empty tries.
+    /// Non-zero when the allow tries hold entries: lets the fast path skip empty tries.
     pub has_allow: u8,
-    /// Non-zero when the deny tries hold entries.
+    /// Non-zero when the deny tries hold entries, for the same reason.
     pub has_deny: u8,
-    /// Explicit padding, always zero, so the layout has no bytes the compiler chose.
-    pub _pad: [u8; 2],
+    /// Non-zero when `BANS` may hold entries: without it no packet pays the ban lookup. Whoever
+    /// adds a ban (the agent, and the operator commands writing pinned maps when no agent
+    /// answers) sets it after the insert; it is cleared only when `BANS` is seen empty.
+    pub has_bans: u8,
+    /// Zero: a SYN refused with `rst` is marked through XDP metadata and passed, and
+    /// `limiter_tc_ingress` turns it into the RST|ACK and redirects it out of the interface it
+    /// came in on. That works on every interface, including a veth whose peer runs no XDP
+    /// program, but needs `limiter_tc_ingress` attached wherever `limiter_xdp` is (without it
+    /// a marked SYN would reach the host). Non-zero: the RST|ACK is sent with `XDP_TX`, which
+    /// is cheaper but on a veth reaches the client only if the peer runs NAPI (an XDP program).
+    pub rst_xdp_tx: u8,
 }
+
+const _: () = assert!(core::mem::size_of::<Config>() == 28);
 
 impl Config {
     /// What the programs do before the agent writes a configuration: count, limit nothing.
@@ -121,7 +141,8 @@ impl Config {
         all_ports: 1,
         has_allow: 0,
         has_deny: 0,
-        _pad: [0; 2],
+        has_bans: 0,
+        rst_xdp_tx: 0,
     };
 }
 
@@ -133,6 +154,8 @@ pub struct SourceKey {
     /// The masked address, IPv6 byte order; bits beyond the prefix are zero.
     pub addr: [u8; 16],
 }
+
+const _: () = assert!(core::mem::size_of::<SourceKey>() == 16);
 
 /// A connection seen from the client's side: `remote` is the address that sent the SYN,
 /// `local` the protected address. Egress packets are keyed in the same orientation.
@@ -151,9 +174,12 @@ pub struct FlowKey {
     pub _pad: u32,
 }
 
+const _: () = assert!(core::mem::size_of::<FlowKey>() == 40);
+
 /// Flow state bits, set with atomic OR so ingress and egress never lose each other's bit.
 pub mod flow_state {
-    /// The client acknowledged the SYN-ACK: no longer half-open.
+    /// The client acknowledged the SYN-ACK. Every flow enters `FLOWS` with it set (half-open
+    /// connections live in `HALF_OPEN`); it stays a bit so the agent can read it as before.
     pub const ESTABLISHED: u32 = 1;
     /// A FIN came from the client.
     pub const FIN_IN: u32 = 2;
@@ -163,15 +189,17 @@ pub mod flow_state {
     pub const FIN_BOTH: u32 = FIN_IN | FIN_OUT;
 }
 
-/// An admitted connection. It holds one slot of its source's count and one of the global count
-/// from its SYN until whoever deletes it from `FLOWS` releases them.
+/// An admitted connection: its handshake completed (the client acknowledged the server's ISN).
+/// It holds one slot of its source's count and one of the global count from that ACK until
+/// whoever deletes it from `FLOWS` releases them.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Flow {
-    /// `CLOCK_BOOTTIME` nanoseconds of the admitted SYN.
+    /// `CLOCK_BOOTTIME` nanoseconds of the connection's SYN.
     pub first_seen_ns: u64,
-    /// `CLOCK_BOOTTIME` nanoseconds of the last packet either way (coarse: refreshed at most
-    /// every [`LAST_SEEN_GRANULARITY_NS`], to spare the cache line).
+    /// `CLOCK_BOOTTIME` nanoseconds of the handshake's completion. Not refreshed per packet:
+    /// that would be a map write on the fast path. Whether a connection still lives is the
+    /// host's socket table's to say, not an idle timer's.
     pub last_seen_ns: u64,
     /// The source key the slot was charged to, so release finds it even if the prefix changed.
     pub source: SourceKey,
@@ -181,9 +209,25 @@ pub struct Flow {
     pub _pad: u32,
 }
 
-/// How stale [`Flow::last_seen_ns`] may be. Writing it on every packet would bounce the
-/// flow's cache line between cores; idle timeouts are many seconds, so a second is plenty.
-pub const LAST_SEEN_GRANULARITY_NS: u64 = 1_000_000_000;
+const _: () = assert!(core::mem::size_of::<Flow>() == 40);
+
+/// A connection between its SYN and the client's ACK of the server's SYN-ACK, in the LRU
+/// `HALF_OPEN` map keyed by its [`FlowKey`]. It holds no slot: a source that never completes a
+/// handshake (a spoofed one cannot) costs the caps nothing, and the LRU forgets it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HalfOpen {
+    /// The source key the connection will be charged to.
+    pub source: SourceKey,
+    /// `CLOCK_BOOTTIME` nanoseconds of the SYN.
+    pub first_seen_ns: u64,
+    /// The server's initial sequence number, from the first SYN-ACK seen leaving the host.
+    pub server_isn: u32,
+    /// Non-zero once `server_isn` is known.
+    pub isn_seen: u32,
+}
+
+const _: () = assert!(core::mem::size_of::<HalfOpen>() == 32);
 
 /// GCRA state of one source's SYN rate: the theoretical arrival time of the next SYN.
 /// The bucket is full (idle) once `tat_ns <= now`.
@@ -194,6 +238,8 @@ pub struct SynBucket {
     pub tat_ns: u64,
 }
 
+const _: () = assert!(core::mem::size_of::<SynBucket>() == 8);
+
 /// A ban set by the agent; it stops applying by itself at `expires_ns` (`CLOCK_BOOTTIME`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -201,6 +247,8 @@ pub struct Ban {
     /// `CLOCK_BOOTTIME` nanoseconds at which the ban ends.
     pub expires_ns: u64,
 }
+
+const _: () = assert!(core::mem::size_of::<Ban>() == 8);
 
 /// Key of the IPv4 allow / deny LPM tries' data part (the prefix length is aya's `Key`
 /// wrapper), in network byte order as the trie compares bits from the first byte.
@@ -213,9 +261,11 @@ pub type Ipv6Bits = [u8; 16];
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct Blocked {
-    /// Refused SYNs, per [`Reason::blocked_slot`].
+    /// Refusals, per [`Reason::blocked_slot`].
     pub counts: [u64; Reason::REFUSAL_COUNT],
 }
+
+const _: () = assert!(core::mem::size_of::<Blocked>() == 8 * Reason::REFUSAL_COUNT);
 
 /// Input of the `limiter_release` program, run by the agent through `BPF_PROG_TEST_RUN`:
 /// the kernel side deletes the flow and releases its slots with the same atomics the
@@ -226,6 +276,8 @@ pub struct ReleaseRequest {
     /// The flow to delete and release.
     pub flow: FlowKey,
 }
+
+const _: () = assert!(core::mem::size_of::<ReleaseRequest>() == 40);
 
 /// Input of the `limiter_adjust` program, run by the agent through `BPF_PROG_TEST_RUN` to
 /// repair a counter that drifted from the flow table: the kernel adds `delta` atomically, so
@@ -242,6 +294,12 @@ pub struct AdjustRequest {
     /// Explicit padding, always zero.
     pub _pad: u32,
 }
+
+const _: () = assert!(core::mem::size_of::<AdjustRequest>() == 32);
+
+/// The XDP metadata word that marks a SYN refused with `rst` for `limiter_tc_ingress` to
+/// answer (see [`Config::rst_xdp_tx`]). Only XDP writes metadata, so no sender can forge it.
+pub const RST_MARK: u32 = 0x4C52_5354;
 
 /// What `limiter_release` returns.
 pub mod release {
@@ -262,6 +320,7 @@ mod pod {
     unsafe impl aya::Pod for SourceKey {}
     unsafe impl aya::Pod for FlowKey {}
     unsafe impl aya::Pod for Flow {}
+    unsafe impl aya::Pod for HalfOpen {}
     unsafe impl aya::Pod for SynBucket {}
     unsafe impl aya::Pod for Ban {}
     unsafe impl aya::Pod for Blocked {}

@@ -4,9 +4,9 @@
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Direction {
-    /// XDP, on packets arriving: where SYNs are admitted or refused.
+    /// XDP, on packets arriving: where connections are admitted or refused.
     Ingress = 0,
-    /// TC, on packets leaving: tracks the server's side of each flow (FINs, RSTs).
+    /// TC, on packets leaving: records the server's ISN and tracks its FINs and RSTs.
     Egress = 1,
 }
 
@@ -14,15 +14,17 @@ pub enum Direction {
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Verdict {
-    /// Let through to the stack.
+    /// Let through to the stack (or out of the host).
     Pass = 0,
     /// Dropped without an answer.
     Drop = 1,
-    /// Refused with a RST|ACK sent back from XDP.
+    /// Refused with a reset: a RST|ACK to a refused SYN's client, or a RST to the host for a
+    /// handshake refused at its completing ACK.
     Rst = 2,
 }
 
-/// Why. The refusal reasons come first so that [`Reason::blocked_slot`] is a plain index.
+/// Why. The reasons a *source* is refused for come first, so that [`Reason::blocked_slot`] is
+/// a plain index; then the refusals of packets that cannot be judged; then the passes.
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Reason {
@@ -32,38 +34,50 @@ pub enum Reason {
     ConnTotal = 1,
     /// The source sent SYNs faster than its rate and burst allow.
     SynRate = 2,
-    /// The source is banned (by an operator or by escalation).
+    /// The source is banned.
     Banned = 3,
     /// The source is in a deny prefix.
     Denylisted = 4,
     /// The flow table was full: refused when fail-closed, passed untracked when fail-open.
     FlowTableFull = 5,
-    /// A SYN admitted and tracked.
-    Admitted = 6,
-    /// A SYN of a flow already tracked (a retransmission, or a reuse of a closing 4-tuple).
-    Retransmit = 7,
-    /// A packet of a tracked flow.
-    Tracked = 8,
-    /// A TCP packet to a protected port that belongs to no tracked flow.
-    Untracked = 9,
+    /// An IPv4 or IPv6 fragment of TCP that could reach a protected port: its ports and flags
+    /// cannot all be read in XDP, and the host would reassemble it out of sight. Refused.
+    Fragment = 6,
+    /// An IP or TCP header cut short (by the frame or by the IP length). Refused: the host
+    /// would discard it anyway, and nothing in it can be judged.
+    Truncated = 7,
+    /// An IPv6 header chain longer than the parser follows. Refused: TCP may hide behind it.
+    HeaderChain = 8,
+    /// Headers that are not what their type says (IP version, header lengths, VLAN nesting).
+    /// Refused on ingress, passed on egress.
+    Malformed = 9,
+    /// A SYN recorded half-open: it passes and holds no slot until its handshake completes.
+    HalfOpen = 10,
+    /// A handshake-completing ACK that took its connection's slots: the connection is tracked.
+    Admitted = 11,
+    /// A SYN of a connection already half-open or tracked (a retransmission, or a reuse of a
+    /// closing 4-tuple).
+    Retransmit = 12,
+    /// A SYN-ACK, FIN or RST of a half-open or tracked connection.
+    Tracked = 13,
+    /// A SYN-ACK, FIN or RST to or from a protected port that belongs to no known connection.
+    Untracked = 14,
+    /// A data or ACK segment, passed without a lookup (the established fast path).
+    Segment = 15,
     /// The source is in an allow prefix: passed without counting towards any limit.
-    Allowlisted = 10,
-    /// TCP to a port that is not protected.
-    UnprotectedPort = 11,
-    /// IP, but not TCP.
-    NonTcp = 12,
+    Allowlisted = 16,
+    /// TCP to (or, on egress, from) a port that is not protected.
+    UnprotectedPort = 17,
+    /// Not TCP (non-TCP fragments included).
+    NonTcp = 18,
     /// Neither IPv4 nor IPv6.
-    NonIp = 13,
-    /// An IPv4 or IPv6 fragment other than the first: no TCP header to read.
-    Fragment = 14,
-    /// Truncated or unparseable headers (or more extension headers / VLAN tags than we follow).
-    Malformed = 15,
+    NonIp = 19,
 }
 
 impl Reason {
     /// Number of reasons; sizes the `STATS` array.
-    pub const COUNT: usize = 16;
-    /// Reasons a SYN can be refused for: the first six.
+    pub const COUNT: usize = 20;
+    /// Reasons a source is refused for, each with a slot in [`crate::Blocked`]: the first six.
     pub const REFUSAL_COUNT: usize = 6;
     /// Every reason in wire order, for code that reads every counter.
     pub const ALL: [Reason; Reason::COUNT] = [
@@ -73,16 +87,20 @@ impl Reason {
         Reason::Banned,
         Reason::Denylisted,
         Reason::FlowTableFull,
+        Reason::Fragment,
+        Reason::Truncated,
+        Reason::HeaderChain,
+        Reason::Malformed,
+        Reason::HalfOpen,
         Reason::Admitted,
         Reason::Retransmit,
         Reason::Tracked,
         Reason::Untracked,
+        Reason::Segment,
         Reason::Allowlisted,
         Reason::UnprotectedPort,
         Reason::NonTcp,
         Reason::NonIp,
-        Reason::Fragment,
-        Reason::Malformed,
     ];
 
     /// The reason as a metric label.
@@ -94,20 +112,24 @@ impl Reason {
             Reason::Banned => "banned",
             Reason::Denylisted => "denylisted",
             Reason::FlowTableFull => "flow_table_full",
+            Reason::Fragment => "fragment",
+            Reason::Truncated => "truncated",
+            Reason::HeaderChain => "header_chain",
+            Reason::Malformed => "malformed",
+            Reason::HalfOpen => "half_open",
             Reason::Admitted => "admitted",
             Reason::Retransmit => "retransmit",
             Reason::Tracked => "tracked",
             Reason::Untracked => "untracked",
+            Reason::Segment => "segment",
             Reason::Allowlisted => "allowlisted",
             Reason::UnprotectedPort => "unprotected_port",
             Reason::NonTcp => "non_tcp",
             Reason::NonIp => "non_ip",
-            Reason::Fragment => "fragment",
-            Reason::Malformed => "malformed",
         }
     }
 
-    /// The slot of this reason in [`crate::Blocked`], for refusal reasons.
+    /// The slot of this reason in [`crate::Blocked`], for the reasons a source is refused for.
     pub const fn blocked_slot(self) -> Option<usize> {
         let index = self as usize;
         if index < Reason::REFUSAL_COUNT {
@@ -162,25 +184,30 @@ pub const fn stat_slot(direction: Direction, verdict: Verdict, reason: Reason) -
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Event {
-    /// A flow entered the table (its slots were taken).
+    /// A flow entered the table: its handshake completed and its slots were taken.
     Opened = 0,
     /// A RST (either way) removed the flow and released its slots.
     ClosedRst = 1,
     /// FINs both ways removed the flow and released its slots.
     ClosedFin = 2,
-    /// The agent released the flow (eviction of half-open or idle flows).
+    /// The agent released the flow (`limiter_release`).
     Released = 3,
+    /// A handshake-completing ACK found a cap full (another connection of its source or of the
+    /// host completed first): it was turned into a RST to the host, which drops the embryonic
+    /// connection. Counted in `STATS` too, as `rst` for `conn_per_ip` / `conn_total`.
+    RefusedAtAck = 4,
 }
 
 impl Event {
     /// Number of events; sizes the `EVENTS` array.
-    pub const COUNT: usize = 4;
+    pub const COUNT: usize = 5;
     /// Every event in wire order.
     pub const ALL: [Event; Event::COUNT] = [
         Event::Opened,
         Event::ClosedRst,
         Event::ClosedFin,
         Event::Released,
+        Event::RefusedAtAck,
     ];
 
     /// The event as a metric label.
@@ -190,6 +217,7 @@ impl Event {
             Event::ClosedRst => "closed_rst",
             Event::ClosedFin => "closed_fin",
             Event::Released => "released",
+            Event::RefusedAtAck => "refused_at_ack",
         }
     }
 }

@@ -11,8 +11,8 @@ mod policy;
 mod reply;
 
 use aya_ebpf::{
-    bindings::{TC_ACT_OK, xdp_action},
-    helpers::bpf_ktime_get_boot_ns,
+    bindings::{TC_ACT_OK, TC_ACT_SHOT, xdp_action},
+    helpers::bpf_redirect,
     macros::{classifier, xdp},
     programs::{TcContext, XdpContext},
 };
@@ -21,13 +21,6 @@ use limiter_common::{AdjustRequest, Direction, Event, FlowKey, ReleaseRequest, r
 use parsing::Window;
 use policy::Action;
 
-/// `CLOCK_BOOTTIME`: keeps counting through suspend, so bans and timeouts never stretch.
-#[inline(always)]
-fn now() -> u64 {
-    // SAFETY: the helper has no preconditions.
-    unsafe { bpf_ktime_get_boot_ns() }
-}
-
 /// Ingress: refuses connections over their limits before the socket layer sees them.
 #[xdp]
 pub fn limiter_xdp(ctx: XdpContext) -> u32 {
@@ -35,17 +28,33 @@ pub fn limiter_xdp(ctx: XdpContext) -> u32 {
         start: ctx.data(),
         end: ctx.data_end(),
     };
-    let action = match parsing::parse(&window) {
-        Ok(segment) => policy::ingress(&segment, now()),
-        Err(reason) => policy::pass(Direction::Ingress, reason),
+    let segment = match parsing::parse(&window, true) {
+        Ok(segment) => segment,
+        Err(reason) => {
+            return match policy::unparsed(Direction::Ingress, reason) {
+                Action::Drop => xdp_action::XDP_DROP,
+                _ => xdp_action::XDP_PASS,
+            };
+        }
     };
+    let action = policy::ingress(&segment);
     match action {
         Action::Pass => xdp_action::XDP_PASS,
         Action::Drop => xdp_action::XDP_DROP,
-        Action::Rst(syn) => {
-            debug!(&ctx, "refusing SYN from port {} with RST", syn.sport);
-            if reply::rst(&ctx, &syn) {
+        Action::Rst { xdp_tx } => {
+            debug!(&ctx, "refusing SYN from port {} with RST", segment.sport);
+            if !xdp_tx && reply::xdp_mark(&ctx) {
+                // `limiter_tc_ingress` answers it.
+                xdp_action::XDP_PASS
+            } else if reply::xdp_answer(&ctx, &segment) {
                 xdp_action::XDP_TX
+            } else {
+                xdp_action::XDP_DROP
+            }
+        }
+        Action::ResetHost => {
+            if reply::xdp_replace(&ctx, &segment) {
+                xdp_action::XDP_PASS
             } else {
                 xdp_action::XDP_DROP
             }
@@ -53,16 +62,44 @@ pub fn limiter_xdp(ctx: XdpContext) -> u32 {
     }
 }
 
-/// Egress: sees the host's FINs and RSTs so that flows close, and keeps them alive.
+/// Ingress, after XDP: answers the SYNs `limiter_xdp` refused and marked, by turning each into
+/// its RST|ACK and redirecting it out of the interface it came in on. Everything else passes
+/// at the cost of one metadata check.
+#[classifier]
+pub fn limiter_tc_ingress(ctx: TcContext) -> i32 {
+    if !reply::tc_take_mark(&ctx) {
+        return TC_ACT_OK;
+    }
+    let window = Window {
+        start: ctx.data(),
+        end: ctx.data_end(),
+    };
+    match parsing::parse(&window, true) {
+        Ok(syn) if syn.is_syn() => {
+            if reply::tc_answer(&ctx, &syn) {
+                // SAFETY: reading the context's field; the helper has no other preconditions.
+                unsafe { bpf_redirect((*ctx.skb.skb).ifindex, 0) as i32 }
+            } else {
+                // A refused SYN never reaches the host, answered or not.
+                TC_ACT_SHOT
+            }
+        }
+        // Only refused SYNs are marked.
+        _ => TC_ACT_OK,
+    }
+}
+
+/// Egress: sees the host's SYN-ACKs (the ISN a handshake must acknowledge) and its FINs and
+/// RSTs, so that connections complete and close.
 #[classifier]
 pub fn limiter_tc(ctx: TcContext) -> i32 {
     let window = Window {
         start: ctx.data(),
         end: ctx.data_end(),
     };
-    match parsing::parse(&window) {
-        Ok(segment) => policy::egress(&segment, now()),
-        Err(reason) => policy::pass(Direction::Egress, reason),
+    match parsing::parse(&window, false) {
+        Ok(segment) => policy::egress(&segment),
+        Err(reason) => policy::unparsed(Direction::Egress, reason),
     };
     TC_ACT_OK
 }

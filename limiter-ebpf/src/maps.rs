@@ -1,70 +1,74 @@
 //! The programs' maps, and the small accessors every path uses.
 //!
-//! Map types are chosen per map:
-//! - `FLOWS` and `SOURCE_CONNS` are plain hashes: an LRU would silently evict live flows and
-//!   their slots would leak. When `FLOWS` is full an insert fails, and policy decides (fail-open
-//!   or fail-closed) in the open.
-//! - `SYN_BUCKETS` and `BLOCKED` are LRU hashes: losing an idle bucket only hands its source a
-//!   fresh burst, losing a statistic only shortens a top-blocked list, and neither may ever stop
-//!   new sources from being tracked.
-//!
-//! Sizes here are defaults; the agent sets the real ones (`--flow-table-size`) before loading.
+//! Names, kinds and default sizes come from `limiter_common::maps`, which says per map why it
+//! has its type; the agent sets the real sizes of the sized ones before loading.
 
 use aya_ebpf::{
     macros::map,
     maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
 };
 use limiter_common::{
-    Ban, Blocked, Config, Event, Flow, FlowKey, Ipv4Bits, Ipv6Bits, SourceKey, SynBucket,
-    stats::STATS_SLOTS,
+    Ban, Blocked, Config, Flow, FlowKey, HalfOpen, Ipv4Bits, Ipv6Bits, SourceKey, SynBucket,
+    maps as catalogue,
 };
 
-pub const DEFAULT_TABLE_SIZE: u32 = 65_536;
-pub const LIST_SIZE: u32 = 16_384;
+#[map]
+pub static CONFIG: Array<Config> = Array::with_max_entries(catalogue::CONFIG.default_entries, 0);
 
 #[map]
-pub static CONFIG: Array<Config> = Array::with_max_entries(1, 0);
-
-/// One byte per local port: non-zero means protected. An array makes the check one lookup.
-#[map]
-pub static PORTS: Array<u8> = Array::with_max_entries(65_536, 0);
+pub static PORTS: Array<u8> = Array::with_max_entries(catalogue::PORTS.default_entries, 0);
 
 #[map]
-pub static FLOWS: HashMap<FlowKey, Flow> = HashMap::with_max_entries(DEFAULT_TABLE_SIZE, 0);
+pub static FLOWS: HashMap<FlowKey, Flow> =
+    HashMap::with_max_entries(catalogue::FLOWS.default_entries, 0);
 
-/// Open connections per source key.
 #[map]
-pub static SOURCE_CONNS: HashMap<SourceKey, u64> = HashMap::with_max_entries(DEFAULT_TABLE_SIZE, 0);
+pub static HALF_OPEN: LruHashMap<FlowKey, HalfOpen> =
+    LruHashMap::with_max_entries(catalogue::HALF_OPEN.default_entries, 0);
 
-/// Open connections to the host: one shared slot, changed only with atomics.
 #[map]
-pub static GLOBAL_CONNS: Array<u64> = Array::with_max_entries(1, 0);
+pub static ACK_HINTS: Array<u32> = Array::with_max_entries(catalogue::ACK_HINTS.default_entries, 0);
+
+#[map]
+pub static SOURCE_CONNS: HashMap<SourceKey, u64> =
+    HashMap::with_max_entries(catalogue::SOURCE_CONNS.default_entries, 0);
+
+#[map]
+pub static GLOBAL_CONNS: Array<u64> =
+    Array::with_max_entries(catalogue::GLOBAL_CONNS.default_entries, 0);
 
 #[map]
 pub static SYN_BUCKETS: LruHashMap<SourceKey, SynBucket> =
-    LruHashMap::with_max_entries(DEFAULT_TABLE_SIZE, 0);
+    LruHashMap::with_max_entries(catalogue::SYN_BUCKETS.default_entries, 0);
 
 #[map]
-pub static BANS: HashMap<SourceKey, Ban> = HashMap::with_max_entries(LIST_SIZE, 0);
+pub static BANS: HashMap<SourceKey, Ban> =
+    HashMap::with_max_entries(catalogue::BANS.default_entries, 0);
 
 #[map]
-pub static ALLOW_V4: LpmTrie<Ipv4Bits, u8> = LpmTrie::with_max_entries(LIST_SIZE, 0);
+pub static ALLOW_V4: LpmTrie<Ipv4Bits, u8> =
+    LpmTrie::with_max_entries(catalogue::ALLOW_V4.default_entries, 0);
 #[map]
-pub static ALLOW_V6: LpmTrie<Ipv6Bits, u8> = LpmTrie::with_max_entries(LIST_SIZE, 0);
+pub static ALLOW_V6: LpmTrie<Ipv6Bits, u8> =
+    LpmTrie::with_max_entries(catalogue::ALLOW_V6.default_entries, 0);
 #[map]
-pub static DENY_V4: LpmTrie<Ipv4Bits, u8> = LpmTrie::with_max_entries(LIST_SIZE, 0);
+pub static DENY_V4: LpmTrie<Ipv4Bits, u8> =
+    LpmTrie::with_max_entries(catalogue::DENY_V4.default_entries, 0);
 #[map]
-pub static DENY_V6: LpmTrie<Ipv6Bits, u8> = LpmTrie::with_max_entries(LIST_SIZE, 0);
+pub static DENY_V6: LpmTrie<Ipv6Bits, u8> =
+    LpmTrie::with_max_entries(catalogue::DENY_V6.default_entries, 0);
 
 #[map]
-pub static STATS: PerCpuArray<u64> = PerCpuArray::with_max_entries(STATS_SLOTS, 0);
+pub static STATS: PerCpuArray<u64> =
+    PerCpuArray::with_max_entries(catalogue::STATS.default_entries, 0);
 
 #[map]
-pub static EVENTS: PerCpuArray<u64> = PerCpuArray::with_max_entries(Event::COUNT as u32, 0);
+pub static EVENTS: PerCpuArray<u64> =
+    PerCpuArray::with_max_entries(catalogue::EVENTS.default_entries, 0);
 
 #[map]
 pub static BLOCKED: LruHashMap<SourceKey, Blocked> =
-    LruHashMap::with_max_entries(DEFAULT_TABLE_SIZE, 0);
+    LruHashMap::with_max_entries(catalogue::BLOCKED.default_entries, 0);
 
 /// The live configuration, or the unconfigured default before the agent writes one.
 #[inline(always)]

@@ -1,8 +1,11 @@
 //! Parses Ethernet (up to two VLAN tags), IPv4 (with options), IPv6 (with a bounded number
-//! of extension headers) and TCP, checking every read against the end of the packet.
+//! of extension headers) and TCP, checking every read against the end of the packet and every
+//! header against the IP length.
 //!
-//! Anything it cannot or need not follow comes back as the [`Reason`] it is passed for, so the
-//! caller can count it and let it through untouched.
+//! What it cannot read comes back as the [`Reason`] why, and the caller decides: on ingress a
+//! packet that could be TCP but whose ports and flags cannot be read (a fragment, a cut-short
+//! header, a header chain longer than we follow) is refused, because the host could still
+//! reassemble or walk it to a protected port out of our sight.
 
 use core::mem::size_of;
 
@@ -20,8 +23,14 @@ pub const IPPROTO_TCP: u8 = 6;
 pub const IPV4_HLEN: usize = 20;
 pub const IPV6_HLEN: usize = 40;
 pub const TCP_HLEN: usize = 20;
-/// IPv6 extension headers followed before giving up (counted as malformed past that).
+/// IPv6 extension headers followed; a longer chain is refused (`header_chain`). Real traffic
+/// to a broker carries at most one or two.
 const MAX_EXT_HEADERS: usize = 6;
+const IPV6_HOP_BY_HOP: u8 = 0;
+const IPV6_ROUTING: u8 = 43;
+const IPV6_FRAGMENT: u8 = 44;
+const IPV6_AUTH: u8 = 51;
+const IPV6_DEST_OPTS: u8 = 60;
 
 pub const TCP_FIN: u8 = 0x01;
 pub const TCP_SYN: u8 = 0x02;
@@ -68,8 +77,12 @@ pub struct Segment {
     pub sport: u16,
     pub dport: u16,
     pub seq: u32,
+    /// The acknowledgment number (meaningful with `TCP_ACK`).
+    pub ack: u32,
     pub flags: u8,
     pub ipv6: bool,
+    /// The first fragment of a fragmented datagram: ports readable, the rest arrives later.
+    pub fragment: bool,
     /// Where the IP header starts, after Ethernet and VLAN tags.
     pub l3_offset: usize,
 }
@@ -87,61 +100,76 @@ impl Segment {
     }
 }
 
-#[inline(always)]
-pub fn parse(w: &Window) -> Result<Segment, Reason> {
-    let mut proto = w.u16_be(12).ok_or(Reason::Malformed)?;
+/// `whole`: the window holds the whole packet, as in XDP, so a datagram longer than the window
+/// was cut short. On TC egress the window is only the linear part of the skb (a GSO packet
+/// carries most of its payload elsewhere), so there only the headers are checked.
+///
+/// Not inlined: its header copies get a stack frame of their own, beside the policy's rather
+/// than under it (BPF allows 512 bytes of stack down any call chain).
+#[inline(never)]
+pub fn parse(w: &Window, whole: bool) -> Result<Segment, Reason> {
+    let mut proto = w.u16_be(12).ok_or(Reason::Truncated)?;
     let mut l3 = ETH_HLEN;
     // Two tags at most (802.1ad outer, 802.1Q inner), unrolled for the verifier.
     for _ in 0..2 {
         if proto != ETH_P_8021Q && proto != ETH_P_8021AD {
             break;
         }
-        proto = w.u16_be(l3 + 2).ok_or(Reason::Malformed)?;
+        proto = w.u16_be(l3 + 2).ok_or(Reason::Truncated)?;
         l3 += VLAN_HLEN;
     }
     match proto {
-        ETH_P_IP => parse_ipv4(w, l3),
-        ETH_P_IPV6 => parse_ipv6(w, l3),
+        ETH_P_IP => parse_ipv4(w, l3, whole),
+        ETH_P_IPV6 => parse_ipv6(w, l3, whole),
         ETH_P_8021Q | ETH_P_8021AD => Err(Reason::Malformed),
         _ => Err(Reason::NonIp),
     }
 }
 
 #[inline(always)]
-fn parse_ipv4(w: &Window, l3: usize) -> Result<Segment, Reason> {
-    let header: [u8; IPV4_HLEN] = w.read(l3).ok_or(Reason::Malformed)?;
+fn parse_ipv4(w: &Window, l3: usize, whole: bool) -> Result<Segment, Reason> {
+    let header: [u8; IPV4_HLEN] = w.read(l3).ok_or(Reason::Truncated)?;
     if header[0] >> 4 != 4 {
         return Err(Reason::Malformed);
     }
     let ihl = ((header[0] & 0x0F) as usize) * 4;
-    if ihl < IPV4_HLEN {
+    let total = u16::from_be_bytes([header[2], header[3]]) as usize;
+    if ihl < IPV4_HLEN || total < ihl {
         return Err(Reason::Malformed);
     }
-    if u16::from_be_bytes([header[6], header[7]]) & 0x1FFF != 0 {
-        return Err(Reason::Fragment);
-    }
+    let frag = u16::from_be_bytes([header[6], header[7]]);
+    // More-fragments flag or an offset: part of a fragmented datagram.
+    let fragment = frag & 0x3FFF != 0;
     if header[9] != IPPROTO_TCP {
         return Err(Reason::NonTcp);
     }
-    let mut src = [0u8; 16];
-    let mut dst = [0u8; 16];
-    src[10] = 0xFF;
-    src[11] = 0xFF;
-    dst[10] = 0xFF;
-    dst[11] = 0xFF;
-    src[12..16].copy_from_slice(&header[12..16]);
-    dst[12..16].copy_from_slice(&header[16..20]);
-    parse_tcp(w, l3, l3 + ihl, src, dst, false)
+    if frag & 0x1FFF != 0 {
+        // Not the first fragment: no TCP header at all.
+        return Err(Reason::Fragment);
+    }
+    let src = mapped([header[12], header[13], header[14], header[15]]);
+    let dst = mapped([header[16], header[17], header[18], header[19]]);
+    let ip = Ip {
+        l3,
+        l4: l3 + ihl,
+        end: l3 + total,
+        ipv6: false,
+        fragment,
+        whole,
+    };
+    parse_tcp(w, &ip, src, dst)
 }
 
 #[inline(always)]
-fn parse_ipv6(w: &Window, l3: usize) -> Result<Segment, Reason> {
-    let header: [u8; IPV6_HLEN] = w.read(l3).ok_or(Reason::Malformed)?;
+fn parse_ipv6(w: &Window, l3: usize, whole: bool) -> Result<Segment, Reason> {
+    let header: [u8; IPV6_HLEN] = w.read(l3).ok_or(Reason::Truncated)?;
     if header[0] >> 4 != 6 {
         return Err(Reason::Malformed);
     }
+    let end = l3 + IPV6_HLEN + u16::from_be_bytes([header[4], header[5]]) as usize;
     let mut next = header[6];
     let mut l4 = l3 + IPV6_HLEN;
+    let mut fragment = false;
     for _ in 0..MAX_EXT_HEADERS {
         match next {
             IPPROTO_TCP => {
@@ -149,46 +177,107 @@ fn parse_ipv6(w: &Window, l3: usize) -> Result<Segment, Reason> {
                 let mut dst = [0u8; 16];
                 src.copy_from_slice(&header[8..24]);
                 dst.copy_from_slice(&header[24..40]);
-                return parse_tcp(w, l3, l4, src, dst, true);
+                let ip = Ip {
+                    l3,
+                    l4,
+                    end,
+                    ipv6: true,
+                    fragment,
+                    whole,
+                };
+                return parse_tcp(w, &ip, src, dst);
             }
             // Hop-by-hop, routing, destination options: length in 8-byte units past the first 8.
-            0 | 43 | 60 => {
-                let ext: [u8; 2] = w.read(l4).ok_or(Reason::Malformed)?;
+            IPV6_HOP_BY_HOP | IPV6_ROUTING | IPV6_DEST_OPTS => {
+                let ext: [u8; 2] = w.read(l4).ok_or(Reason::Truncated)?;
                 next = ext[0];
                 l4 += (ext[1] as usize + 1) * 8;
             }
-            // Fragment: only the first fragment carries the TCP header.
-            44 => {
-                let ext: [u8; 4] = w.read(l4).ok_or(Reason::Malformed)?;
-                if u16::from_be_bytes([ext[2], ext[3]]) & 0xFFF8 != 0 {
-                    return Err(Reason::Fragment);
-                }
+            IPV6_FRAGMENT => {
+                let ext: [u8; 4] = w.read(l4).ok_or(Reason::Truncated)?;
+                let frag = u16::from_be_bytes([ext[2], ext[3]]);
                 next = ext[0];
+                if frag & 0xFFF8 != 0 {
+                    // Not the first fragment. Its next header names what the datagram carries
+                    // (or the first header after this one): only a known non-TCP payload passes.
+                    return Err(if may_lead_to_tcp(next) {
+                        Reason::Fragment
+                    } else {
+                        Reason::NonTcp
+                    });
+                }
+                // An atomic fragment (offset 0, no more fragments) is a whole datagram.
+                fragment |= frag & 1 != 0;
                 l4 += 8;
             }
             // Authentication header: length in 4-byte units, minus 2.
-            51 => {
-                let ext: [u8; 2] = w.read(l4).ok_or(Reason::Malformed)?;
+            IPV6_AUTH => {
+                let ext: [u8; 2] = w.read(l4).ok_or(Reason::Truncated)?;
                 next = ext[0];
                 l4 += (ext[1] as usize + 2) * 4;
             }
-            _ => return Err(Reason::NonTcp),
+            _ => {
+                return Err(if fragment {
+                    // A first fragment whose chain goes on in a later fragment.
+                    Reason::Fragment
+                } else {
+                    Reason::NonTcp
+                });
+            }
         }
     }
-    Err(Reason::Malformed)
+    Err(Reason::HeaderChain)
+}
+
+/// `::ffff:a.b.c.d`, built as two words: byte-wise zeroing would compile to a `memset` loop.
+#[inline(always)]
+fn mapped(v4: [u8; 4]) -> [u8; 16] {
+    let lo = (0xFFFF_u64 << 32) | u32::from_be_bytes(v4) as u64;
+    let mut out = [0u8; 16];
+    out[8..].copy_from_slice(&lo.to_be_bytes());
+    out
+}
+
+/// Whether a header of this type is TCP or may be followed by TCP.
+#[inline(always)]
+fn may_lead_to_tcp(next: u8) -> bool {
+    matches!(
+        next,
+        IPPROTO_TCP | IPV6_HOP_BY_HOP | IPV6_ROUTING | IPV6_FRAGMENT | IPV6_AUTH | IPV6_DEST_OPTS
+    )
+}
+
+/// Where the IP datagram lies in the window.
+struct Ip {
+    l3: usize,
+    /// Where the TCP header starts.
+    l4: usize,
+    /// Where the datagram ends by its own length (the frame may carry padding past it).
+    end: usize,
+    ipv6: bool,
+    fragment: bool,
+    /// See [`parse`].
+    whole: bool,
 }
 
 #[inline(always)]
-fn parse_tcp(
-    w: &Window,
-    l3: usize,
-    l4: usize,
-    src: [u8; 16],
-    dst: [u8; 16],
-    ipv6: bool,
-) -> Result<Segment, Reason> {
-    let tcp: [u8; TCP_HLEN] = w.read(l4).ok_or(Reason::Malformed)?;
-    if (tcp[12] >> 4) < 5 {
+fn parse_tcp(w: &Window, ip: &Ip, src: [u8; 16], dst: [u8; 16]) -> Result<Segment, Reason> {
+    // A fragment's header cut short is the tiny-fragment attack: its own reason.
+    let short = if ip.fragment {
+        Reason::Fragment
+    } else {
+        Reason::Truncated
+    };
+    // The packet read comes first, so its bounds check stays a check the verifier sees.
+    let tcp: [u8; TCP_HLEN] = w.read(ip.l4).ok_or(short)?;
+    let doff = (tcp[12] >> 4) as usize * 4;
+    // On ingress, the header must lie within the datagram's own length too (padding past it
+    // is not TCP header), and the datagram within the frame. The host's own packets on egress
+    // are trusted: a GSO packet's IP length may even be zero.
+    if ip.whole && (ip.end > w.end - w.start || ip.l4 + doff.max(TCP_HLEN) > ip.end) {
+        return Err(short);
+    }
+    if doff < TCP_HLEN {
         return Err(Reason::Malformed);
     }
     Ok(Segment {
@@ -197,8 +286,10 @@ fn parse_tcp(
         sport: u16::from_be_bytes([tcp[0], tcp[1]]),
         dport: u16::from_be_bytes([tcp[2], tcp[3]]),
         seq: u32::from_be_bytes([tcp[4], tcp[5], tcp[6], tcp[7]]),
+        ack: u32::from_be_bytes([tcp[8], tcp[9], tcp[10], tcp[11]]),
         flags: tcp[13],
-        ipv6,
-        l3_offset: l3,
+        ipv6: ip.ipv6,
+        fragment: ip.fragment,
+        l3_offset: ip.l3,
     })
 }

@@ -1,28 +1,46 @@
-//! What to do with a packet: allow and deny lists, bans, the SYN-rate bucket, the connection
-//! caps, and flow tracking from SYN to close.
+//! What to do with a packet: the allow and deny lists, bans, the SYN-rate bucket, the
+//! connection caps, and connection tracking from SYN through handshake to close.
+//!
+//! A SYN takes no slot. It is checked (lists, bans, rate, and the caps as they stand) and
+//! recorded in the LRU `HALF_OPEN`; the server's SYN-ACK leaving the host records its ISN;
+//! the client's ACK of that ISN proves the source real, and only then are the slots taken and
+//! the connection entered in `FLOWS`. A spoofed source never sees the SYN-ACK, so a flood of
+//! them holds no slot and creates no per-source counter.
 //!
 //! Counters are exact under concurrency: a slot is taken with an atomic add, checked against
 //! the cap, and rolled back if over, so racing CPUs can never admit past a cap; a slot is given
 //! back only by whoever succeeded in deleting the flow from `FLOWS`, so it is released once.
+//!
+//! The established fast path (a data or ACK segment) reads a few array slots and a per-CPU
+//! counter: no hash lookup, no map write, no clock (see [`hinted`]).
 
-use aya_ebpf::maps::lpm_trie::Key;
+use aya_ebpf::{helpers::bpf_ktime_get_boot_ns, maps::lpm_trie::Key};
 use limiter_common::{
-    Blocked, Config, Direction, Event, Flow, FlowKey, LAST_SEEN_GRANULARITY_NS, Reason, Refusal,
-    SourceKey, SynBucket, Verdict, flow_state, stats::stat_slot,
+    Blocked, Config, Direction, Event, Flow, FlowKey, HalfOpen, Reason, Refusal, SourceKey,
+    SynBucket, Verdict, flow_state, maps::ACK_HINT_BITS, source_key, stats::stat_slot,
 };
 
 use crate::{
     atomics,
-    maps::{self, BANS, BLOCKED, EVENTS, FLOWS, GLOBAL_CONNS, SOURCE_CONNS, STATS, SYN_BUCKETS},
-    parsing::{Segment, TCP_ACK, TCP_FIN, TCP_RST},
+    maps::{
+        self, ACK_HINTS, BANS, BLOCKED, EVENTS, FLOWS, GLOBAL_CONNS, HALF_OPEN, SOURCE_CONNS,
+        STATS, SYN_BUCKETS,
+    },
+    parsing::{Segment, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
 };
 
 /// What the entry point does with the packet.
+#[derive(Clone, Copy)]
 pub enum Action {
     Pass,
     Drop,
-    /// Answer the SYN with RST|ACK.
-    Rst(Segment),
+    /// Answer the SYN with RST|ACK: by `XDP_TX` when `xdp_tx`, else through TC ingress.
+    Rst {
+        xdp_tx: bool,
+    },
+    /// Turn this handshake-completing ACK into a RST to the host and pass it, so the host
+    /// drops the embryonic connection the caps refused.
+    ResetHost,
 }
 
 #[inline(always)]
@@ -35,78 +53,159 @@ fn event(event: Event) {
     maps::bump(&EVENTS, event as u32);
 }
 
-/// Counts a packet passed for `reason` (parse failures, unprotected ports and the like).
+/// Counts a packet passed for `reason`.
 #[inline(always)]
 pub fn pass(direction: Direction, reason: Reason) -> Action {
     count(direction, Verdict::Pass, reason);
     Action::Pass
 }
 
-/// Refuses an ingress packet. Only a SYN gets an RST: a reset in the middle of a flow would
-/// need the flow's sequence numbers, so other refused packets are dropped.
+/// A packet the parser could not read. On ingress, anything that could be TCP to a protected
+/// port (a fragment, a cut-short or malformed header, an over-long IPv6 header chain) is
+/// dropped: passing it would let the host reassemble or walk it into a connection nothing
+/// judged. Non-IP and non-TCP traffic passes. On egress everything passes.
 #[inline(always)]
-fn refuse(seg: &Segment, source: &SourceKey, reason: Reason, mode: u8) -> Action {
-    if let (Some(slot), Some(blocked)) = (
-        reason.blocked_slot(),
-        maps::lru_get_or_insert(&BLOCKED, source, &Blocked::default()),
-    ) {
-        // SAFETY: pointer from a successful lookup; the slot index is below REFUSAL_COUNT.
-        atomics::fetch_add(unsafe { &mut (*blocked).counts[slot] }, 1);
+pub fn unparsed(direction: Direction, reason: Reason) -> Action {
+    if direction == Direction::Ingress && !matches!(reason, Reason::NonIp | Reason::NonTcp) {
+        count(direction, Verdict::Drop, reason);
+        return Action::Drop;
     }
+    pass(direction, reason)
+}
+
+/// Refuses an ingress packet of `source`. Only a SYN gets an RST: a reset in the middle of a
+/// flow would need the flow's sequence numbers, so other refused packets are dropped.
+#[inline(always)]
+fn refuse(seg: &Segment, source: &SourceKey, reason: Reason, mode: u8, config: &Config) -> Action {
+    record_blocked(source, reason);
     if Refusal::from_u8(mode) == Refusal::Rst && seg.is_syn() {
         count(Direction::Ingress, Verdict::Rst, reason);
-        Action::Rst(*seg)
+        Action::Rst {
+            xdp_tx: config.rst_xdp_tx != 0,
+        }
     } else {
         count(Direction::Ingress, Verdict::Drop, reason);
         Action::Drop
     }
 }
 
-/// Policy for a packet arriving at the host (XDP).
+/// Counts a refusal against its source, for the agent's top-blocked lists.
 #[inline(always)]
-pub fn ingress(seg: &Segment, now: u64) -> Action {
-    let config = maps::config();
-    if !protected(&config, seg.dport) {
-        return pass(Direction::Ingress, Reason::UnprotectedPort);
+fn record_blocked(source: &SourceKey, reason: Reason) {
+    let Some(slot) = reason.blocked_slot() else {
+        return;
+    };
+    if let Some(blocked) = maps::lru_get_or_insert(&BLOCKED, source, &Blocked::default()) {
+        // SAFETY: pointer from a successful lookup; the slot index is below REFUSAL_COUNT.
+        atomics::fetch_add(unsafe { &mut (*blocked).counts[slot] }, 1);
     }
-    if config.has_allow != 0 && listed(seg, true) {
-        return pass(Direction::Ingress, Reason::Allowlisted);
-    }
-    let source = source_key(&seg.src, &config);
-    if config.has_deny != 0 && listed(seg, false) {
-        return refuse(seg, &source, Reason::Denylisted, config.reject_deny);
-    }
-    if banned(&source, now) {
-        return refuse(seg, &source, Reason::Banned, config.reject_ban);
-    }
-    let key = FlowKey {
+}
+
+#[inline(always)]
+fn source_of(seg: &Segment, config: &Config) -> SourceKey {
+    source_key(&seg.src, config.ipv4_prefix, config.ipv6_prefix)
+}
+
+/// The connection an ingress segment belongs to.
+#[inline(always)]
+fn inbound(seg: &Segment) -> FlowKey {
+    FlowKey {
         remote: seg.src,
         local: seg.dst,
         remote_port: seg.sport,
         local_port: seg.dport,
         _pad: 0,
-    };
-    if seg.is_syn() {
-        return admit(seg, &key, &source, &config, now);
     }
-    track(seg, &key, Direction::Ingress, now)
 }
 
-/// Policy for a packet leaving the host (TC): only close tracking and activity.
+/// The connection an egress segment belongs to, in the same orientation.
 #[inline(always)]
-pub fn egress(seg: &Segment, now: u64) -> Action {
-    let config = maps::config();
-    if !protected(&config, seg.sport) {
-        return pass(Direction::Egress, Reason::UnprotectedPort);
-    }
-    let key = FlowKey {
+fn outbound(seg: &Segment) -> FlowKey {
+    FlowKey {
         remote: seg.dst,
         local: seg.src,
         remote_port: seg.dport,
         local_port: seg.sport,
         _pad: 0,
-    };
-    track(seg, &key, Direction::Egress, now)
+    }
+}
+
+/// `CLOCK_BOOTTIME`: keeps counting through suspend, so bans and timeouts never stretch. Read
+/// only on the paths that need it: the established fast path reads no clock.
+#[inline(always)]
+fn now() -> u64 {
+    // SAFETY: the helper has no preconditions.
+    unsafe { bpf_ktime_get_boot_ns() }
+}
+
+/// Policy for a packet arriving at the host (XDP).
+#[inline(never)]
+pub fn ingress(seg: &Segment) -> Action {
+    let config = maps::config();
+    if !protected(&config, seg.dport) {
+        return pass(Direction::Ingress, Reason::UnprotectedPort);
+    }
+    if seg.fragment {
+        // The first fragment of TCP to a protected port: its flags may lie in a later one.
+        count(Direction::Ingress, Verdict::Drop, Reason::Fragment);
+        return Action::Drop;
+    }
+    if config.has_allow != 0 && listed(seg, true) {
+        return pass(Direction::Ingress, Reason::Allowlisted);
+    }
+    if config.has_deny != 0 && listed(seg, false) {
+        let source = source_of(seg, &config);
+        return refuse(
+            seg,
+            &source,
+            Reason::Denylisted,
+            config.reject_deny,
+            &config,
+        );
+    }
+    if config.has_bans != 0 {
+        let source = source_of(seg, &config);
+        if banned(&source, now()) {
+            return refuse(seg, &source, Reason::Banned, config.reject_ban, &config);
+        }
+    }
+    if seg.is_syn() {
+        return syn(seg, &config, now());
+    }
+    if seg.has(TCP_RST) {
+        return reset(seg, Direction::Ingress);
+    }
+    let mut reason = Reason::Segment;
+    if seg.has(TCP_ACK) && !seg.has(TCP_SYN) && hinted(seg.ack) {
+        match complete(seg, &config, now()) {
+            Completion::Admitted => reason = Reason::Admitted,
+            Completion::Refused(action) => return action,
+            Completion::NotAHandshake => {}
+        }
+    }
+    if seg.has(TCP_FIN) {
+        return fin(&inbound(seg), Direction::Ingress);
+    }
+    pass(Direction::Ingress, reason)
+}
+
+/// Policy for a packet leaving the host (TC): the server's ISN, and close tracking.
+#[inline(never)]
+pub fn egress(seg: &Segment) -> Action {
+    let config = maps::config();
+    if !protected(&config, seg.sport) {
+        return pass(Direction::Egress, Reason::UnprotectedPort);
+    }
+    if seg.flags & (TCP_SYN | TCP_ACK | TCP_RST) == TCP_SYN | TCP_ACK {
+        return syn_ack(seg, now());
+    }
+    if seg.has(TCP_RST) {
+        return reset(seg, Direction::Egress);
+    }
+    if seg.has(TCP_FIN) {
+        return fin(&outbound(seg), Direction::Egress);
+    }
+    pass(Direction::Egress, Reason::Segment)
 }
 
 #[inline(always)]
@@ -136,118 +235,84 @@ fn listed(seg: &Segment, allow: bool) -> bool {
     }
 }
 
-/// The source address masked to the configured prefix (IPv4 as mapped, so its prefix counts
-/// from bit 96).
-#[inline(always)]
-pub fn source_key(addr: &[u8; 16], config: &Config) -> SourceKey {
-    let v4 = addr[..12] == [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xFF, 0xFF];
-    let prefix = if v4 {
-        96 + config.ipv4_prefix.min(32) as u32
-    } else {
-        config.ipv6_prefix.min(128) as u32
-    };
-    let hi = u64::from_be_bytes([
-        addr[0], addr[1], addr[2], addr[3], addr[4], addr[5], addr[6], addr[7],
-    ]);
-    let lo = u64::from_be_bytes([
-        addr[8], addr[9], addr[10], addr[11], addr[12], addr[13], addr[14], addr[15],
-    ]);
-    let hi = hi & mask(prefix);
-    let lo = lo & mask(prefix.saturating_sub(64));
-    let mut out = [0u8; 16];
-    out[..8].copy_from_slice(&hi.to_be_bytes());
-    out[8..].copy_from_slice(&lo.to_be_bytes());
-    SourceKey { addr: out }
-}
-
-/// The top `bits` bits of a u64 set (0 to 64; more counts as 64).
-#[inline(always)]
-fn mask(bits: u32) -> u64 {
-    if bits >= 64 {
-        u64::MAX
-    } else if bits == 0 {
-        0
-    } else {
-        u64::MAX << (64 - bits)
-    }
-}
-
 #[inline(always)]
 fn banned(source: &SourceKey, now: u64) -> bool {
     // SAFETY: a read of a value the agent writes whole; a torn read only delays a ban by a packet.
     unsafe { BANS.get(source) }.is_some_and(|ban| ban.expires_ns > now)
 }
 
-/// Admits a SYN or refuses it. The order is cheap-to-dear: a retransmission of a tracked flow
-/// passes at once; then the rate bucket, then the caps, then the flow insert.
-#[inline(always)]
-fn admit(seg: &Segment, key: &FlowKey, source: &SourceKey, config: &Config, now: u64) -> Action {
+/// A SYN: a retransmission passes at once; else the rate bucket, then the caps as they stand
+/// (no slot is taken), then a half-open entry.
+#[inline(never)]
+fn syn(seg: &Segment, config: &Config, now: u64) -> Action {
+    let key = inbound(seg);
     if let Some(flow) = FLOWS.get_ptr_mut(key) {
         // SAFETY: pointer from a successful lookup.
         let state = unsafe { &mut (*flow).state };
         if *state & flow_state::FIN_BOTH != 0 {
             // A new connection on the 4-tuple of a closing one: it inherits the slot the old
             // one held, so nothing is released or taken twice.
-            atomics::fetch_and(state, 0);
+            atomics::fetch_and(state, !flow_state::FIN_BOTH);
             // SAFETY: as above.
             unsafe { (*flow).first_seen_ns = now };
         }
-        // SAFETY: as above.
-        unsafe { (*flow).last_seen_ns = now };
         return pass(Direction::Ingress, Reason::Retransmit);
     }
-    if config.syn_rate != 0 && !take_syn_token(source, config, now) {
-        return refuse(seg, source, Reason::SynRate, config.reject_rate);
+    if HALF_OPEN.get_ptr(key).is_some() {
+        return pass(Direction::Ingress, Reason::Retransmit);
     }
-    let Some(per_source) = maps::get_or_insert(&SOURCE_CONNS, source, &0) else {
-        return table_full(seg, source, config);
-    };
-    let before = atomics::fetch_add(per_source, 1);
-    if config.max_conn_per_ip != 0 && before >= config.max_conn_per_ip as u64 {
-        atomics::decrement(per_source);
-        return refuse(seg, source, Reason::ConnPerIp, config.reject_conn);
+    let source = source_of(seg, config);
+    if config.syn_rate != 0 && !take_syn_token(&source, config, now) {
+        return refuse(seg, &source, Reason::SynRate, config.reject_rate, config);
     }
-    let Some(global) = GLOBAL_CONNS.get_ptr_mut(0) else {
-        atomics::decrement(per_source);
-        return pass(Direction::Ingress, Reason::Malformed);
-    };
-    let before = atomics::fetch_add(global, 1);
-    if config.max_conn_total != 0 && before >= config.max_conn_total as u64 {
-        atomics::decrement(global);
-        atomics::decrement(per_source);
-        return refuse(seg, source, Reason::ConnTotal, config.reject_conn);
+    if let Some(reason) = at_cap(&source, config) {
+        return refuse(seg, &source, reason, config.reject_conn, config);
     }
-    let flow = Flow {
+    let half_open = HalfOpen {
+        source,
         first_seen_ns: now,
-        last_seen_ns: now,
-        source: *source,
-        state: 0,
-        _pad: 0,
+        server_isn: 0,
+        isn_seen: 0,
     };
-    match FLOWS.insert(key, flow, aya_ebpf::bindings::BPF_NOEXIST.into()) {
-        Ok(()) => {
-            event(Event::Opened);
-            pass(Direction::Ingress, Reason::Admitted)
-        }
-        Err(error) => {
-            atomics::decrement(global);
-            atomics::decrement(per_source);
-            if error == -EEXIST {
-                // The same SYN on another CPU won the insert: this copy is a retransmission.
-                pass(Direction::Ingress, Reason::Retransmit)
-            } else {
-                table_full(seg, source, config)
-            }
-        }
+    match HALF_OPEN.insert(key, half_open, aya_ebpf::bindings::BPF_NOEXIST.into()) {
+        Ok(()) => pass(Direction::Ingress, Reason::HalfOpen),
+        // The same SYN on another CPU won the insert: this copy is a retransmission.
+        Err(error) if error == -EEXIST => pass(Direction::Ingress, Reason::Retransmit),
+        Err(_) => table_full(seg, &source, config),
     }
 }
 
 const EEXIST: i32 = 17;
 
+/// The cap a new connection of `source` would exceed right now, if any. Only a precheck:
+/// the slots are taken, exactly, when the handshake completes.
+#[inline(always)]
+fn at_cap(source: &SourceKey, config: &Config) -> Option<Reason> {
+    if config.max_conn_per_ip != 0
+        && let Some(count) = SOURCE_CONNS.get_ptr(source)
+        && atomics::load(count) >= config.max_conn_per_ip as u64
+    {
+        return Some(Reason::ConnPerIp);
+    }
+    if config.max_conn_total != 0
+        && let Some(global) = GLOBAL_CONNS.get_ptr(0)
+        && atomics::load(global) >= config.max_conn_total as u64
+    {
+        return Some(Reason::ConnTotal);
+    }
+    None
+}
+
 #[inline(always)]
 fn table_full(seg: &Segment, source: &SourceKey, config: &Config) -> Action {
     if config.fail_closed != 0 {
-        refuse(seg, source, Reason::FlowTableFull, config.reject_conn)
+        refuse(
+            seg,
+            source,
+            Reason::FlowTableFull,
+            config.reject_conn,
+            config,
+        )
     } else {
         pass(Direction::Ingress, Reason::FlowTableFull)
     }
@@ -280,38 +345,210 @@ fn take_syn_token(source: &SourceKey, config: &Config, now: u64) -> bool {
     false
 }
 
-/// Follows a packet of a (possibly) tracked flow: activity, the handshake's end, and close.
+/// How long after the last SYN-ACK carrying an ISN an ACK of it is still looked for, in units
+/// of 2^30 ns (about 1.07 s): a host accepts the ACK of a SYN cookie for up to about three
+/// minutes (the cookie's 64-second clock may advance twice), and a request socket's
+/// retransmitted SYN-ACKs renew the hint. Later, the host itself no longer completes it.
+const HINT_WINDOW: u32 = 200;
+
+/// The coarse clock of `ACK_HINTS`; never 0, which marks a slot never written.
 #[inline(always)]
-fn track(seg: &Segment, key: &FlowKey, direction: Direction, now: u64) -> Action {
+fn hint_now(now: u64) -> u32 {
+    ((now >> 30) as u32).wrapping_add(1)
+}
+
+/// The slot of `ACK_HINTS` that holds the coarse time of the last SYN-ACK: the clock the
+/// ingress filter compares stamps against, so that it reads no clock of its own.
+const HINT_CLOCK: u32 = 1 << ACK_HINT_BITS;
+
+#[inline(always)]
+fn hint_slot(expected_ack: u32) -> u32 {
+    // Fibonacci hashing: ISNs are spread already, but a multiply costs nothing.
+    expected_ack.wrapping_mul(0x9E37_79B1) >> (32 - ACK_HINT_BITS)
+}
+
+/// The pre-filter that spares every ACK a `HALF_OPEN` lookup: an array slot per hash of an
+/// expected acknowledgment number (server ISN + 1), stamped with the coarse time of the last
+/// SYN-ACK that carried it. A segment whose ack hashes to a slot stamped within
+/// [`HINT_WINDOW`] of the last SYN-ACK's time may complete a handshake and is looked up; any
+/// other is not.
+///
+/// There are no false negatives: a slot is only ever restamped forward, never cleared, so
+/// the ACK of any SYN-ACK sent within the window finds its slot fresh; and the clock it is
+/// compared with is the last SYN-ACK's, never later than the true time, so it can only make a
+/// stamp look fresher. A false positive (a data or ACK segment whose ack collides with a
+/// recent ISN's slot, or a stale stamp while no SYN-ACK has moved the clock) costs one
+/// `HALF_OPEN` lookup that finds nothing or an ISN that does not match, and no write. Under a
+/// SYN flood every slot is fresh, and every ACK pays that lookup until the flood is a window
+/// old.
+///
+/// Data segments are filtered too, not only pure ACKs: a client may carry its first bytes on
+/// the handshake's last segment, and skipping those would let it connect uncounted.
+#[inline(always)]
+fn hinted(ack: u32) -> bool {
+    let (Some(stamp), Some(clock)) = (ACK_HINTS.get(hint_slot(ack)), ACK_HINTS.get(HINT_CLOCK))
+    else {
+        return false;
+    };
+    // Signed: a stamp written a moment after the clock (racing CPUs) reads as fresh.
+    *stamp != 0 && (clock.wrapping_sub(*stamp) as i32) <= HINT_WINDOW as i32
+}
+
+/// The server's SYN-ACK of a half-open connection: record its ISN (the first one: a client
+/// answers the first SYN-ACK it gets) and stamp the ACK hint.
+#[inline(always)]
+fn syn_ack(seg: &Segment, now: u64) -> Action {
+    let Some(entry) = HALF_OPEN.get_ptr_mut(outbound(seg)) else {
+        return pass(Direction::Egress, Reason::Untracked);
+    };
+    // SAFETY: pointer from a successful lookup; plain words. The client's ACK can only come
+    // after this SYN-ACK has left, so the ISN is written before it is read.
+    unsafe {
+        if (*entry).isn_seen == 0 {
+            (*entry).server_isn = seg.seq;
+            (*entry).isn_seen = 1;
+        }
+    }
+    let stamp = hint_now(now);
+    for slot in [hint_slot(seg.seq.wrapping_add(1)), HINT_CLOCK] {
+        if let Some(ptr) = ACK_HINTS.get_ptr_mut(slot) {
+            // SAFETY: pointer from a successful array lookup. Racing CPUs write times a moment
+            // apart: either is fine (see `hinted`).
+            unsafe {
+                if *ptr != stamp {
+                    *ptr = stamp;
+                }
+            }
+        }
+    }
+    pass(Direction::Egress, Reason::Tracked)
+}
+
+enum Completion {
+    /// The handshake completed and its connection took its slots.
+    Admitted,
+    /// The handshake completed over a cap (or into a full table, fail-closed).
+    Refused(Action),
+    /// No half-open connection this segment completes.
+    NotAHandshake,
+}
+
+/// An ACK that may complete a half-open connection: if it acknowledges the server's ISN, the
+/// source is real, and the connection takes its slots, exactly, or is refused.
+#[inline(never)]
+fn complete(seg: &Segment, config: &Config, now: u64) -> Completion {
+    let key = inbound(seg);
+    let Some(entry) = HALF_OPEN.get_ptr(key) else {
+        return Completion::NotAHandshake;
+    };
+    // SAFETY: pointer from a successful lookup; copied before the delete below, after which
+    // the element's memory may be reused.
+    let half_open = unsafe { *entry };
+    if half_open.isn_seen == 0 || half_open.server_isn.wrapping_add(1) != seg.ack {
+        return Completion::NotAHandshake;
+    }
+    // Whoever deletes the entry completes the handshake: a copy of the ACK on another CPU
+    // finds nothing, so the slots are taken once.
+    if HALF_OPEN.remove(key).is_err() {
+        return Completion::NotAHandshake;
+    }
+    let source = half_open.source;
+    let Some(per_source) = maps::get_or_insert(&SOURCE_CONNS, &source, &0) else {
+        return full_at_ack(&source, config);
+    };
+    let before = atomics::fetch_add(per_source, 1);
+    if config.max_conn_per_ip != 0 && before >= config.max_conn_per_ip as u64 {
+        atomics::decrement(per_source);
+        return refuse_at_ack(&source, Reason::ConnPerIp);
+    }
+    let Some(global) = GLOBAL_CONNS.get_ptr_mut(0) else {
+        atomics::decrement(per_source);
+        return Completion::NotAHandshake;
+    };
+    let before = atomics::fetch_add(global, 1);
+    if config.max_conn_total != 0 && before >= config.max_conn_total as u64 {
+        atomics::decrement(global);
+        atomics::decrement(per_source);
+        return refuse_at_ack(&source, Reason::ConnTotal);
+    }
+    let flow = Flow {
+        first_seen_ns: half_open.first_seen_ns,
+        last_seen_ns: now,
+        source,
+        state: flow_state::ESTABLISHED,
+        _pad: 0,
+    };
+    match FLOWS.insert(key, flow, aya_ebpf::bindings::BPF_NOEXIST.into()) {
+        Ok(()) => {
+            event(Event::Opened);
+            Completion::Admitted
+        }
+        Err(error) => {
+            atomics::decrement(global);
+            atomics::decrement(per_source);
+            if error == -EEXIST {
+                // The 4-tuple is tracked already (its connection holds the slot).
+                Completion::NotAHandshake
+            } else {
+                full_at_ack(&source, config)
+            }
+        }
+    }
+}
+
+/// A completed handshake over a cap: another connection of the source (or of the host) took
+/// the last slot between this one's SYN and its ACK. The ACK becomes a RST to the host.
+#[inline(always)]
+fn refuse_at_ack(source: &SourceKey, reason: Reason) -> Completion {
+    record_blocked(source, reason);
+    count(Direction::Ingress, Verdict::Rst, reason);
+    event(Event::RefusedAtAck);
+    Completion::Refused(Action::ResetHost)
+}
+
+/// A completed handshake that finds a per-source or flow table full.
+#[inline(always)]
+fn full_at_ack(source: &SourceKey, config: &Config) -> Completion {
+    if config.fail_closed != 0 {
+        refuse_at_ack(source, Reason::FlowTableFull)
+    } else {
+        count(Direction::Ingress, Verdict::Pass, Reason::FlowTableFull);
+        Completion::Refused(Action::Pass)
+    }
+}
+
+/// A RST either way closes a tracked flow.
+#[inline(never)]
+fn reset(seg: &Segment, direction: Direction) -> Action {
+    let key = match direction {
+        Direction::Ingress => inbound(seg),
+        Direction::Egress => outbound(seg),
+    };
+    match FLOWS.get_ptr_mut(key) {
+        Some(flow) => {
+            close(&key, flow, Event::ClosedRst);
+            pass(direction, Reason::Tracked)
+        }
+        None => pass(direction, Reason::Untracked),
+    }
+}
+
+/// A FIN sets its direction's bit; the side that completes both closes the flow.
+#[inline(never)]
+fn fin(key: &FlowKey, direction: Direction) -> Action {
     let Some(flow) = FLOWS.get_ptr_mut(key) else {
         return pass(direction, Reason::Untracked);
     };
-    if seg.has(TCP_RST) {
-        close(key, flow, Event::ClosedRst);
-        return pass(direction, Reason::Tracked);
-    }
-    // SAFETY: pointer from a successful lookup; the fields are plain words.
-    unsafe {
-        if now.saturating_sub((*flow).last_seen_ns) >= LAST_SEEN_GRANULARITY_NS {
-            (*flow).last_seen_ns = now;
-        }
-    }
-    // SAFETY: as above.
+    // SAFETY: pointer from a successful lookup; the field is a plain word.
     let state = unsafe { &mut (*flow).state };
-    if direction == Direction::Ingress && seg.has(TCP_ACK) && *state & flow_state::ESTABLISHED == 0
-    {
-        atomics::fetch_or(state, flow_state::ESTABLISHED);
-    }
-    if seg.has(TCP_FIN) {
-        let mine = match direction {
-            Direction::Ingress => flow_state::FIN_IN,
-            Direction::Egress => flow_state::FIN_OUT,
-        };
-        let before = atomics::fetch_or(state, mine);
-        // Exactly one side sees the other's FIN already there and its own not yet: it closes.
-        if before & mine == 0 && (before | mine) & flow_state::FIN_BOTH == flow_state::FIN_BOTH {
-            close(key, flow, Event::ClosedFin);
-        }
+    let mine = match direction {
+        Direction::Ingress => flow_state::FIN_IN,
+        Direction::Egress => flow_state::FIN_OUT,
+    };
+    let before = atomics::fetch_or(state, mine);
+    // Exactly one side sees the other's FIN already there and its own not yet: it closes.
+    if before & mine == 0 && (before | mine) & flow_state::FIN_BOTH == flow_state::FIN_BOTH {
+        close(key, flow, Event::ClosedFin);
     }
     pass(direction, Reason::Tracked)
 }

@@ -61,6 +61,10 @@ impl Agent {
                 "flow-table-size",
                 new.flow_table_size != old.flow_table_size,
             ),
+            (
+                "half-open-table-size",
+                new.half_open_table_size != old.half_open_table_size,
+            ),
             ("xdp-mode", new.xdp_mode != old.xdp_mode),
             ("kernel-debug", new.kernel_debug != old.kernel_debug),
         ] {
@@ -79,6 +83,7 @@ impl Agent {
             pin_dir: old.pin_dir,
             http: old.http,
             flow_table_size: old.flow_table_size,
+            half_open_table_size: old.half_open_table_size,
             xdp_mode: old.xdp_mode,
             kernel_debug: old.kernel_debug,
             ..new
@@ -108,6 +113,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     runtime.block_on(async move {
         let mut datapath = Datapath::load(LoadOptions {
             flow_table_size: settings.flow_table_size,
+            half_open_size: settings.half_open_table_size,
             kernel_debug: settings.kernel_debug,
             pin_dir: Some(settings.pin_dir.clone()),
         })

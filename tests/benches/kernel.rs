@@ -1,9 +1,9 @@
 //! `cargo xtask bench kernel`: nanoseconds per packet of each datapath path under
 //! BPF_PROG_TEST_RUN, each beside an XDP program that only passes, measured in the same run.
 //!
-//! Paths that leave no state behind run with the kernel's own repeat loop; paths that change
-//! state (a SYN admitted, a SYN answered with an RST, which rewrites the frame) run once per
-//! call on fresh frames, and so does their anchor.
+//! Paths that leave no state behind (established segments, a refused SYN) run with the
+//! kernel's own repeat loop; paths that change state (a SYN recorded half-open, an ACK that
+//! completes a handshake) run once per call on fresh frames, and so does their anchor.
 
 use std::net::{IpAddr, Ipv4Addr};
 
@@ -12,8 +12,8 @@ use aya::{
     programs::{TestRunOptions, Xdp},
 };
 use limiter_tests::{
-    frames::{self, Flags, Tcp},
-    kernel::Kernel,
+    frames::{Flags, Tcp},
+    kernel::{Kernel, handshake, isn},
 };
 
 const REPEAT: u32 = 1_000_000;
@@ -72,12 +72,10 @@ fn main() {
     let pass = xdp(&anchor_obj, "pass");
     let server = IpAddr::V4(Ipv4Addr::new(198, 51, 100, 1));
     let client = |i: usize| IpAddr::V4(Ipv4Addr::new(10, (i >> 16) as u8, (i >> 8) as u8, i as u8));
-    let syns: Vec<Vec<u8>> = (0..SINGLE_RUNS)
-        .map(|i| Tcp::syn(client(i), 1024 + (i % 60_000) as u16, server, 5672).build())
-        .collect();
+    let syn = |i: usize| Tcp::syn(client(i), 1024 + (i % 60_000) as u16, server, 5672);
 
     // Every path runs with the limits a broker host would use.
-    let flags = [
+    let k = Kernel::new(&[
         "--max-conn-per-ip",
         "100",
         "--max-conn-total",
@@ -86,89 +84,77 @@ fn main() {
         "1000000000",
         "--flow-table-size",
         "262144",
-    ];
-    let admit = Kernel::new(&flags);
-
+    ]);
     let mut rows: Vec<(&str, f64, f64)> = Vec::new();
+
+    // The established fast path: one tracked flow, its segments run by the kernel's loop.
+    let flow = syn(SINGLE_RUNS + 1);
+    k.connect(&flow);
+    let mut data = flow.with_flags(Flags {
+        ack: true,
+        ..Flags::default()
+    });
+    data.seq = flow.seq.wrapping_add(1);
+    data.ack = isn(flow.sport).wrapping_add(1001);
+    data.tcp_options = false;
+    let pure_ack = data.build();
+    data.payload = vec![0x5A; 512];
+    let data = data.build();
+    let anchor_repeat = repeated(pass, &data);
+    rows.push((
+        "established data segment",
+        repeated(limiter(&k), &data),
+        anchor_repeat,
+    ));
+    rows.push((
+        "established pure ACK",
+        repeated(limiter(&k), &pure_ack),
+        repeated(pass, &pure_ack),
+    ));
+
+    // New sources' SYNs, each recorded half-open: one run per fresh frame.
+    let syns: Vec<Vec<u8>> = (0..SINGLE_RUNS).map(|i| syn(i).build()).collect();
     let anchor_single = single(pass, &syns);
     rows.push((
-        "SYN admitted, new source",
-        single(limiter(&admit), &syns),
-        anchor_single,
-    ));
-    // The same sources again on other ports: their counters and buckets exist already.
-    let known: Vec<Vec<u8>> = (0..SINGLE_RUNS)
-        .map(|i| Tcp::syn(client(i), 1032 + (i % 60_000) as u16, server, 5672).build())
-        .collect();
-    rows.push((
-        "SYN admitted, known source",
-        single(limiter(&admit), &known),
+        "admitted SYN, 262,144-slot table",
+        single(limiter(&k), &syns),
         anchor_single,
     ));
 
-    let refuse = Kernel::new(&["--max-conn-per-ip", "1", "--flow-table-size", "1024"]);
-    let first = Tcp::syn(client(1), 1, server, 5672);
-    refuse.xdp(&first.build());
-    let refused: Vec<Vec<u8>> = (0..SINGLE_RUNS)
-        .map(|i| Tcp::syn(client(1), 2 + (i % 60_000) as u16, server, 5672).build())
-        .collect();
-    rows.push((
-        "SYN refused, RST built",
-        single(limiter(&refuse), &refused),
-        anchor_single,
-    ));
-
-    let drop = Kernel::new(&[
-        "--max-conn-per-ip",
-        "1",
-        "--reject-conn",
-        "drop",
-        "--flow-table-size",
-        "1024",
-    ]);
-    drop.xdp(&first.build());
-    let refused_frame = Tcp::syn(client(1), 2, server, 5672).build();
-    let anchor_repeat = repeated(pass, &refused_frame);
-    rows.push((
-        "SYN refused, dropped",
-        repeated(limiter(&drop), &refused_frame),
-        anchor_repeat,
-    ));
-
-    let tracked = first
-        .with_flags(Flags {
-            ack: true,
-            ..Flags::default()
+    // The host's SYN-ACKs (through TC, not timed), then the ACKs that complete the handshakes.
+    let acks: Vec<Vec<u8>> = (0..SINGLE_RUNS)
+        .map(|i| {
+            let h = handshake(&syn(i), isn(syn(i).sport));
+            k.tc(&h.syn_ack);
+            h.ack
         })
-        .build();
+        .collect();
     rows.push((
-        "packet of a tracked flow",
-        repeated(limiter(&refuse), &tracked),
-        anchor_repeat,
+        "handshake-completing ACK",
+        single(limiter(&k), &acks),
+        single(pass, &acks),
     ));
 
-    let retransmit = first.build();
+    // A source past its SYN rate: the SYN is refused (dropped) and nothing changes.
+    let rate = Kernel::new(&["--syn-rate", "1", "--syn-burst", "1"]);
+    rate.xdp(&syn(1).build());
+    let mut over = syn(1);
+    over.sport += 1;
+    let over = over.build();
     rows.push((
-        "retransmitted SYN",
-        repeated(limiter(&refuse), &retransmit),
-        anchor_repeat,
-    ));
-
-    let udp = frames::udp(client(1), server);
-    rows.push((
-        "non-TCP",
-        repeated(limiter(&refuse), &udp),
-        repeated(pass, &udp),
+        "refused SYN (rate)",
+        repeated(limiter(&rate), &over),
+        repeated(pass, &over),
     ));
 
     println!(
         "kernel datapath, ns per packet under BPF_PROG_TEST_RUN (anchor: XDP_PASS-only program, same run)"
     );
     println!(
-        "{:<28} {:>10} {:>10} {:>8}",
+        "{:<34} {:>10} {:>10} {:>8}",
         "path", "ns/packet", "anchor ns", "ratio"
     );
     for (path, ns, anchor) in rows {
-        println!("{path:<28} {ns:>10.1} {anchor:>10.1} {:>8.2}", ns / anchor);
+        println!("{path:<34} {ns:>10.1} {anchor:>10.1} {:>8.2}", ns / anchor);
     }
 }

@@ -147,8 +147,25 @@ impl AgentProcess {
         self.log.lock().unwrap().join("\n")
     }
 
+    /// Sends `signal` once the agent handles it (its handlers are installed a moment after
+    /// it logs readiness; a signal before that would kill it).
     pub fn signal(&self, signal: nix::sys::signal::Signal) {
-        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
+        let pid = self.child.id();
+        let bit = 1u64 << (signal as i32 - 1);
+        let caught = || {
+            std::fs::read_to_string(format!("/proc/{pid}/status"))
+                .ok()
+                .and_then(|status| {
+                    let mask = status.lines().find_map(|l| l.strip_prefix("SigCgt:"))?;
+                    u64::from_str_radix(mask.trim(), 16).ok()
+                })
+                .is_some_and(|mask| mask & bit != 0)
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !caught() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let pid = nix::unistd::Pid::from_raw(pid as i32);
         nix::sys::signal::kill(pid, signal).expect("signalling the agent");
     }
 

@@ -37,6 +37,8 @@ pub struct Tcp {
     pub sport: u16,
     pub dport: u16,
     pub seq: u32,
+    /// The acknowledgment number (sent with the ACK flag).
+    pub ack: u32,
     pub flags: Flags,
     pub vlans: Vlans,
     /// IPv4 options (a multiple of 4 bytes).
@@ -47,6 +49,7 @@ pub struct Tcp {
     pub fragment_offset: u16,
     /// TCP options as a SYN carries them (MSS, SACK permitted, window scale).
     pub tcp_options: bool,
+    pub payload: Vec<u8>,
 }
 
 impl Tcp {
@@ -57,6 +60,7 @@ impl Tcp {
             sport,
             dport,
             seq: 0x1234_5678,
+            ack: 0,
             flags: Flags {
                 syn: true,
                 ..Flags::default()
@@ -66,6 +70,7 @@ impl Tcp {
             ipv6_extensions: false,
             fragment_offset: 0,
             tcp_options: true,
+            payload: Vec::new(),
         }
     }
 
@@ -89,8 +94,10 @@ impl Tcp {
         }
     }
 
-    pub fn build(&self) -> Vec<u8> {
+    /// The TCP header, checksum not yet set.
+    fn tcp_header(&self) -> TcpHeader {
         let mut tcp = TcpHeader::new(self.sport, self.dport, self.seq, 64_240);
+        tcp.acknowledgment_number = self.ack;
         tcp.syn = self.flags.syn;
         tcp.ack = self.flags.ack;
         tcp.fin = self.flags.fin;
@@ -100,6 +107,122 @@ impl Tcp {
             tcp.set_options_raw(&[2, 4, 5, 180, 4, 2, 1, 3, 3, 7, 1, 1])
                 .expect("valid TCP options");
         }
+        tcp
+    }
+
+    /// The TCP segment (header with its checksum, and payload) as bytes.
+    fn segment_bytes(&self) -> Vec<u8> {
+        let mut tcp = self.tcp_header();
+        tcp.checksum = match (self.src, self.dst) {
+            (IpAddr::V4(s), IpAddr::V4(d)) => tcp
+                .calc_checksum_ipv4_raw(s.octets(), d.octets(), &self.payload)
+                .expect("checksum"),
+            (IpAddr::V6(s), IpAddr::V6(d)) => tcp
+                .calc_checksum_ipv6_raw(s.octets(), d.octets(), &self.payload)
+                .expect("checksum"),
+            _ => panic!("mixed families"),
+        };
+        let mut bytes = tcp.to_bytes().to_vec();
+        bytes.extend_from_slice(&self.payload);
+        bytes
+    }
+
+    /// The segment as IP fragments: the first carries `first` bytes of the TCP segment (a
+    /// multiple of 8), the second the rest.
+    pub fn fragments(&self, first: usize) -> Vec<Vec<u8>> {
+        assert_eq!(first % 8, 0, "fragment payloads come in 8-byte units");
+        let segment = self.segment_bytes();
+        let parts = [
+            (0, &segment[..first], true),
+            (first, &segment[first..], false),
+        ];
+        parts
+            .iter()
+            .map(|(offset, part, more)| {
+                let offset = IpFragOffset::try_new((*offset / 8) as u16).expect("offset");
+                let ip = match (self.src, self.dst) {
+                    (IpAddr::V4(src), IpAddr::V4(dst)) => {
+                        let mut h =
+                            Ipv4Header::new(0, 64, IpNumber::TCP, src.octets(), dst.octets())
+                                .expect("valid IPv4 header");
+                        h.more_fragments = *more;
+                        h.fragment_offset = offset;
+                        IpHeaders::Ipv4(h, Ipv4Extensions::default())
+                    }
+                    (IpAddr::V6(src), IpAddr::V6(dst)) => {
+                        let header = Ipv6Header {
+                            hop_limit: 64,
+                            source: src.octets(),
+                            destination: dst.octets(),
+                            ..Default::default()
+                        };
+                        let exts = Ipv6Extensions {
+                            fragment: Some(Ipv6FragmentHeader::new(
+                                IpNumber::TCP,
+                                offset,
+                                *more,
+                                0x5EED,
+                            )),
+                            ..Default::default()
+                        };
+                        IpHeaders::Ipv6(header, exts)
+                    }
+                    _ => panic!("mixed families"),
+                };
+                let mut frame = Vec::new();
+                PacketBuilder::ethernet2(CLIENT_MAC, SERVER_MAC)
+                    .ip(ip)
+                    .write(&mut frame, IpNumber::TCP, part)
+                    .expect("writing to a Vec");
+                frame
+            })
+            .collect()
+    }
+
+    /// The (IPv6) segment behind a chain of `count` destination-options headers.
+    pub fn behind_ipv6_chain(&self, count: usize) -> Vec<u8> {
+        let (IpAddr::V6(src), IpAddr::V6(dst)) = (self.src, self.dst) else {
+            panic!("an IPv6 segment");
+        };
+        let padding = [1, 4, 0, 0, 0, 0];
+        let mut chain = Vec::new();
+        for i in 1..count {
+            let next = if i + 1 == count {
+                IpNumber::TCP
+            } else {
+                IpNumber::IPV6_DESTINATION_OPTIONS
+            };
+            let ext = Ipv6RawExtHeader::new_raw(next, &padding).expect("ext");
+            chain.extend_from_slice(&ext.to_bytes());
+        }
+        chain.extend_from_slice(&self.segment_bytes());
+        let header = Ipv6Header {
+            hop_limit: 64,
+            source: src.octets(),
+            destination: dst.octets(),
+            ..Default::default()
+        };
+        let exts = Ipv6Extensions {
+            hop_by_hop_options: Some(
+                Ipv6RawExtHeader::new_raw(IpNumber::TCP, &padding).expect("ext"),
+            ),
+            ..Default::default()
+        };
+        let first_next = if count > 1 {
+            IpNumber::IPV6_DESTINATION_OPTIONS
+        } else {
+            IpNumber::TCP
+        };
+        let mut frame = Vec::new();
+        PacketBuilder::ethernet2(CLIENT_MAC, SERVER_MAC)
+            .ip(IpHeaders::Ipv6(header, exts))
+            .write(&mut frame, first_next, &chain)
+            .expect("writing to a Vec");
+        frame
+    }
+
+    pub fn build(&self) -> Vec<u8> {
+        let tcp = self.tcp_header();
         let ip = match (self.src, self.dst) {
             (IpAddr::V4(src), IpAddr::V4(dst)) => {
                 let mut h = Ipv4Header::new(0, 64, IpNumber::TCP, src.octets(), dst.octets())
@@ -149,8 +272,10 @@ impl Tcp {
                 .ip(ip),
         };
         let builder = builder.tcp_header(tcp);
-        let mut frame = Vec::with_capacity(builder.size(0));
-        builder.write(&mut frame, &[]).expect("writing to a Vec");
+        let mut frame = Vec::with_capacity(builder.size(self.payload.len()));
+        builder
+            .write(&mut frame, &self.payload)
+            .expect("writing to a Vec");
         frame
     }
 }

@@ -15,6 +15,8 @@ use limiter::{
 };
 use limiter_common::{Direction, Reason, Verdict};
 
+use crate::frames::{self, Tcp};
+
 pub const XDP_DROP: u32 = 1;
 pub const XDP_PASS: u32 = 2;
 pub const XDP_TX: u32 = 3;
@@ -60,6 +62,35 @@ pub fn xdp_run(dp: &Datapath, frame: &[u8]) -> XdpRun {
     }
 }
 
+/// Runs `frame` through the egress TC program of `dp` once; returns the TC action.
+pub fn tc_run(dp: &Datapath, frame: &[u8]) -> u32 {
+    let prog: &SchedClassifier = dp
+        .ebpf()
+        .program(TC_PROGRAM)
+        .expect("the TC program")
+        .try_into()
+        .expect("a TC program");
+    prog.test_run(TestRunOptions {
+        data_in: Some(frame),
+        ..Default::default()
+    })
+    .expect("BPF_PROG_TEST_RUN")
+    .return_value
+}
+
+/// Runs `syn` through the XDP program of `dp` and, if it passed, the rest of its handshake
+/// (the host's SYN-ACK through TC, the client's ACK through XDP), as a client that connects
+/// would; returns the SYN's action.
+pub fn connect_run(dp: &Datapath, syn: &Tcp) -> u32 {
+    let action = xdp_run(dp, &syn.build()).action;
+    if action == XDP_PASS {
+        let h = handshake(syn, isn(syn.sport));
+        tc_run(dp, &h.syn_ack);
+        xdp_run(dp, &h.ack);
+    }
+    action
+}
+
 pub struct Kernel {
     pub dp: Datapath,
 }
@@ -71,7 +102,49 @@ pub struct XdpRun {
     pub frame: Vec<u8>,
 }
 
+/// The handshake's segments after the SYN, as the host and the client send them.
+pub struct Handshake {
+    pub syn_ack: Vec<u8>,
+    pub ack: Vec<u8>,
+}
+
+/// The SYN-ACK the host answers `syn` with (ISN `isn`) and the client's ACK of it.
+pub fn handshake(syn: &Tcp, isn: u32) -> Handshake {
+    let mut syn_ack = syn.reply(frames::Flags {
+        syn: true,
+        ack: true,
+        ..frames::Flags::default()
+    });
+    syn_ack.seq = isn;
+    syn_ack.ack = syn.seq.wrapping_add(1);
+    let mut ack = syn.with_flags(frames::Flags {
+        ack: true,
+        ..frames::Flags::default()
+    });
+    ack.seq = syn.seq.wrapping_add(1);
+    ack.ack = isn.wrapping_add(1);
+    ack.tcp_options = false;
+    Handshake {
+        syn_ack: syn_ack.build(),
+        ack: ack.build(),
+    }
+}
+
+/// A server ISN for the test connection on `port`, spread like a real one.
+pub fn isn(port: u16) -> u32 {
+    u32::from(port).wrapping_mul(0x9E37_79B9) ^ 0x5A5A_0000
+}
+
 impl Kernel {
+    /// SYN, the host's SYN-ACK (through the TC program) and the client's ACK; returns the run
+    /// of the ACK.
+    pub fn connect(&self, syn: &Tcp) -> XdpRun {
+        self.xdp(&syn.build());
+        let h = handshake(syn, isn(syn.sport));
+        self.tc(&h.syn_ack);
+        self.xdp(&h.ack)
+    }
+
     /// Loads the programs (attached nowhere) and applies `flags` to their maps.
     pub fn new(flags: &[&str]) -> Self {
         let settings = settings(flags);
@@ -91,19 +164,7 @@ impl Kernel {
     }
 
     pub fn tc(&self, frame: &[u8]) -> u32 {
-        let prog: &SchedClassifier = self
-            .dp
-            .ebpf()
-            .program(TC_PROGRAM)
-            .expect("the TC program")
-            .try_into()
-            .expect("a TC program");
-        prog.test_run(TestRunOptions {
-            data_in: Some(frame),
-            ..Default::default()
-        })
-        .expect("BPF_PROG_TEST_RUN")
-        .return_value
+        tc_run(&self.dp, frame)
     }
 
     pub fn packets(&self, direction: Direction, verdict: Verdict, reason: Reason) -> u64 {
@@ -122,8 +183,8 @@ impl Kernel {
 /// The programs attached to the server end of a fresh namespace pair, with `flags` applied.
 pub struct Attached {
     pub dp: Datapath,
-    /// See [`peer`].
-    _peer: Datapath,
+    /// See [`peer`]; `None` for a bare peer.
+    _peer: Option<Datapath>,
     pub pair: crate::netns::Pair,
 }
 
@@ -139,7 +200,17 @@ pub fn peer(pair: &crate::netns::Pair) -> anyhow::Result<Datapath> {
 }
 
 impl Attached {
+    /// With a NAPI peer (see [`peer`]).
     pub fn new(flags: &[&str]) -> anyhow::Result<Self> {
+        Self::with_peer(flags, true)
+    }
+
+    /// With a bare peer: nothing attached to the client's end of the veth.
+    pub fn bare(flags: &[&str]) -> anyhow::Result<Self> {
+        Self::with_peer(flags, false)
+    }
+
+    fn with_peer(flags: &[&str], napi_peer: bool) -> anyhow::Result<Self> {
         let pair = crate::netns::Pair::new()?;
         let settings = settings(flags);
         let dp = pair.server.run(|| {
@@ -151,7 +222,7 @@ impl Attached {
             dp.attach(&pair.server_if, XdpAttachMode::Native)?;
             anyhow::Ok(dp)
         })??;
-        let peer = peer(&pair)?;
+        let peer = if napi_peer { Some(peer(&pair)?) } else { None };
         Ok(Self {
             dp,
             _peer: peer,
@@ -164,15 +235,26 @@ impl Attached {
     }
 
     /// Waits (bounded) until the kernel's global count reads `want`; returns the last reading.
+    /// A client's `connect` returns once its ACK is sent, a moment before XDP counts it.
     pub fn wait_global(&self, want: u64) -> u64 {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-        loop {
-            let now = self.global();
-            if now == want || std::time::Instant::now() > deadline {
-                return now;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(10));
+        wait_for(want, || self.global())
+    }
+
+    /// Waits (bounded) until `src`'s count reads `want`; returns the last reading.
+    pub fn wait_source(&self, src: std::net::IpAddr, want: u64) -> u64 {
+        wait_for(want, || self.dp.maps.source_connections(src).unwrap())
+    }
+}
+
+/// Polls `read` (for at most five seconds) until it returns `want`; returns the last reading.
+pub fn wait_for<T: PartialEq>(want: T, mut read: impl FnMut() -> T) -> T {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    loop {
+        let now = read();
+        if now == want || std::time::Instant::now() > deadline {
+            return now;
         }
+        std::thread::sleep(std::time::Duration::from_millis(10));
     }
 }
 

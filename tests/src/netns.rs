@@ -183,6 +183,12 @@ impl Server {
         })
     }
 
+    /// Connections accepted so far (queued ones included).
+    pub fn accepted(&self) -> usize {
+        accept_pending(&self.listener, &self.conns);
+        self.conns.lock().unwrap().len()
+    }
+
     /// Closes every connection, accepting those still queued first (a FIN, or an RST where
     /// data was left unread, from the server's side).
     pub fn close_all(&self) {

@@ -39,13 +39,13 @@ fn kernel_debug_log_is_forwarded_only_when_asked_for() {
         })
         .expect("the verifier accepts the programs with and without logging");
         dp.maps
-            .apply(&settings(&["--max-conn-per-ip", "1"]).policy)
+            .apply(&settings(&["--max-conn-per-ip", "1", "--rst-xdp-tx"]).policy)
             .unwrap();
         Kernel { dp }
     };
     let syn = |port| {
         let src = IpAddr::V4(Ipv4Addr::new(192, 0, 2, 9));
-        Tcp::syn(src, port, IpAddr::V4(Ipv4Addr::new(198, 51, 100, 1)), 5672).build()
+        Tcp::syn(src, port, IpAddr::V4(Ipv4Addr::new(198, 51, 100, 1)), 5672)
     };
 
     let mut quiet = load(false);
@@ -55,8 +55,8 @@ fn kernel_debug_log_is_forwarded_only_when_asked_for() {
     );
 
     let mut chatty = load(true);
-    chatty.xdp(&syn(1));
-    assert_eq!(chatty.xdp(&syn(2)).action, XDP_TX);
+    chatty.connect(&syn(1));
+    assert_eq!(chatty.xdp(&syn(2).build()).action, XDP_TX);
     let mut logger = chatty.dp.take_logger().expect("a log reader");
     logger.flush();
     let lines = CAPTURE.0.lock().unwrap().clone();

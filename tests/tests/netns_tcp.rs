@@ -1,5 +1,11 @@
 //! The programs attached to a veth in a network namespace, with real TCP from real sockets
-//! in another: caps, the SYN burst, IPv6, the allowlist, bans, and connects racing each other.
+//! in another: caps, the SYN burst, IPv6, the allowlist, bans, connects racing each other,
+//! RSTs reaching a bare peer, and a spoofed SYN flood that must lock no one out.
+//!
+//! Unless a test says otherwise the client's end of the veth runs an XDP program (a NAPI
+//! peer, see `limiter_tests::kernel::peer`), so `XDP_TX` frames would reach it too; the RSTs
+//! go by the default path (TC ingress), which [`a_bare_peer_gets_connection_refused`] proves
+//! needs no such help.
 
 use std::{
     io::{ErrorKind, Write},
@@ -10,7 +16,7 @@ use std::{
 
 use limiter_common::{Direction, Reason, Verdict};
 use limiter_tests::{
-    kernel::Attached,
+    kernel::{Attached, wait_for},
     netns::{CLIENT_V4, CLIENT_V6, SERVER_V4, SERVER_V6, Server, connect},
 };
 
@@ -35,12 +41,31 @@ fn setup(flags: &[&str]) -> (Attached, Server) {
 }
 
 /// Opens `n` connections from `src`; returns those that succeeded, and checks every other one
-/// was refused at once ("connection refused", from the XDP RST).
+/// was refused at once ("connection refused", from limiter's RST). Each successful one is
+/// waited for until the kernel counts it (its ACK is on its way when `connect` returns), so
+/// the next SYN sees it.
 fn open(t: &Attached, src: IpAddr, dst: SocketAddr, n: usize) -> Vec<TcpStream> {
+    open_counted(t, src, dst, n, true)
+}
+
+/// [`open`] for connections the kernel does not count (an allowlisted source's).
+fn open_counted(
+    t: &Attached,
+    src: IpAddr,
+    dst: SocketAddr,
+    n: usize,
+    counted: bool,
+) -> Vec<TcpStream> {
     let mut open = Vec::new();
     for _ in 0..n {
+        let before = t.global();
         match connect(&t.pair.client, src, dst).unwrap() {
-            Ok(conn) => open.push(conn),
+            Ok(conn) => {
+                if counted {
+                    assert_eq!(t.wait_global(before + 1), before + 1);
+                }
+                open.push(conn)
+            }
             Err(e) => assert_eq!(e.kind(), ErrorKind::ConnectionRefused, "{e}"),
         }
     }
@@ -55,23 +80,22 @@ fn real_tcp_is_tracked_and_counted_both_ways() {
         .expect("connecting across the veth");
     conn.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     conn.write_all(b"hello").unwrap();
-    assert_eq!(t.global(), 1);
+    assert_eq!(t.wait_global(1), 1);
     let maps = &t.dp.maps;
+    let ingress = |reason| {
+        maps.packets(Direction::Ingress, Verdict::Pass, reason)
+            .unwrap()
+    };
+    // The SYN passed half-open, the ACK of the server's ISN admitted it, the data went by
+    // the fast path.
+    assert_eq!(ingress(Reason::HalfOpen), 1);
+    assert_eq!(ingress(Reason::Admitted), 1);
+    assert!(ingress(Reason::Segment) >= 1);
+    // The server's SYN-ACK went out through the TC program, which noted its ISN.
     assert_eq!(
-        maps.packets(Direction::Ingress, Verdict::Pass, Reason::Admitted)
+        maps.packets(Direction::Egress, Verdict::Pass, Reason::Tracked)
             .unwrap(),
         1
-    );
-    assert!(
-        maps.packets(Direction::Ingress, Verdict::Pass, Reason::Tracked)
-            .unwrap()
-            >= 2
-    );
-    // The server's SYN-ACK went out through the TC program.
-    assert!(
-        maps.packets(Direction::Egress, Verdict::Pass, Reason::Tracked)
-            .unwrap()
-            >= 1
     );
     let flows = maps.flows().unwrap();
     assert_eq!(flows.len(), 1);
@@ -120,6 +144,7 @@ fn two_sources_share_the_global_cap_exactly() {
     let b = open(&t, IpAddr::V4(CLIENT2_V4), server.addr, 3);
     assert_eq!((a.len(), b.len()), (3, 1));
     assert_eq!(t.global(), 4);
+    assert_eq!(server.accepted(), 4);
 }
 
 #[test]
@@ -158,7 +183,8 @@ fn ipv6_per_source_cap() {
 fn allowlisted_source_is_exempt() {
     let allow = format!("{CLIENT_V4}/32");
     let (t, server) = setup(&["--max-conn-per-ip", "1", "--allow", &allow]);
-    assert_eq!(open(&t, IpAddr::V4(CLIENT_V4), server.addr, 4).len(), 4);
+    let allowed = open_counted(&t, IpAddr::V4(CLIENT_V4), server.addr, 4, false);
+    assert_eq!(allowed.len(), 4);
     assert_eq!(open(&t, IpAddr::V4(CLIENT2_V4), server.addr, 3).len(), 1);
 }
 
@@ -178,10 +204,13 @@ fn a_ban_blocks_and_its_expiry_unblocks() {
 
 #[test]
 fn racing_connects_never_exceed_the_cap() {
+    // All 32 SYNs may find the source below its cap; the slots are taken, exactly, by the
+    // ACKs. A connect whose ACK finds the cap full succeeds on the client's side, but its ACK
+    // reaches the host as a RST: the host never accepts it.
     let (t, server) = setup(&["--max-conn-per-ip", "5"]);
     let threads = 32;
     let barrier = Barrier::new(threads);
-    let admitted: usize = std::thread::scope(|scope| {
+    std::thread::scope(|scope| {
         let handles: Vec<_> = (0..threads)
             .map(|_| {
                 let (t, barrier, addr) = (&t, &barrier, server.addr);
@@ -195,8 +224,209 @@ fn racing_connects_never_exceed_the_cap() {
             })
             .collect();
         let conns: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
-        conns.iter().filter(|c| c.is_some()).count()
+        assert_eq!(t.wait_global(5), 5);
+        let refused = || {
+            t.dp.maps
+                .packets(Direction::Ingress, Verdict::Rst, Reason::ConnPerIp)
+                .unwrap()
+        };
+        // Every attempt is settled: admitted, or refused at its SYN or at its ACK.
+        assert_eq!(wait_for(27, refused), 27);
+        assert_eq!(server.accepted(), 5);
+        assert_eq!(t.global(), 5);
+        drop(conns);
     });
-    assert_eq!(admitted, 5);
-    assert!(t.global() <= 5);
+}
+
+#[test]
+fn a_bare_peer_gets_connection_refused() {
+    // Nothing runs on the client's end of the veth: an XDP_TX frame would vanish there. The
+    // RST goes out through TC ingress's redirect instead.
+    let t = Attached::bare(&["--max-conn-per-ip", "1"]).expect("namespaces and programs");
+    let server = Server::start(&t.pair.server, IpAddr::V4(SERVER_V4)).unwrap();
+    let src = IpAddr::V4(CLIENT_V4);
+    let first = connect(&t.pair.client, src, server.addr)
+        .unwrap()
+        .expect("the first connection");
+    assert_eq!(t.wait_global(1), 1);
+    let started = Instant::now();
+    let second = connect(&t.pair.client, src, server.addr).unwrap();
+    let error = second.expect_err("over the cap");
+    assert_eq!(error.kind(), ErrorKind::ConnectionRefused, "{error}");
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "refused at once"
+    );
+    assert_eq!(
+        t.dp.maps
+            .packets(Direction::Ingress, Verdict::Rst, Reason::ConnPerIp)
+            .unwrap(),
+        1
+    );
+    drop(first);
+}
+
+#[test]
+fn a_spoofed_syn_flood_locks_no_real_client_out() {
+    const SERVER_MAC: [u8; 6] = [0x02, 0x77, 0, 0, 0, 1];
+    const CLIENT_MAC: [u8; 6] = [0x02, 0x77, 0, 0, 0, 2];
+    const FLOOD: u32 = 200_000;
+    let (t, server) = setup(&["--max-conn-per-ip", "3", "--max-conn-total", "10000"]);
+    let mac = |mac: [u8; 6]| {
+        mac.iter()
+            .map(|b| format!("{b:02x}"))
+            .collect::<Vec<_>>()
+            .join(":")
+    };
+    for (ns, ifname, addr) in [
+        (&t.pair.server, &t.pair.server_if, SERVER_MAC),
+        (&t.pair.client, &t.pair.client_if, CLIENT_MAC),
+    ] {
+        ns.exec(&["ip", "link", "set", ifname, "address", &mac(addr)])
+            .unwrap();
+    }
+    // The host answers the spoofed sources, as it would on the internet (the client's
+    // namespace drops the SYN-ACKs).
+    t.pair
+        .server
+        .exec(&[
+            "ip",
+            "route",
+            "add",
+            "198.18.0.0/15",
+            "via",
+            &CLIENT_V4.to_string(),
+        ])
+        .unwrap();
+    let server_v4 = match server.addr.ip() {
+        IpAddr::V4(v4) => v4,
+        IpAddr::V6(_) => unreachable!(),
+    };
+    let port = server.addr.port();
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let sent = std::thread::scope(|scope| {
+        let flood = scope.spawn(|| {
+            t.pair
+                .client
+                .run(|| {
+                    spoof_syns(
+                        &t.pair.client_if,
+                        FLOOD,
+                        CLIENT_MAC,
+                        SERVER_MAC,
+                        server_v4,
+                        port,
+                    )
+                })
+                .unwrap()
+        });
+        // Real connections while the flood runs: each gets in on its first try, and the
+        // source's cap holds exactly.
+        let src = IpAddr::V4(CLIENT_V4);
+        let mut conns = Vec::new();
+        for _ in 0..3 {
+            let started = Instant::now();
+            conns.push(
+                connect(&t.pair.client, src, server.addr)
+                    .unwrap()
+                    .expect("a real client within its caps"),
+            );
+            assert!(started.elapsed() < Duration::from_secs(1), "no SYN lost");
+        }
+        assert_eq!(t.wait_source(src, 3), 3);
+        let refused = connect(&t.pair.client, src, server.addr).unwrap();
+        assert_eq!(
+            refused.expect_err("the fourth").kind(),
+            ErrorKind::ConnectionRefused
+        );
+        done.store(true, std::sync::atomic::Ordering::Relaxed);
+        let sent = flood.join().unwrap();
+        drop(conns);
+        sent
+    });
+    assert!(done.into_inner());
+    assert_eq!(sent, FLOOD);
+    let maps = &t.dp.maps;
+    let half_open = maps
+        .packets(Direction::Ingress, Verdict::Pass, Reason::HalfOpen)
+        .unwrap();
+    assert!(
+        half_open > u64::from(FLOOD) / 2,
+        "the flood arrived: {half_open}"
+    );
+    // Only the real source holds slots.
+    let sources = maps.all_source_connections().unwrap();
+    assert_eq!(sources.len(), 1, "{sources:?}");
+    assert_eq!(t.global(), 3);
+}
+
+/// Sends `count` SYNs from random sources in 198.18.0.0/15 out of `ifname` through an
+/// AF_PACKET socket (run inside the client's namespace); returns how many were sent. Bounded
+/// by count and by thirty seconds.
+fn spoof_syns(
+    ifname: &str,
+    count: u32,
+    src_mac: [u8; 6],
+    dst_mac: [u8; 6],
+    dst: Ipv4Addr,
+    port: u16,
+) -> u32 {
+    use etherparse::PacketBuilder;
+    let name = std::ffi::CString::new(ifname).unwrap();
+    // SAFETY: a valid C string.
+    let ifindex = unsafe { libc::if_nametoindex(name.as_ptr()) };
+    assert_ne!(ifindex, 0, "no interface {ifname}");
+    // SAFETY: plain socket creation; the descriptor is closed below.
+    let fd = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_RAW, 0) };
+    assert!(
+        fd >= 0,
+        "AF_PACKET socket: {}",
+        std::io::Error::last_os_error()
+    );
+    // SAFETY: an all-zero sockaddr_ll is valid; the fields that matter are set below.
+    let mut addr: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+    addr.sll_family = libc::AF_PACKET as u16;
+    addr.sll_ifindex = ifindex as i32;
+    addr.sll_halen = 6;
+    addr.sll_addr[..6].copy_from_slice(&dst_mac);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut state = 0x2545_F491_4F6C_DD1Du64;
+    let mut sent = 0;
+    let mut frame = Vec::with_capacity(64);
+    while sent < count && Instant::now() < deadline {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        let src = Ipv4Addr::from(0xC612_0000 | (state as u32 & 0x1_FFFF));
+        let sport = 1024 + (state >> 32) as u16 % 60_000;
+        frame.clear();
+        PacketBuilder::ethernet2(src_mac, dst_mac)
+            .ipv4(src.octets(), dst.octets(), 64)
+            .tcp(sport, port, (state >> 16) as u32, 64_240)
+            .syn()
+            .write(&mut frame, &[])
+            .unwrap();
+        // SAFETY: `frame` and `addr` outlive the call; lengths are theirs.
+        let n = unsafe {
+            libc::sendto(
+                fd,
+                frame.as_ptr().cast(),
+                frame.len(),
+                0,
+                (&addr as *const libc::sockaddr_ll).cast(),
+                std::mem::size_of::<libc::sockaddr_ll>() as u32,
+            )
+        };
+        if n < 0 {
+            let error = std::io::Error::last_os_error();
+            // A full transmit queue: let it drain.
+            assert_eq!(error.raw_os_error(), Some(libc::ENOBUFS), "{error}");
+            std::thread::yield_now();
+            continue;
+        }
+        sent += 1;
+    }
+    // SAFETY: closing the descriptor opened above.
+    unsafe { libc::close(fd) };
+    sent
 }

@@ -1,15 +1,20 @@
 //! The kernel programs under BPF_PROG_TEST_RUN, on frames built with etherparse: parsing,
-//! every refusal reason, close tracking, and the RST reply read back by an independent parser.
+//! every refusal reason, the handshake that admits a connection, close tracking, the RSTs read
+//! back by an independent parser, and the attacks the datapath must withstand (fragments,
+//! truncation, long IPv6 header chains, spoofed SYN floods).
 
 use std::{
-    net::{IpAddr, Ipv4Addr},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
     time::{Duration, Instant},
 };
 
-use limiter_common::{Direction, Event, FlowKey, Reason, Verdict};
+use etherparse::{IpFragOffset, IpHeaders, IpNumber, Ipv4Extensions, Ipv4Header, PacketBuilder};
+use limiter_common::{
+    Direction, Event, FlowKey, HalfOpen, RST_MARK, Reason, Verdict, flow_state, maps,
+};
 use limiter_tests::{
     frames::{self, CLIENT_MAC, Flags, SERVER_MAC, Tcp, Vlans},
-    kernel::{Kernel, TC_ACT_OK, XDP_DROP, XDP_PASS, XDP_TX, settings},
+    kernel::{Kernel, TC_ACT_OK, XDP_DROP, XDP_PASS, XDP_TX, handshake, isn, settings},
 };
 
 const PORT: u16 = 5672;
@@ -68,6 +73,12 @@ fn flow_key(seg: &Tcp) -> FlowKey {
     }
 }
 
+fn half_open(k: &Kernel) -> Vec<(FlowKey, HalfOpen)> {
+    let map = k.dp.ebpf().map(maps::HALF_OPEN.name).expect("HALF_OPEN");
+    let map = aya::maps::HashMap::<_, FlowKey, HalfOpen>::try_from(map).unwrap();
+    map.iter().map(|e| e.unwrap()).collect()
+}
+
 /// Checks an RST|ACK reply to `syn` byte by byte, through etherparse.
 fn assert_rst_reply(syn: &Tcp, frame: &[u8]) {
     let reply = frames::parse_reply(frame);
@@ -93,28 +104,87 @@ fn assert_rst_reply(syn: &Tcp, frame: &[u8]) {
 }
 
 #[test]
-fn syn_is_admitted_tracked_and_counted_once() {
+fn a_syn_holds_no_slot_until_its_handshake_completes() {
     let k = Kernel::new(&[]);
     let s = syn(v4(2), 40000);
     assert_eq!(k.xdp(&s.build()).action, XDP_PASS);
+    assert_eq!(k.ingress(Verdict::Pass, Reason::HalfOpen), 1);
+    assert_eq!(k.global(), 0);
+    assert!(k.dp.maps.all_source_connections().unwrap().is_empty());
+    assert_eq!(half_open(&k).len(), 1);
+    // A retransmitted SYN is the same half-open connection.
+    assert_eq!(k.xdp(&s.build()).action, XDP_PASS);
+    assert_eq!(k.ingress(Verdict::Pass, Reason::Retransmit), 1);
+    let h = handshake(&s, 0xDEAD_BEEF);
+    // An ACK before the SYN-ACK acknowledges nothing the host sent.
+    k.xdp(&h.ack);
+    assert_eq!(k.global(), 0);
+    assert_eq!(k.tc(&h.syn_ack), TC_ACT_OK);
+    assert_eq!(
+        k.packets(Direction::Egress, Verdict::Pass, Reason::Tracked),
+        1
+    );
+    assert_eq!(half_open(&k)[0].1.server_isn, 0xDEAD_BEEF);
+    // An ACK of another number does not complete it.
+    let mut wrong = s.with_flags(ACK);
+    wrong.ack = 0xDEAD_BEF1;
+    k.xdp(&wrong.build());
+    assert_eq!(k.global(), 0);
+    assert_eq!(k.xdp(&h.ack).action, XDP_PASS);
     assert_eq!(k.ingress(Verdict::Pass, Reason::Admitted), 1);
     assert_eq!(k.global(), 1);
     assert_eq!(k.dp.maps.source_connections(s.src).unwrap(), 1);
-    // A retransmitted SYN is not a second connection.
-    assert_eq!(k.xdp(&s.build()).action, XDP_PASS);
-    assert_eq!(k.ingress(Verdict::Pass, Reason::Retransmit), 1);
-    assert_eq!(k.global(), 1);
     assert_eq!(k.dp.maps.events(Event::Opened).unwrap(), 1);
+    assert!(half_open(&k).is_empty());
+    // The same ACK again (or a SYN retransmitted late) takes nothing more.
+    k.xdp(&h.ack);
+    assert_eq!(k.xdp(&s.build()).action, XDP_PASS);
+    assert_eq!(k.global(), 1);
     let flows = k.dp.maps.flows().unwrap();
     assert_eq!(flows.len(), 1);
     assert_eq!(flows[0].0, flow_key(&s));
+    assert_ne!(flows[0].1.state & flow_state::ESTABLISHED, 0);
+}
+
+#[test]
+fn data_on_the_handshake_ack_completes_it_too() {
+    let k = Kernel::new(&[]);
+    let s = syn(v4(2), 1);
+    k.xdp(&s.build());
+    let h = handshake(&s, 7);
+    k.tc(&h.syn_ack);
+    let mut ack = s.with_flags(ACK);
+    ack.seq = s.seq.wrapping_add(1);
+    ack.ack = 8;
+    ack.payload = b"AMQP\x00\x00\x09\x01".to_vec();
+    assert_eq!(k.xdp(&ack.build()).action, XDP_PASS);
+    assert_eq!(k.global(), 1);
+}
+
+#[test]
+fn established_segments_pass_without_a_lookup() {
+    let k = Kernel::new(&[]);
+    let s = syn(v4(2), 1);
+    k.connect(&s);
+    let mut data = s.with_flags(ACK);
+    data.ack = 12345;
+    data.payload = vec![0; 100];
+    for _ in 0..3 {
+        assert_eq!(k.xdp(&data.build()).action, XDP_PASS);
+    }
+    assert_eq!(k.ingress(Verdict::Pass, Reason::Segment), 3);
+    assert_eq!(k.tc(&s.reply(ACK).build()), TC_ACT_OK);
+    assert_eq!(
+        k.packets(Direction::Egress, Verdict::Pass, Reason::Segment),
+        1
+    );
 }
 
 #[test]
 fn per_source_cap_refuses_with_a_valid_rst() {
-    let k = Kernel::new(&["--max-conn-per-ip", "2"]);
+    let k = Kernel::new(&["--max-conn-per-ip", "2", "--rst-xdp-tx"]);
     for port in [40000, 40001] {
-        assert_eq!(k.xdp(&syn(v4(2), port).build()).action, XDP_PASS);
+        assert_eq!(k.connect(&syn(v4(2), port)).action, XDP_PASS);
     }
     let third = syn(v4(2), 40002);
     let run = k.xdp(&third.build());
@@ -123,7 +193,8 @@ fn per_source_cap_refuses_with_a_valid_rst() {
     assert_eq!(k.ingress(Verdict::Rst, Reason::ConnPerIp), 1);
     assert_eq!(k.dp.maps.source_connections(v4(2)).unwrap(), 2);
     // Another source is not affected.
-    assert_eq!(k.xdp(&syn(v4(3), 40000).build()).action, XDP_PASS);
+    assert_eq!(k.connect(&syn(v4(3), 40000)).action, XDP_PASS);
+    assert_eq!(k.global(), 3);
     // The refusal is recorded against the source for the top-blocked lists.
     let blocked = k.dp.maps.blocked().unwrap();
     assert_eq!(blocked.len(), 1);
@@ -134,37 +205,82 @@ fn per_source_cap_refuses_with_a_valid_rst() {
 }
 
 #[test]
+fn by_default_a_refused_syn_is_marked_for_tc_ingress() {
+    let k = Kernel::new(&["--max-conn-per-ip", "1"]);
+    k.connect(&syn(v4(2), 1));
+    let frame = syn(v4(2), 2).build();
+    let run = k.xdp(&frame);
+    assert_eq!(run.action, XDP_PASS);
+    // BPF_PROG_TEST_RUN hands back the metadata in front of the untouched frame.
+    assert_eq!(run.frame.len(), frame.len() + 4, "{:?}", run.frame);
+    assert_eq!(run.frame[..4], RST_MARK.to_ne_bytes());
+    assert_eq!(run.frame[4..], frame[..]);
+    assert_eq!(k.ingress(Verdict::Rst, Reason::ConnPerIp), 1);
+}
+
+#[test]
 fn drop_mode_drops_instead_of_resetting() {
     let k = Kernel::new(&["--max-conn-per-ip", "1", "--reject-conn", "drop"]);
-    assert_eq!(k.xdp(&syn(v4(2), 1).build()).action, XDP_PASS);
+    assert_eq!(k.connect(&syn(v4(2), 1)).action, XDP_PASS);
     assert_eq!(k.xdp(&syn(v4(2), 2).build()).action, XDP_DROP);
     assert_eq!(k.ingress(Verdict::Drop, Reason::ConnPerIp), 1);
 }
 
 #[test]
 fn global_cap_is_shared_by_sources() {
-    let k = Kernel::new(&["--max-conn-total", "3"]);
-    let actions: Vec<u32> = [(2, 1), (3, 1), (2, 2), (3, 2)]
-        .iter()
-        .map(|(host, port)| k.xdp(&syn(v4(*host), *port).build()).action)
-        .collect();
-    assert_eq!(actions, vec![XDP_PASS, XDP_PASS, XDP_PASS, XDP_TX]);
+    let k = Kernel::new(&["--max-conn-total", "3", "--rst-xdp-tx"]);
+    for (host, port) in [(2, 1), (3, 1), (2, 2)] {
+        k.connect(&syn(v4(host), port));
+    }
+    assert_eq!(k.xdp(&syn(v4(3), 2).build()).action, XDP_TX);
     assert_eq!(k.global(), 3);
     assert_eq!(k.ingress(Verdict::Rst, Reason::ConnTotal), 1);
-    // The refused SYN's source slot was rolled back.
     assert_eq!(k.dp.maps.source_connections(v4(3)).unwrap(), 1);
+}
+
+#[test]
+fn caps_are_taken_exactly_when_handshakes_complete() {
+    // Both SYNs find the source below its cap; only the first ACK finds a slot.
+    let k = Kernel::new(&["--max-conn-per-ip", "1"]);
+    let (a, b) = (syn(v4(2), 1), syn(v4(2), 2));
+    k.xdp(&a.build());
+    k.xdp(&b.build());
+    let (ha, hb) = (handshake(&a, 100), handshake(&b, 200));
+    k.tc(&ha.syn_ack);
+    k.tc(&hb.syn_ack);
+    assert_eq!(k.xdp(&ha.ack).action, XDP_PASS);
+    let run = k.xdp(&hb.ack);
+    // The second ACK goes on to the host as a RST, so the host drops that connection.
+    assert_eq!(run.action, XDP_PASS);
+    let reply = frames::parse_reply(&run.frame);
+    assert_eq!((reply.src, reply.dst), (b.src, b.dst));
+    assert_eq!(
+        (reply.tcp.source_port, reply.tcp.destination_port),
+        (b.sport, b.dport)
+    );
+    assert!(reply.tcp.rst && !reply.tcp.ack && !reply.tcp.syn);
+    assert_eq!(reply.tcp.sequence_number, b.seq.wrapping_add(1));
+    assert!(reply.checksums_ok);
+    assert_eq!(k.global(), 1);
+    assert_eq!(k.dp.maps.source_connections(v4(2)).unwrap(), 1);
+    assert_eq!(k.ingress(Verdict::Rst, Reason::ConnPerIp), 1);
+    assert_eq!(k.dp.maps.events(Event::RefusedAtAck).unwrap(), 1);
+    assert_eq!(k.dp.maps.flows().unwrap().len(), 1);
 }
 
 #[test]
 fn syn_rate_admits_exactly_the_burst() {
     let k = Kernel::new(&["--syn-rate", "1", "--syn-burst", "3"]);
-    let admitted = (0..10)
+    let passed = (0..10)
         .filter(|i| k.xdp(&syn(v4(2), 1000 + i).build()).action == XDP_PASS)
         .count();
-    assert_eq!(admitted, 3);
+    assert_eq!(passed, 3);
     assert_eq!(k.ingress(Verdict::Drop, Reason::SynRate), 7);
-    // Rate refusals consume nothing: the source holds exactly the admitted connections.
-    assert_eq!(k.global(), 3);
+    assert_eq!(half_open(&k).len(), 3);
+    // A retransmission of a half-open connection costs no token.
+    assert_eq!(k.xdp(&syn(v4(2), 1000).build()).action, XDP_PASS);
+    assert_eq!(k.ingress(Verdict::Pass, Reason::Retransmit), 1);
+    assert_eq!(k.global(), 0);
 }
 
 #[test]
@@ -172,8 +288,8 @@ fn rst_either_way_closes_the_flow_once() {
     let k = Kernel::new(&[]);
     let a = syn(v4(2), 1);
     let b = syn(v4(2), 2);
-    k.xdp(&a.build());
-    k.xdp(&b.build());
+    k.connect(&a);
+    k.connect(&b);
     assert_eq!(k.global(), 2);
     assert_eq!(k.xdp(&a.with_flags(RST).build()).action, XDP_PASS);
     assert_eq!(k.global(), 1);
@@ -190,8 +306,7 @@ fn rst_either_way_closes_the_flow_once() {
 fn fins_both_ways_close_the_flow() {
     let k = Kernel::new(&[]);
     let s = syn(v4(2), 1);
-    k.xdp(&s.build());
-    k.xdp(&s.with_flags(ACK).build());
+    k.connect(&s);
     k.xdp(&s.with_flags(FIN).build());
     k.xdp(&s.with_flags(FIN).build()); // retransmitted FIN
     assert_eq!(k.global(), 1, "one FIN leaves the flow open");
@@ -199,53 +314,61 @@ fn fins_both_ways_close_the_flow() {
     assert_eq!(k.global(), 0);
     assert!(k.dp.maps.flows().unwrap().is_empty());
     assert_eq!(k.dp.maps.events(Event::ClosedFin).unwrap(), 1);
-    assert_eq!(
-        k.packets(Direction::Egress, Verdict::Pass, Reason::Tracked),
-        1
-    );
 }
 
 #[test]
 fn a_syn_reusing_a_closing_tuple_keeps_one_slot() {
     let k = Kernel::new(&[]);
     let s = syn(v4(2), 1);
-    k.xdp(&s.build());
+    k.connect(&s);
     k.xdp(&s.with_flags(FIN).build());
     // The client reuses the 4-tuple before the host's FIN: the new connection takes over
-    // the old one's slot.
+    // the old one's slot, and its handshake takes no second one.
     assert_eq!(k.xdp(&s.build()).action, XDP_PASS);
+    assert_eq!(k.ingress(Verdict::Pass, Reason::Retransmit), 1);
+    let h = handshake(&s, 999);
+    k.tc(&h.syn_ack);
+    k.xdp(&h.ack);
     assert_eq!(k.global(), 1);
     k.xdp(&s.with_flags(FIN).build());
     k.tc(&s.reply(FIN).build());
     assert_eq!(k.global(), 0);
+    assert_eq!(k.dp.maps.source_connections(v4(2)).unwrap(), 0);
 }
 
 #[test]
 fn ipv6_sources_are_keyed_by_their_prefix() {
-    let k = Kernel::new(&["--max-conn-per-ip", "2"]);
+    let k = Kernel::new(&["--max-conn-per-ip", "2", "--rst-xdp-tx"]);
     // Two addresses of one /64 share a key; a neighbouring /64 has its own.
     let a = syn(v6("2001:db8:1:2::10"), 1);
     let b = syn(v6("2001:db8:1:2::20"), 1);
     let c = syn(v6("2001:db8:1:2::30"), 1);
     let other = syn(v6("2001:db8:1:3::10"), 1);
-    assert_eq!(k.xdp(&a.build()).action, XDP_PASS);
-    assert_eq!(k.xdp(&b.build()).action, XDP_PASS);
+    assert_eq!(k.connect(&a).action, XDP_PASS);
+    assert_eq!(k.connect(&b).action, XDP_PASS);
     let run = k.xdp(&c.build());
     assert_eq!(run.action, XDP_TX);
     assert_rst_reply(&c, &run.frame);
-    assert_eq!(k.xdp(&other.build()).action, XDP_PASS);
+    assert_eq!(k.connect(&other).action, XDP_PASS);
+    assert_eq!(k.global(), 3);
 }
 
 #[test]
 fn ipv4_prefix_groups_sources() {
-    let k = Kernel::new(&["--max-conn-per-ip", "1", "--ipv4-prefix", "24"]);
-    assert_eq!(k.xdp(&syn(v4(2), 1).build()).action, XDP_PASS);
+    let k = Kernel::new(&[
+        "--max-conn-per-ip",
+        "1",
+        "--ipv4-prefix",
+        "24",
+        "--rst-xdp-tx",
+    ]);
+    k.connect(&syn(v4(2), 1));
     assert_eq!(k.xdp(&syn(v4(3), 1).build()).action, XDP_TX);
 }
 
 #[test]
 fn vlan_qinq_ip_options_and_extension_headers_parse_and_reset() {
-    let k = Kernel::new(&["--max-conn-per-ip", "1"]);
+    let k = Kernel::new(&["--max-conn-per-ip", "1", "--rst-xdp-tx"]);
     let mut cases = Vec::new();
     let mut s = syn(v4(10), 1);
     s.vlans = Vlans::One(100);
@@ -264,7 +387,7 @@ fn vlan_qinq_ip_options_and_extension_headers_parse_and_reset() {
     s.vlans = Vlans::Two(10, 20);
     cases.push(s);
     for first in &cases {
-        assert_eq!(k.xdp(&first.build()).action, XDP_PASS, "{first:?}");
+        assert_eq!(k.connect(first).action, XDP_PASS, "{first:?}");
         let mut second = first.clone();
         second.sport = 2;
         second.seq = 0xFFFF_FFFF; // the ack wraps to 0
@@ -279,43 +402,90 @@ fn vlan_qinq_ip_options_and_extension_headers_parse_and_reset() {
 }
 
 #[test]
-fn non_first_fragments_pass_untouched() {
+fn a_tiny_first_fragment_syn_is_refused() {
+    // The attack: the first fragment carries only 8 bytes of TCP header (ports and sequence
+    // number), the flags come in the second. Both are refused, for every source.
     let k = Kernel::new(&["--max-conn-per-ip", "1"]);
     for src in [v4(2), v6("2001:db8::2")] {
-        let mut s = syn(src, 1);
-        s.fragment_offset = 100;
-        for _ in 0..3 {
-            let frame = s.build();
-            let run = k.xdp(&frame);
-            assert_eq!(run.action, XDP_PASS);
-            assert_eq!(run.frame, frame);
+        for fragment in syn(src, 1).fragments(8) {
+            assert_eq!(k.xdp(&fragment).action, XDP_DROP, "{src}");
         }
     }
-    assert_eq!(k.ingress(Verdict::Pass, Reason::Fragment), 6);
-    assert_eq!(k.global(), 0);
-    // The same SYN unfragmented is policed as usual.
-    assert_eq!(k.xdp(&syn(v4(2), 1).build()).action, XDP_PASS);
-    assert_eq!(k.global(), 1);
+    assert_eq!(k.ingress(Verdict::Drop, Reason::Fragment), 4);
+    assert!(half_open(&k).is_empty());
+    // A first fragment with the whole header, to a protected port, is refused too.
+    let whole_header = syn(v4(2), 1).fragments(32);
+    assert_eq!(k.xdp(&whole_header[0]).action, XDP_DROP);
+    assert_eq!(k.ingress(Verdict::Drop, Reason::Fragment), 5);
 }
 
 #[test]
-fn truncated_and_garbage_frames_always_pass() {
-    let k = Kernel::new(&["--max-conn-per-ip", "1", "--max-conn-total", "1"]);
-    let mut malformed = 0;
+fn fragments_to_unprotected_ports_and_non_tcp_fragments_pass() {
+    let k = Kernel::new(&["--ports", "5672"]);
+    let mut s = syn(v4(2), 1);
+    s.dport = 22;
+    let parts = s.fragments(32);
+    assert_eq!(k.xdp(&parts[0]).action, XDP_PASS, "whole header, port 22");
+    assert_eq!(k.ingress(Verdict::Pass, Reason::UnprotectedPort), 1);
+    // A later fragment names no port: every TCP one is refused.
+    assert_eq!(k.xdp(&parts[1]).action, XDP_DROP);
+    // UDP fragments are not TCP's business.
+    for (offset, more) in [(0, true), (1, false)] {
+        let IpAddr::V4(src) = v4(2) else {
+            unreachable!()
+        };
+        let IpAddr::V4(dst) = server4() else {
+            unreachable!()
+        };
+        let mut h = Ipv4Header::new(0, 64, IpNumber::UDP, src.octets(), dst.octets()).unwrap();
+        h.more_fragments = more;
+        h.fragment_offset = IpFragOffset::try_new(offset).unwrap();
+        let mut frame = Vec::new();
+        PacketBuilder::ethernet2(CLIENT_MAC, SERVER_MAC)
+            .ip(IpHeaders::Ipv4(h, Ipv4Extensions::default()))
+            .write(&mut frame, IpNumber::UDP, &[0; 16])
+            .unwrap();
+        assert_eq!(k.xdp(&frame).action, XDP_PASS);
+    }
+    assert_eq!(k.ingress(Verdict::Pass, Reason::NonTcp), 2);
+    // With every port protected, every TCP fragment is refused.
+    let all = Kernel::new(&[]);
+    assert_eq!(all.xdp(&parts[0]).action, XDP_DROP);
+}
+
+#[test]
+fn a_syn_behind_seven_extension_headers_is_refused() {
+    let k = Kernel::new(&[]);
+    let s = syn(v6("2001:db8::7"), 1);
+    assert_eq!(k.xdp(&s.behind_ipv6_chain(7)).action, XDP_DROP);
+    assert_eq!(k.ingress(Verdict::Drop, Reason::HeaderChain), 1);
+    assert!(half_open(&k).is_empty());
+    // A chain the parser follows is judged as usual.
+    assert_eq!(k.xdp(&s.behind_ipv6_chain(3)).action, XDP_PASS);
+    assert_eq!(k.ingress(Verdict::Pass, Reason::HalfOpen), 1);
+}
+
+#[test]
+fn a_syn_cut_at_any_offset_is_refused() {
+    let k = Kernel::new(&[]);
+    let mut refused = 0;
     for src in [v4(2), v6("2001:db8::2")] {
         let mut s = syn(src, 1);
         s.vlans = Vlans::One(5);
         let frame = s.build();
-        // Every cut short of the full TCP header (BPF_PROG_TEST_RUN needs 14 bytes).
-        let tcp_end = frame.len() - 12;
-        for len in 14..tcp_end {
-            let run = k.xdp(&frame[..len]);
-            assert_eq!(run.action, XDP_PASS, "cut at {len}");
-            assert_eq!(run.frame, &frame[..len]);
-            malformed += 1;
+        // Every cut short of the whole frame (BPF_PROG_TEST_RUN needs 14 bytes).
+        for len in 14..frame.len() {
+            assert_eq!(k.xdp(&frame[..len]).action, XDP_DROP, "cut at {len}");
+            refused += 1;
         }
     }
-    assert_eq!(k.ingress(Verdict::Pass, Reason::Malformed), malformed);
+    assert_eq!(k.ingress(Verdict::Drop, Reason::Truncated), refused);
+    assert!(half_open(&k).is_empty());
+}
+
+#[test]
+fn garbage_never_aborts_the_program() {
+    let k = Kernel::new(&["--max-conn-per-ip", "1", "--max-conn-total", "1"]);
     // Pseudo-random garbage, with an IPv4 or IPv6 EtherType to get past the first check.
     let mut state = 0x9E37_79B9_7F4A_7C15u64;
     for i in 0..2000 {
@@ -336,7 +506,6 @@ fn truncated_and_garbage_frames_always_pass() {
             });
         }
         let action = k.xdp(&frame).action;
-        // Garbage that happens to parse as a SYN may be admitted or refused; never aborted.
         assert!(
             matches!(action, XDP_PASS | XDP_DROP | XDP_TX),
             "frame {i}: {action}"
@@ -355,14 +524,14 @@ fn other_traffic_passes_counted_by_why() {
         s.dport = 22;
         assert_eq!(k.xdp(&s.build()).action, XDP_PASS);
     }
-    // A packet of no tracked flow (it opened before the programs came).
-    assert_eq!(
-        k.xdp(&syn(v4(2), 9).with_flags(ACK).build()).action,
-        XDP_PASS
-    );
+    // A segment of a connection opened before the programs came, and its close.
+    let old = syn(v4(2), 9);
+    assert_eq!(k.xdp(&old.with_flags(ACK).build()).action, XDP_PASS);
+    assert_eq!(k.xdp(&old.with_flags(FIN).build()).action, XDP_PASS);
     assert_eq!(k.ingress(Verdict::Pass, Reason::NonTcp), 1);
     assert_eq!(k.ingress(Verdict::Pass, Reason::NonIp), 1);
     assert_eq!(k.ingress(Verdict::Pass, Reason::UnprotectedPort), 2);
+    assert_eq!(k.ingress(Verdict::Pass, Reason::Segment), 1);
     assert_eq!(k.ingress(Verdict::Pass, Reason::Untracked), 1);
     assert_eq!(k.global(), 0);
 }
@@ -376,11 +545,12 @@ fn allowlisted_sources_are_never_limited_and_denylisted_ones_are_dropped() {
         "192.0.2.0/28",
         "--deny",
         "192.0.2.64/26,2001:db8:bad::/48",
+        "--rst-xdp-tx",
     ]);
     for port in 1..=5 {
-        assert_eq!(k.xdp(&syn(v4(2), port).build()).action, XDP_PASS);
+        assert_eq!(k.connect(&syn(v4(2), port)).action, XDP_PASS);
     }
-    assert_eq!(k.ingress(Verdict::Pass, Reason::Allowlisted), 5);
+    assert_eq!(k.global(), 0, "allowlisted connections are not counted");
     assert_eq!(k.xdp(&syn(v4(70), 1).build()).action, XDP_DROP);
     // Every packet of a denied source, not just SYNs.
     assert_eq!(
@@ -393,21 +563,30 @@ fn allowlisted_sources_are_never_limited_and_denylisted_ones_are_dropped() {
     );
     assert_eq!(k.ingress(Verdict::Drop, Reason::Denylisted), 3);
     // Outside both lists, the cap applies.
-    assert_eq!(k.xdp(&syn(v4(20), 1).build()).action, XDP_PASS);
+    assert_eq!(k.connect(&syn(v4(20), 1)).action, XDP_PASS);
     assert_eq!(k.xdp(&syn(v4(20), 2).build()).action, XDP_TX);
 }
 
 #[test]
 fn a_ban_blocks_until_it_expires() {
     let mut k = Kernel::new(&[]);
+    assert_eq!(k.dp.maps.config().unwrap().has_bans, 0);
     let ttl = Duration::from_millis(300);
     let banned_at = Instant::now();
     k.dp.maps.ban(v4(2), ttl).unwrap();
+    assert_eq!(
+        k.dp.maps.config().unwrap().has_bans,
+        1,
+        "a ban turns the lookup on"
+    );
     assert_eq!(k.xdp(&syn(v4(2), 1).build()).action, XDP_DROP);
     assert_eq!(k.ingress(Verdict::Drop, Reason::Banned), 1);
     assert_eq!(k.xdp(&syn(v4(3), 1).build()).action, XDP_PASS);
     assert_eq!(k.dp.maps.bans().unwrap().len(), 1);
-    // The expiry is a time, not an event: wait it out, then the same SYN is admitted.
+    // Applying settings keeps the lookup on while bans exist.
+    k.dp.maps.apply(&settings(&[]).policy).unwrap();
+    assert_eq!(k.dp.maps.config().unwrap().has_bans, 1);
+    // The expiry is a time, not an event: wait it out, then the same SYN passes.
     std::thread::sleep(ttl.saturating_sub(banned_at.elapsed()) + Duration::from_millis(20));
     assert_eq!(k.xdp(&syn(v4(2), 2).build()).action, XDP_PASS);
     assert!(k.dp.maps.bans().unwrap().is_empty());
@@ -422,14 +601,19 @@ fn a_ban_blocks_until_it_expires() {
 fn a_full_flow_table_fails_open_or_closed_as_configured() {
     let k = Kernel::new(&["--flow-table-size", "2"]);
     for port in 1..=4 {
-        assert_eq!(k.xdp(&syn(v4(2), port).build()).action, XDP_PASS);
+        assert_eq!(k.connect(&syn(v4(2), port)).action, XDP_PASS);
     }
     assert_eq!(k.ingress(Verdict::Pass, Reason::FlowTableFull), 2);
     assert_eq!(k.global(), 2, "untracked connections hold no slot");
     let k = Kernel::new(&["--flow-table-size", "2", "--fail-closed"]);
-    k.xdp(&syn(v4(2), 1).build());
-    k.xdp(&syn(v4(2), 2).build());
-    assert_eq!(k.xdp(&syn(v4(2), 3).build()).action, XDP_TX);
+    k.connect(&syn(v4(2), 1));
+    k.connect(&syn(v4(2), 2));
+    let run = k.connect(&syn(v4(2), 3));
+    assert_eq!(run.action, XDP_PASS);
+    assert!(
+        frames::parse_reply(&run.frame).tcp.rst,
+        "the ACK became a RST"
+    );
     assert_eq!(k.ingress(Verdict::Rst, Reason::FlowTableFull), 1);
     assert_eq!(k.global(), 2);
 }
@@ -438,7 +622,7 @@ fn a_full_flow_table_fails_open_or_closed_as_configured() {
 fn the_agent_releases_a_flow_exactly_once() {
     let mut k = Kernel::new(&[]);
     let s = syn(v4(2), 1);
-    k.xdp(&s.build());
+    k.connect(&s);
     assert_eq!(k.global(), 1);
     assert!(k.dp.release(&flow_key(&s)).unwrap());
     assert_eq!(k.global(), 0);
@@ -452,22 +636,19 @@ fn the_agent_releases_a_flow_exactly_once() {
 
 #[test]
 fn limits_change_live_without_reloading() {
-    let mut k = Kernel::new(&["--max-conn-per-ip", "5"]);
+    let mut k = Kernel::new(&["--max-conn-per-ip", "5", "--rst-xdp-tx"]);
     for port in 1..=3 {
-        assert_eq!(k.xdp(&syn(v4(2), port).build()).action, XDP_PASS);
+        assert_eq!(k.connect(&syn(v4(2), port)).action, XDP_PASS);
     }
     k.dp.maps
-        .apply(&settings(&["--max-conn-per-ip", "3"]).policy)
+        .apply(&settings(&["--max-conn-per-ip", "3", "--rst-xdp-tx"]).policy)
         .unwrap();
     assert_eq!(k.xdp(&syn(v4(2), 4).build()).action, XDP_TX);
     k.dp.maps
         .apply(&settings(&["--max-conn-per-ip", "0"]).policy)
         .unwrap();
-    assert_eq!(
-        k.xdp(&syn(v4(2), 4).build()).action,
-        XDP_PASS,
-        "0 means no limit"
-    );
+    k.connect(&syn(v4(2), 4));
+    assert_eq!(k.global(), 4, "0 means no limit");
     // Scope changes live too: protect only another port.
     k.dp.maps
         .apply(&settings(&["--ports", "8883", "--max-conn-per-ip", "1"]).policy)
@@ -477,7 +658,7 @@ fn limits_change_live_without_reloading() {
 }
 
 #[test]
-fn concurrent_syns_never_exceed_the_caps() {
+fn concurrent_handshakes_never_exceed_the_caps() {
     // BPF_PROG_TEST_RUN from several threads runs the program on several CPUs at once.
     let k = Kernel::new(&["--max-conn-per-ip", "50", "--max-conn-total", "80"]);
     std::thread::scope(|scope| {
@@ -485,7 +666,7 @@ fn concurrent_syns_never_exceed_the_caps() {
             let k = &k;
             scope.spawn(move || {
                 for port in 0..200u16 {
-                    k.xdp(&syn(v4(2 + t % 2), 1000 * u16::from(t) + port).build());
+                    k.connect(&syn(v4(2 + t % 2), 1000 * u16::from(t) + port));
                 }
             });
         }
@@ -496,4 +677,63 @@ fn concurrent_syns_never_exceed_the_caps() {
     assert!(a <= 50 && b <= 50, "{a} {b}");
     assert_eq!(a + b, 80);
     assert_eq!(k.dp.maps.flows().unwrap().len(), 80);
+}
+
+#[test]
+fn a_spoofed_syn_flood_holds_no_slot_and_locks_no_one_out() {
+    let k = Kernel::new(&["--max-conn-total", "10000", "--max-conn-per-ip", "3"]);
+    let server = server4();
+    // 120,000 SYNs from as many sources in 198.18.0.0/15, each answered by the host.
+    let sources = 120_000u32;
+    for i in 0..sources {
+        let src = IpAddr::V4(Ipv4Addr::from(0xC612_0000 + i));
+        let s = Tcp::syn(src, 1024 + (i % 60_000) as u16, server, PORT);
+        assert_eq!(k.xdp(&s.build()).action, XDP_PASS);
+        if i % 16 == 0 {
+            k.tc(&handshake(&s, isn(s.sport)).syn_ack);
+        }
+    }
+    assert_eq!(
+        k.ingress(Verdict::Pass, Reason::HalfOpen),
+        u64::from(sources)
+    );
+    assert_eq!(k.global(), 0);
+    assert!(k.dp.maps.all_source_connections().unwrap().is_empty());
+    assert!(half_open(&k).len() <= maps::HALF_OPEN.default_entries as usize);
+    // A real client right after gets in on its first try.
+    let real = syn(
+        IpAddr::V6(Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, 9)),
+        4000,
+    );
+    assert_eq!(k.connect(&real).action, XDP_PASS);
+    assert_eq!(k.global(), 1);
+    assert_eq!(k.ingress(Verdict::Pass, Reason::Admitted), 1);
+}
+
+#[test]
+fn the_object_holds_exactly_the_catalogued_maps() {
+    use aya::maps::Map;
+    let ebpf = aya::Ebpf::load(limiter::datapath::EBPF_OBJECT).expect("the object");
+    for def in maps::ALL {
+        let map = ebpf
+            .map(def.name)
+            .unwrap_or_else(|| panic!("{} is catalogued but not in the object", def.name));
+        let kind = match map {
+            Map::Array(_) => maps::MapKind::Array,
+            Map::PerCpuArray(_) => maps::MapKind::PerCpuArray,
+            Map::HashMap(_) => maps::MapKind::Hash,
+            Map::LruHashMap(_) => maps::MapKind::LruHash,
+            Map::LpmTrie(_) => maps::MapKind::LpmTrie,
+            other => panic!("{}: unexpected {other:?}", def.name),
+        };
+        assert_eq!(kind, def.kind, "{}", def.name);
+    }
+    // Besides them only aya-log's ring and the object's data sections.
+    let others: Vec<&str> = ebpf
+        .maps()
+        .map(|(name, _)| name)
+        .filter(|name| !maps::ALL.iter().any(|def| def.name == *name))
+        .filter(|name| *name != "AYA_LOGS" && !name.starts_with('.'))
+        .collect();
+    assert!(others.is_empty(), "not catalogued: {others:?}");
 }

@@ -1,5 +1,5 @@
 //! The sweeper against a real agent's maps: evictions by kind, bounded passes, and counter
-//! repair. Flows come from SYNs run through the XDP program with BPF_PROG_TEST_RUN.
+//! repair. Flows come from handshakes run through the programs with BPF_PROG_TEST_RUN.
 
 use std::{
     net::{IpAddr, Ipv4Addr},
@@ -15,7 +15,7 @@ use limiter::{
 use limiter_common::{AdjustRequest, Event};
 use limiter_tests::{
     frames::{Flags, Tcp},
-    kernel::{TestAgent, XDP_PASS, agent, xdp_run},
+    kernel::{TestAgent, XDP_PASS, agent, connect_run, xdp_run},
 };
 
 fn v4(last: u8) -> IpAddr {
@@ -38,6 +38,11 @@ fn send(agent: &TestAgent, seg: &Tcp) -> u32 {
     xdp_run(&agent.datapath(), &seg.build()).action
 }
 
+/// A SYN and the rest of its handshake; returns the SYN's action.
+fn connect(agent: &TestAgent, syn: &Tcp) -> u32 {
+    connect_run(&agent.datapath(), syn)
+}
+
 fn evicted(agent: &TestAgent, kind: &str) -> u64 {
     agent.sweep.evictions.with_label_values(&[kind]).get()
 }
@@ -48,20 +53,18 @@ fn outlive(timeout: Duration) {
 }
 
 #[test]
-fn half_open_and_idle_flows_are_evicted_and_their_slots_released_once() {
+fn idle_flows_are_evicted_and_their_slots_released_once() {
+    // The kernel no longer refreshes a flow's last-seen time per packet: "idle" counts from
+    // the handshake's completion.
     let agent = start(&["--syn-timeout", "30ms", "--idle-timeout", "200ms"]);
     let settings = agent.settings().sweep;
     let half_open = syn(v4(2), 1);
     let established = syn(v4(3), 1);
     assert_eq!(send(&agent, &half_open), XDP_PASS);
-    assert_eq!(send(&agent, &established), XDP_PASS);
-    send(
-        &agent,
-        &established.with_flags(Flags {
-            ack: true,
-            ..Flags::default()
-        }),
-    );
+    assert_eq!(connect(&agent, &established), XDP_PASS);
+    // The half-open connection is not a flow and holds no slot.
+    assert_eq!(agent.with_maps(|m| m.global_connections()).unwrap(), 1);
+    assert_eq!(agent.with_maps(|m| m.source_connections(v4(2))).unwrap(), 0);
     let mut sweeper = Sweeper::new();
     let report = agent.sweep_pass(&mut sweeper, &settings).unwrap();
     assert_eq!(
@@ -70,29 +73,23 @@ fn half_open_and_idle_flows_are_evicted_and_their_slots_released_once() {
         "nothing is old yet"
     );
 
-    outlive(settings.syn_timeout);
-    let report = agent.sweep_pass(&mut sweeper, &settings).unwrap();
-    assert_eq!((report.half_open, report.idle), (1, 0));
-    assert_eq!(agent.with_maps(|m| m.global_connections()).unwrap(), 1);
-    assert_eq!(agent.with_maps(|m| m.source_connections(v4(2))).unwrap(), 0);
-
     outlive(settings.idle_timeout.unwrap());
     let report = agent.sweep_pass(&mut sweeper, &settings).unwrap();
-    assert_eq!((report.half_open, report.idle), (0, 1));
+    // The SYN that never completed is forgotten after syn-timeout; it held no slot.
+    assert_eq!((report.half_open, report.idle), (1, 1));
     assert_eq!(agent.with_maps(|m| m.global_connections()).unwrap(), 0);
-    assert_eq!(evicted(&agent, "half_open"), 1);
     assert_eq!(evicted(&agent, "idle"), 1);
-    assert_eq!(agent.with_maps(|m| m.events(Event::Released)).unwrap(), 2);
+    assert_eq!(agent.with_maps(|m| m.events(Event::Released)).unwrap(), 1);
     // A late RST of an evicted flow releases nothing more.
     send(
         &agent,
-        &half_open.with_flags(Flags {
+        &established.with_flags(Flags {
             rst: true,
             ..Flags::default()
         }),
     );
     assert_eq!(agent.with_maps(|m| m.global_connections()).unwrap(), 0);
-    assert_eq!(agent.sweep.duration.get_sample_count(), 3);
+    assert_eq!(agent.sweep.duration.get_sample_count(), 2);
 }
 
 #[test]
@@ -117,15 +114,15 @@ fn idle_buckets_and_expired_bans_are_removed() {
 
 #[test]
 fn each_pass_reads_a_bounded_batch_and_the_next_resumes() {
-    let agent = start(&["--syn-timeout", "10ms", "--sweep-batch", "2"]);
+    let agent = start(&["--idle-timeout", "10ms", "--sweep-batch", "2"]);
     for port in 1..=5 {
-        send(&agent, &syn(v4(2), port));
+        connect(&agent, &syn(v4(2), port));
     }
     let settings = agent.settings().sweep;
-    outlive(settings.syn_timeout);
+    outlive(settings.idle_timeout.unwrap());
     let mut sweeper = Sweeper::new();
     let per_pass: Vec<u64> = (0..3)
-        .map(|_| agent.sweep_pass(&mut sweeper, &settings).unwrap().half_open)
+        .map(|_| agent.sweep_pass(&mut sweeper, &settings).unwrap().idle)
         .collect();
     assert!(per_pass.iter().all(|n| *n <= 2), "{per_pass:?}");
     assert_eq!(per_pass.iter().sum::<u64>(), 5, "{per_pass:?}");
@@ -136,7 +133,7 @@ fn each_pass_reads_a_bounded_batch_and_the_next_resumes() {
 fn drifted_counters_are_repaired_after_two_sightings() {
     let agent = start(&[]);
     for port in 1..=3 {
-        send(&agent, &syn(v4(2), port));
+        connect(&agent, &syn(v4(2), port));
     }
     let config = agent.with_maps(|m| m.config()).unwrap();
     let key = source_key(v4(2), &config);
@@ -174,7 +171,7 @@ fn drifted_counters_are_repaired_after_two_sightings() {
         "nothing left to repair"
     );
     // Counters that agree are left alone however many passes run.
-    send(&agent, &syn(v4(3), 1));
+    connect(&agent, &syn(v4(3), 1));
     for _ in 0..3 {
         assert_eq!(
             agent.sweep_pass(&mut sweeper, &settings).unwrap().repairs,
@@ -190,7 +187,7 @@ fn counters_of_a_table_larger_than_one_batch_are_repaired() {
     let agent = start(&["--sweep-batch", "2"]);
     for (source, ports) in [(2, 1..=3), (3, 1..=2), (4, 1..=2)] {
         for port in ports {
-            send(&agent, &syn(v4(source), port));
+            connect(&agent, &syn(v4(source), port));
         }
     }
     let config = agent.with_maps(|m| m.config()).unwrap();

@@ -19,19 +19,11 @@ pub fn mapped(addr: IpAddr) -> Ipv6Addr {
 /// The key the kernel charges `addr` to: mapped to IPv6 and masked to the live prefix.
 pub fn source_key(addr: IpAddr, config: &Config) -> SourceKey {
     // `::ffff:a.b.c.d` is the IPv4 client it maps, and takes the IPv4 prefix.
-    let addr = addr.to_canonical();
-    let bits = match addr {
-        IpAddr::V4(_) => 96 + u32::from(config.ipv4_prefix.min(32)),
-        IpAddr::V6(_) => u32::from(config.ipv6_prefix.min(128)),
-    };
-    let mask = if bits == 0 {
-        0
-    } else {
-        u128::MAX << (128 - bits)
-    };
-    SourceKey {
-        addr: (u128::from(mapped(addr)) & mask).to_be_bytes(),
-    }
+    limiter_common::source_key(
+        &mapped(addr.to_canonical()).octets(),
+        config.ipv4_prefix,
+        config.ipv6_prefix,
+    )
 }
 
 /// A source key as an address, IPv4-mapped keys shown as plain IPv4.

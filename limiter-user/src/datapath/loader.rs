@@ -7,7 +7,7 @@ use aya::{
     programs::{
         ProgramError, SchedClassifier, TcAttachType, Xdp, XdpMode,
         links::{FdLink, PinnedLink},
-        tc::{SchedClassifierLink, SchedClassifierLinkId},
+        tc::SchedClassifierLink,
         xdp::{XdpLink, XdpLinkId},
     },
 };
@@ -16,7 +16,9 @@ use thiserror::Error;
 
 use super::{
     Maps, MapsError, pins,
-    programs::{ADJUST_PROGRAM, RELEASE_PROGRAM, TC_PROGRAM, XDP_PROGRAM, program},
+    programs::{
+        ADJUST_PROGRAM, RELEASE_PROGRAM, TC_INGRESS_PROGRAM, TC_PROGRAM, XDP_PROGRAM, program,
+    },
 };
 
 /// The kernel object, built by `cargo xtask build` and embedded so the agent is one file.
@@ -71,6 +73,8 @@ pub enum LoadError {
 pub struct LoadOptions {
     /// Sizes the flow table and the per-source tables.
     pub flow_table_size: u32,
+    /// Sizes the LRU table of half-open connections (SYN seen, handshake not completed).
+    pub half_open_size: u32,
     /// Keeps the programs' debug log statements (otherwise the verifier removes them).
     pub kernel_debug: bool,
     /// Where maps and links are pinned. With a pin directory the programs stay attached when
@@ -83,7 +87,8 @@ pub struct LoadOptions {
 impl Default for LoadOptions {
     fn default() -> Self {
         Self {
-            flow_table_size: crate::settings::defaults::FLOW_TABLE_SIZE,
+            flow_table_size: limiter_common::maps::FLOWS.default_entries,
+            half_open_size: limiter_common::maps::HALF_OPEN.default_entries,
             kernel_debug: false,
             pin_dir: None,
         }
@@ -111,6 +116,12 @@ macro_rules! adopt {
         );
     }};
 }
+
+/// The TC programs and where each attaches.
+const TC_PROGRAMS: [(&str, TcAttachType); 2] = [
+    (TC_PROGRAM, TcAttachType::Egress),
+    (TC_INGRESS_PROGRAM, TcAttachType::Ingress),
+];
 
 /// How an interface came to be enforced.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -149,6 +160,7 @@ impl Datapath {
         let mut loader = EbpfLoader::new();
         loader
             .map_max_entries(map_names::FLOWS, options.flow_table_size)
+            .map_max_entries(map_names::HALF_OPEN, options.half_open_size)
             .map_max_entries(map_names::SOURCE_CONNS, options.flow_table_size)
             .map_max_entries(map_names::SYN_BUCKETS, options.flow_table_size)
             .map_max_entries(map_names::BLOCKED, options.flow_table_size)
@@ -168,12 +180,11 @@ impl Datapath {
                 .load()
                 .map_err(|source| LoadError::Program { name, source })?;
         }
-        program::<SchedClassifier>(&mut ebpf, TC_PROGRAM)?
-            .load()
-            .map_err(|source| LoadError::Program {
-                name: TC_PROGRAM,
-                source,
-            })?;
+        for name in [TC_PROGRAM, TC_INGRESS_PROGRAM] {
+            program::<SchedClassifier>(&mut ebpf, name)?
+                .load()
+                .map_err(|source| LoadError::Program { name, source })?;
+        }
         let logger = if options.kernel_debug {
             Some(aya_log::EbpfLogger::init(&mut ebpf)?)
         } else {
@@ -194,53 +205,76 @@ impl Datapath {
         self.logger.take()
     }
 
-    /// Enforces on `iface`: XDP on ingress, TC on egress. With a pin directory, links an
-    /// earlier agent pinned for `iface` are adopted (their programs swapped for ours, with no
-    /// moment unenforced); otherwise the programs are attached and their links pinned.
+    /// Enforces on `iface`: XDP on ingress, TC on egress (close tracking) and on ingress
+    /// (answering the SYNs XDP marked for an RST). With a pin directory, links an earlier agent
+    /// pinned for `iface` are adopted (their programs swapped for ours, with no moment
+    /// unenforced); otherwise the programs are attached and their links pinned.
     pub fn attach(&mut self, iface: &str, mode: XdpAttachMode) -> Result<Attachment, LoadError> {
         let Some(dir) = self.pin_dir.clone() else {
-            return self
-                .attach_unpinned(iface, mode)
-                .map(|(mode, _, _)| Attachment::New(mode));
+            let (taken, _) = self.attach_xdp(iface, mode)?;
+            for (name, direction) in TC_PROGRAMS {
+                program::<SchedClassifier>(&mut self.ebpf, name)?
+                    .attach(iface, direction)
+                    .map_err(|source| attach_error(name, iface, source))?;
+            }
+            return Ok(Attachment::New(taken));
         };
-        let (xdp_pin, tc_pin) = (pins::xdp_link(&dir, iface), pins::tc_link(&dir, iface));
-        if xdp_pin.exists() && tc_pin.exists() {
+        let xdp_pin = pins::xdp_link(&dir, iface);
+        let adopted = xdp_pin.exists();
+        let taken = if adopted {
             adopt!(self, Xdp, XdpLink, XDP_PROGRAM, &xdp_pin, iface);
-            adopt!(
-                self,
-                SchedClassifier,
-                SchedClassifierLink,
-                TC_PROGRAM,
-                &tc_pin,
-                iface
-            );
-            return Ok(Attachment::Adopted);
+            None
+        } else {
+            let (taken, id) = self.attach_xdp(iface, mode)?;
+            let link_dir = pins::links(&dir, iface);
+            std::fs::create_dir_all(&link_dir).map_err(|source| LoadError::Pin {
+                path: link_dir,
+                source,
+            })?;
+            let link = program::<Xdp>(&mut self.ebpf, XDP_PROGRAM)?
+                .take_link(id)
+                .map_err(|source| attach_error(XDP_PROGRAM, iface, source))?;
+            pin_link(FdLink::try_from(link), &xdp_pin)?;
+            Some(taken)
+        };
+        for (name, direction) in TC_PROGRAMS {
+            let pin = match direction {
+                TcAttachType::Ingress => pins::tc_ingress_link(&dir, iface),
+                _ => pins::tc_link(&dir, iface),
+            };
+            // Each TC link is adopted or made on its own: an agent from before the ingress
+            // program existed pinned none for it.
+            if pin.exists() {
+                adopt!(
+                    self,
+                    SchedClassifier,
+                    SchedClassifierLink,
+                    name,
+                    &pin,
+                    iface
+                );
+            } else {
+                let tc = program::<SchedClassifier>(&mut self.ebpf, name)?;
+                let id = tc
+                    .attach(iface, direction)
+                    .map_err(|source| attach_error(name, iface, source))?;
+                let link = tc
+                    .take_link(id)
+                    .map_err(|source| attach_error(name, iface, source))?;
+                pin_link(FdLink::try_from(link), &pin)?;
+            }
         }
-        let (taken, xdp_id, tc_id) = self.attach_unpinned(iface, mode)?;
-        let link_dir = pins::links(&dir, iface);
-        std::fs::create_dir_all(&link_dir).map_err(|source| LoadError::Pin {
-            path: link_dir,
-            source,
-        })?;
-        let link = program::<Xdp>(&mut self.ebpf, XDP_PROGRAM)?
-            .take_link(xdp_id)
-            .map_err(|source| attach_error(XDP_PROGRAM, iface, source))?;
-        pin_link(FdLink::try_from(link), &xdp_pin)?;
-        let link = program::<SchedClassifier>(&mut self.ebpf, TC_PROGRAM)?
-            .take_link(tc_id)
-            .map_err(|source| attach_error(TC_PROGRAM, iface, source))?;
-        pin_link(FdLink::try_from(link), &tc_pin)?;
-        Ok(Attachment::New(taken))
+        Ok(taken.map_or(Attachment::Adopted, Attachment::New))
     }
 
-    /// Attaches both programs to `iface`, the links owned by this process.
-    fn attach_unpinned(
+    /// Attaches the XDP program to `iface`, the link owned by this process.
+    fn attach_xdp(
         &mut self,
         iface: &str,
         mode: XdpAttachMode,
-    ) -> Result<(XdpAttachMode, XdpLinkId, SchedClassifierLinkId), LoadError> {
+    ) -> Result<(XdpAttachMode, XdpLinkId), LoadError> {
         let xdp = program::<Xdp>(&mut self.ebpf, XDP_PROGRAM)?;
-        let (taken, xdp_id) = match mode {
+        match mode {
             XdpAttachMode::Native => xdp.attach(iface, XdpMode::Driver).map(|id| (mode, id)),
             XdpAttachMode::Skb => xdp.attach(iface, XdpMode::Skb).map(|id| (mode, id)),
             XdpAttachMode::Auto => xdp
@@ -252,11 +286,7 @@ impl Datapath {
                         .map(|id| (XdpAttachMode::Skb, id))
                 }),
         }
-        .map_err(|source| attach_error(XDP_PROGRAM, iface, source))?;
-        let tc_id = program::<SchedClassifier>(&mut self.ebpf, TC_PROGRAM)?
-            .attach(iface, TcAttachType::Egress)
-            .map_err(|source| attach_error(TC_PROGRAM, iface, source))?;
-        Ok((taken, xdp_id, tc_id))
+        .map_err(|source| attach_error(XDP_PROGRAM, iface, source))
     }
 
     /// The loaded object, so its programs can be run directly (`BPF_PROG_TEST_RUN` in the

@@ -9,8 +9,8 @@ use aya::{
 };
 use ipnet::IpNet;
 use limiter_common::{
-    Ban, Blocked, Config, Direction, Event, Flow, FlowKey, Reason, SourceKey, SynBucket, Verdict,
-    map_names, stats::stat_slot,
+    Ban, Blocked, Config, Direction, Event, Flow, FlowKey, HalfOpen, Reason, SourceKey, SynBucket,
+    Verdict, map_names, stats::stat_slot,
 };
 use thiserror::Error;
 
@@ -101,6 +101,7 @@ pub struct Maps {
     config: Array<MapData, Config>,
     ports: Array<MapData, u8>,
     pub(super) flows: HashMap<MapData, FlowKey, Flow>,
+    pub(super) half_open: HashMap<MapData, FlowKey, HalfOpen>,
     source_conns: HashMap<MapData, SourceKey, u64>,
     global_conns: Array<MapData, u64>,
     pub(super) syn_buckets: HashMap<MapData, SourceKey, SynBucket>,
@@ -149,6 +150,7 @@ impl Maps {
             config: typed(CONFIG).get()?,
             ports: typed(PORTS).get()?,
             flows: typed(FLOWS).get()?,
+            half_open: typed(HALF_OPEN).get()?,
             source_conns: typed(SOURCE_CONNS).get()?,
             global_conns: typed(GLOBAL_CONNS).get()?,
             syn_buckets: typed(SYN_BUCKETS).get()?,
@@ -179,8 +181,11 @@ impl Maps {
         }
         self.allow.sync(&policy.allow)?;
         self.deny.sync(&policy.deny)?;
+        let mut config = policy.config();
+        // The ban table's, not the policy's: bans come and go apart from settings.
+        config.has_bans = self.bans.keys().next().is_some().into();
         self.config
-            .set(0, policy.config(), 0)
+            .set(0, config, 0)
             .map_err(map_error(map_names::CONFIG))
     }
 
@@ -218,6 +223,14 @@ impl Maps {
         self.bans
             .insert(key, Ban { expires_ns }, 0)
             .map_err(map_error(map_names::BANS))?;
+        // After the insert: the programs look bans up only once this is set.
+        let mut config = self.config()?;
+        if config.has_bans == 0 {
+            config.has_bans = 1;
+            self.config
+                .set(0, config, 0)
+                .map_err(map_error(map_names::CONFIG))?;
+        }
         Ok(key)
     }
 

@@ -15,6 +15,8 @@ pub const PINNED_MAPS: &[&str] = &[
     map_names::CONFIG,
     map_names::PORTS,
     map_names::FLOWS,
+    map_names::HALF_OPEN,
+    map_names::ACK_HINTS,
     map_names::SOURCE_CONNS,
     map_names::GLOBAL_CONNS,
     map_names::SYN_BUCKETS,
@@ -46,6 +48,10 @@ pub fn xdp_link(pin_dir: &Path, iface: &str) -> PathBuf {
 
 pub fn tc_link(pin_dir: &Path, iface: &str) -> PathBuf {
     links(pin_dir, iface).join("tc")
+}
+
+pub fn tc_ingress_link(pin_dir: &Path, iface: &str) -> PathBuf {
+    links(pin_dir, iface).join("tc_ingress")
 }
 
 /// Where the BPF filesystem is conventionally mounted.
@@ -117,7 +123,11 @@ pub fn detach(pin_dir: &Path, iface: Option<&str>) -> Result<Vec<String>, LoadEr
         if !dir.exists() {
             continue;
         }
-        for path in [xdp_link(pin_dir, &iface), tc_link(pin_dir, &iface)] {
+        for path in [
+            xdp_link(pin_dir, &iface),
+            tc_link(pin_dir, &iface),
+            tc_ingress_link(pin_dir, &iface),
+        ] {
             if path.exists() {
                 // Unpinning drops the last reference to the link, which detaches the program.
                 let link = PinnedLink::from_pin(&path).map_err(|source| LoadError::Link {

@@ -8,7 +8,8 @@ use limiter_common::Config;
 pub struct Policy {
     /// Limits, prefixes and refusal modes. Its fields that follow from the ports and lists
     /// (`all_ports`, `has_allow`, `has_deny`) are ignored here and derived by
-    /// [`Policy::config`], so they can never disagree with what the maps hold.
+    /// [`Policy::config`], so they can never disagree with what the maps hold; `has_bans`
+    /// follows the ban table, which [`super::Maps`] keeps.
     pub limits: Config,
     /// Protected ports; empty means every port.
     pub ports: Vec<u16>,

@@ -6,6 +6,9 @@ use super::LoadError;
 
 pub const XDP_PROGRAM: &str = "limiter_xdp";
 pub const TC_PROGRAM: &str = "limiter_tc";
+/// TC ingress: answers the SYNs the XDP program refused with `rst` and marked (see
+/// `Config::rst_xdp_tx`).
+pub const TC_INGRESS_PROGRAM: &str = "limiter_tc_ingress";
 pub const RELEASE_PROGRAM: &str = "limiter_release";
 pub const ADJUST_PROGRAM: &str = "limiter_adjust";
 

@@ -90,6 +90,7 @@ fn next_key<K: Pod>(map: &MapData, key: Option<&K>) -> Result<Option<K>, std::io
 #[derive(Default)]
 pub struct SweepCursor {
     flows: Option<FlowKey>,
+    half_open: Option<FlowKey>,
     buckets: Option<SourceKey>,
     bans: Option<SourceKey>,
 }
@@ -140,6 +141,31 @@ impl Maps {
             if let Ok(bucket) = self.syn_buckets.get(&key, 0)
                 && bucket.tat_ns <= now
                 && self.syn_buckets.remove(&key).is_ok()
+            {
+                removed += 1;
+            }
+        }
+        Ok(removed)
+    }
+
+    /// Deletes half-open connections older than `timeout_ns` among the next `max`; returns
+    /// how many. They hold no slot, and the table makes room for new ones by itself (it is an
+    /// LRU); this only spares real clients' entries from being pushed out by dead ones.
+    pub fn sweep_half_open(
+        &mut self,
+        cursor: &mut SweepCursor,
+        max: usize,
+        now: u64,
+        timeout_ns: u64,
+    ) -> Result<u64, MapsError> {
+        let (keys, wrapped) = keys_after(self.half_open.map(), cursor.half_open, max)
+            .map_err(walk_error(map_names::HALF_OPEN))?;
+        cursor.half_open = if wrapped { None } else { keys.last().copied() };
+        let mut removed = 0;
+        for key in keys {
+            if let Ok(entry) = self.half_open.get(&key, 0)
+                && now.saturating_sub(entry.first_seen_ns) > timeout_ns
+                && self.half_open.remove(&key).is_ok()
             {
                 removed += 1;
             }

@@ -8,7 +8,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use limiter_common::{AdjustRequest, SourceKey, flow_state};
+use limiter_common::{AdjustRequest, SourceKey};
 use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, Opts};
 
 use crate::{
@@ -65,8 +65,9 @@ impl Default for SweepStats {
 pub struct PassReport {
     /// Flows released because the host has no socket for them any more.
     pub closed: u64,
-    /// Flows released by the timeouts, where the socket table cannot speak for them.
+    /// Half-open connections older than `syn-timeout` removed (they held no slot).
     pub half_open: u64,
+    /// Flows released by `idle-timeout`, where the socket table cannot speak for them.
     pub idle: u64,
     pub buckets: u64,
     pub bans: u64,
@@ -133,11 +134,6 @@ impl Sweeper {
                 Some(sockets) => (!sockets.has(key)
                     && older_than(now, flow.last_seen_ns, SOCKET_GRACE))
                 .then_some(Release::Closed),
-                None if flow.state & flow_state::ESTABLISHED == 0
-                    && older_than(now, flow.first_seen_ns, settings.syn_timeout) =>
-                {
-                    Some(Release::HalfOpen)
-                }
                 None if settings
                     .idle_timeout
                     .is_some_and(|idle| older_than(now, flow.last_seen_ns, idle)) =>
@@ -150,7 +146,6 @@ impl Sweeper {
                 // Released through the kernel, so it happens once even if a FIN races it.
                 Some(why) if enforcer.datapath().release(key)? => match why {
                     Release::Closed => report.closed += 1,
-                    Release::HalfOpen => report.half_open += 1,
                     Release::Idle => report.idle += 1,
                 },
                 Some(_) => {}
@@ -163,6 +158,9 @@ impl Sweeper {
             }
             self.tally.clear();
         }
+        let syn_timeout = settings.syn_timeout.as_nanos().min(u128::from(u64::MAX)) as u64;
+        report.half_open =
+            enforcer.with_maps(|m| m.sweep_half_open(&mut self.cursor, batch, now, syn_timeout))?;
         report.buckets = enforcer.with_maps(|m| m.sweep_buckets(&mut self.cursor, batch, now))?;
         report.bans = enforcer.with_maps(|m| m.sweep_bans(&mut self.cursor, batch, now))?;
         report.app_keys = limiter.sweep() as u64;
@@ -242,7 +240,6 @@ impl Sweeper {
 /// Why a flow is released.
 enum Release {
     Closed,
-    HalfOpen,
     Idle,
 }
 

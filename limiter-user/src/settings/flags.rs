@@ -113,9 +113,18 @@ pub struct Layer {
     /// the maps are created, not to maps adopted from a pin. [default: 131072]
     #[arg(long, env = "LIMITER_FLOW_TABLE_SIZE")]
     pub flow_table_size: Option<u32>,
+    /// Half-open connections (SYN seen, handshake not completed) remembered, least recently
+    /// used first out; they hold no connection slot. Applies when the maps are created.
+    /// [default: 65536]
+    #[arg(long, env = "LIMITER_HALF_OPEN_TABLE_SIZE")]
+    pub half_open_table_size: Option<u32>,
     /// Refuse new connections when the flow table is full, instead of passing them untracked.
     #[arg(long, env = "LIMITER_FAIL_CLOSED", num_args = 0..=1, default_missing_value = "true")]
     pub fail_closed: Option<bool>,
+    /// Send RSTs with XDP_TX (fastest, but on a veth only reaches peers that run XDP) instead
+    /// of through the TC ingress program (works on every interface).
+    #[arg(long, env = "LIMITER_RST_XDP_TX", num_args = 0..=1, default_missing_value = "true")]
+    pub rst_xdp_tx: Option<bool>,
     /// Forward the kernel programs' debug log (aya-log) to the agent's log.
     #[arg(long, env = "LIMITER_KERNEL_DEBUG", num_args = 0..=1, default_missing_value = "true")]
     pub kernel_debug: Option<bool>,

@@ -39,7 +39,8 @@ pub mod defaults {
     pub const SYN_RATE: u32 = 20;
     pub const IPV4_PREFIX: u8 = 32;
     pub const IPV6_PREFIX: u8 = 64;
-    pub const FLOW_TABLE_SIZE: u32 = 131_072;
+    pub const FLOW_TABLE_SIZE: u32 = limiter_common::maps::FLOWS.default_entries;
+    pub const HALF_OPEN_TABLE_SIZE: u32 = limiter_common::maps::HALF_OPEN.default_entries;
     pub const SWEEP_INTERVAL: Duration = Duration::from_secs(5);
     pub const SYN_TIMEOUT: Duration = Duration::from_secs(30);
     pub const SWEEP_BATCH: u32 = 65_536;
@@ -112,6 +113,8 @@ pub struct Settings {
     pub policy: Policy,
     /// Sizes the flow table and the per-source tables when the maps are created.
     pub flow_table_size: u32,
+    /// Sizes the half-open table when the maps are created.
+    pub half_open_table_size: u32,
     pub kernel_debug: bool,
     pub sweep: SweepSettings,
     pub http: SocketAddr,

@@ -56,7 +56,15 @@ impl Layer {
                 .clone()
                 .unwrap_or_else(|| PathBuf::from(defaults::PIN_DIR)),
             policy: self.policy()?,
-            flow_table_size: self.flow_table_size()?,
+            flow_table_size: positive(
+                "flow-table-size",
+                self.flow_table_size.unwrap_or(defaults::FLOW_TABLE_SIZE),
+            )?,
+            half_open_table_size: positive(
+                "half-open-table-size",
+                self.half_open_table_size
+                    .unwrap_or(defaults::HALF_OPEN_TABLE_SIZE),
+            )?,
             kernel_debug: self.kernel_debug.unwrap_or(false),
             sweep,
             http: self.http.unwrap_or(defaults::HTTP),
@@ -116,6 +124,7 @@ impl Layer {
             reject_ban: refusal(self.reject_ban, RefusalArg::Drop),
             reject_deny: refusal(self.reject_deny, RefusalArg::Drop),
             fail_closed: self.fail_closed.unwrap_or(false).into(),
+            rst_xdp_tx: self.rst_xdp_tx.unwrap_or(false).into(),
             ..Config::UNCONFIGURED
         };
         Ok(Policy {
@@ -125,12 +134,13 @@ impl Layer {
             deny,
         })
     }
+}
 
-    fn flow_table_size(&self) -> Result<u32, ConfigError> {
-        match self.flow_table_size.unwrap_or(defaults::FLOW_TABLE_SIZE) {
-            0 => Err(ConfigError::new("flow-table-size", "must be at least 1")),
-            size => Ok(size),
-        }
+/// A table size: at least one entry.
+fn positive(setting: &'static str, size: u32) -> Result<u32, ConfigError> {
+    match size {
+        0 => Err(ConfigError::new(setting, "must be at least 1")),
+        size => Ok(size),
     }
 }
 

@@ -1,0 +1,230 @@
+//! The catalogue of the kernel programs' maps: the one place their names, kinds, key and value
+//! types and default sizes are written down. The eBPF statics take their sizes from here, the
+//! agent its names (through [`crate::map_names`]) and its default table sizes.
+//!
+//! Kinds are chosen per map, and each entry says why: a plain hash where an eviction would
+//! leak a slot or lift a limit, an LRU where losing an entry only loses history.
+
+/// The BPF map type, as far as the catalogue needs to say it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MapKind {
+    /// `BPF_MAP_TYPE_ARRAY`: fixed slots, a lookup that cannot miss.
+    Array,
+    /// `BPF_MAP_TYPE_PERCPU_ARRAY`: counters each CPU bumps without atomics.
+    PerCpuArray,
+    /// `BPF_MAP_TYPE_HASH`: never evicts, so an entry that holds a slot or a limit stays.
+    Hash,
+    /// `BPF_MAP_TYPE_LRU_HASH`: evicts the oldest entry when full, for history only.
+    LruHash,
+    /// `BPF_MAP_TYPE_LPM_TRIE`: longest-prefix match, for the allow / deny prefixes.
+    LpmTrie,
+}
+
+/// One map: `key` and `value` name the `limiter-common` types (documentation: the kernel and
+/// the agent both use the types themselves).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MapDef {
+    /// The name in the kernel object, which the agent finds (and pins) the map by.
+    pub name: &'static str,
+    /// The map type, chosen for what losing an entry would cost.
+    pub kind: MapKind,
+    /// The key type's name.
+    pub key: &'static str,
+    /// The value type's name.
+    pub value: &'static str,
+    /// Entries when the agent sets no size of its own.
+    pub default_entries: u32,
+}
+
+/// Size of the allow / deny tries and the ban table.
+const LIST_ENTRIES: u32 = 16_384;
+
+/// The live [`crate::Config`], one entry.
+pub const CONFIG: MapDef = MapDef {
+    name: "CONFIG",
+    kind: MapKind::Array,
+    key: "u32",
+    value: "Config",
+    default_entries: 1,
+};
+
+/// One byte per local port, non-zero when protected: the check is one array lookup.
+pub const PORTS: MapDef = MapDef {
+    name: "PORTS",
+    kind: MapKind::Array,
+    key: "u32",
+    value: "u8",
+    default_entries: 65_536,
+};
+
+/// Admitted (handshake-completed) connections. A plain hash: an LRU would silently evict live
+/// flows and their slots would leak. When full, an insert fails and policy decides (fail-open
+/// or fail-closed) in the open. Sized by the agent's flow-table setting.
+pub const FLOWS: MapDef = MapDef {
+    name: "FLOWS",
+    kind: MapKind::Hash,
+    key: "FlowKey",
+    value: "Flow",
+    default_entries: 131_072,
+};
+
+/// Connections between SYN and handshake-completing ACK. An LRU: its entries hold no slot, so
+/// a flood that evicts them costs nothing but those handshakes' tracking, and it never fills.
+pub const HALF_OPEN: MapDef = MapDef {
+    name: "HALF_OPEN",
+    kind: MapKind::LruHash,
+    key: "FlowKey",
+    value: "HalfOpen",
+    default_entries: 65_536,
+};
+
+/// The ingress pre-filter for handshake-completing ACKs: per hash of (server ISN + 1), the
+/// coarse time of the last SYN-ACK that carried such an ISN, and in one more slot at the end
+/// the coarse time of the last SYN-ACK of all (see the kernel's `policy.rs`).
+pub const ACK_HINTS: MapDef = MapDef {
+    name: "ACK_HINTS",
+    kind: MapKind::Array,
+    key: "u32",
+    value: "u32",
+    default_entries: (1 << ACK_HINT_BITS) + 1,
+};
+
+/// `ACK_HINTS` has `2^ACK_HINT_BITS` hint slots.
+pub const ACK_HINT_BITS: u32 = 16;
+
+/// Admitted connections per source key. A plain hash for the same reason as `FLOWS`; entries
+/// are created only when a slot is taken, so a flood of sources that never complete a
+/// handshake creates none. Sized like `FLOWS`.
+pub const SOURCE_CONNS: MapDef = MapDef {
+    name: "SOURCE_CONNS",
+    kind: MapKind::Hash,
+    key: "SourceKey",
+    value: "u64",
+    default_entries: FLOWS.default_entries,
+};
+
+/// Admitted connections to the host: one slot, changed only with atomics.
+pub const GLOBAL_CONNS: MapDef = MapDef {
+    name: "GLOBAL_CONNS",
+    kind: MapKind::Array,
+    key: "u32",
+    value: "u64",
+    default_entries: 1,
+};
+
+/// SYN-rate GCRA state per source key. An LRU: losing an idle bucket only hands its source a
+/// fresh burst, and a flood of sources must never stop new ones from being metered.
+pub const SYN_BUCKETS: MapDef = MapDef {
+    name: "SYN_BUCKETS",
+    kind: MapKind::LruHash,
+    key: "SourceKey",
+    value: "SynBucket",
+    default_entries: FLOWS.default_entries,
+};
+
+/// Bans by source key. A plain hash: an evicted ban would be lifted early.
+pub const BANS: MapDef = MapDef {
+    name: "BANS",
+    kind: MapKind::Hash,
+    key: "SourceKey",
+    value: "Ban",
+    default_entries: LIST_ENTRIES,
+};
+
+/// IPv4 prefixes that bypass every limit: an LPM trie, so one entry covers a network.
+pub const ALLOW_V4: MapDef = MapDef {
+    name: "ALLOW_V4",
+    kind: MapKind::LpmTrie,
+    key: "Key<Ipv4Bits>",
+    value: "u8",
+    default_entries: LIST_ENTRIES,
+};
+
+/// IPv6 prefixes that bypass every limit.
+pub const ALLOW_V6: MapDef = MapDef {
+    name: "ALLOW_V6",
+    kind: MapKind::LpmTrie,
+    key: "Key<Ipv6Bits>",
+    value: "u8",
+    default_entries: LIST_ENTRIES,
+};
+
+/// IPv4 prefixes whose packets to protected ports are always refused.
+pub const DENY_V4: MapDef = MapDef {
+    name: "DENY_V4",
+    kind: MapKind::LpmTrie,
+    key: "Key<Ipv4Bits>",
+    value: "u8",
+    default_entries: LIST_ENTRIES,
+};
+
+/// IPv6 prefixes whose packets to protected ports are always refused.
+pub const DENY_V6: MapDef = MapDef {
+    name: "DENY_V6",
+    kind: MapKind::LpmTrie,
+    key: "Key<Ipv6Bits>",
+    value: "u8",
+    default_entries: LIST_ENTRIES,
+};
+
+/// Packets by (direction, verdict, reason): per CPU, so counting is a plain add.
+pub const STATS: MapDef = MapDef {
+    name: "STATS",
+    kind: MapKind::PerCpuArray,
+    key: "u32",
+    value: "u64",
+    default_entries: crate::stats::STATS_SLOTS,
+};
+
+/// Flow events by [`crate::Event`], per CPU.
+pub const EVENTS: MapDef = MapDef {
+    name: "EVENTS",
+    kind: MapKind::PerCpuArray,
+    key: "u32",
+    value: "u64",
+    default_entries: crate::Event::COUNT as u32,
+};
+
+/// Refusals per source key, for the top-blocked lists. An LRU: losing an entry only shortens
+/// a list. Sized like `FLOWS`.
+pub const BLOCKED: MapDef = MapDef {
+    name: "BLOCKED",
+    kind: MapKind::LruHash,
+    key: "SourceKey",
+    value: "Blocked",
+    default_entries: FLOWS.default_entries,
+};
+
+/// Every map of the kernel object.
+pub const ALL: [MapDef; 16] = [
+    CONFIG,
+    PORTS,
+    FLOWS,
+    HALF_OPEN,
+    ACK_HINTS,
+    SOURCE_CONNS,
+    GLOBAL_CONNS,
+    SYN_BUCKETS,
+    BANS,
+    ALLOW_V4,
+    ALLOW_V6,
+    DENY_V4,
+    DENY_V6,
+    STATS,
+    EVENTS,
+    BLOCKED,
+];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_distinct() {
+        for (i, a) in ALL.iter().enumerate() {
+            for b in &ALL[i + 1..] {
+                assert_ne!(a.name, b.name);
+            }
+        }
+    }
+}
