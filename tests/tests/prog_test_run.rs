@@ -74,9 +74,7 @@ fn flow_key(seg: &Tcp) -> FlowKey {
 }
 
 fn half_open(k: &Kernel) -> Vec<(FlowKey, HalfOpen)> {
-    let map = k.dp.ebpf().map(maps::HALF_OPEN.name).expect("HALF_OPEN");
-    let map = aya::maps::HashMap::<_, FlowKey, HalfOpen>::try_from(map).unwrap();
-    map.iter().map(|e| e.unwrap()).collect()
+    k.dp.maps.half_open().unwrap()
 }
 
 /// Checks an RST|ACK reply to `syn` byte by byte, through etherparse.

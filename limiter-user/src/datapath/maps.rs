@@ -335,6 +335,14 @@ impl Maps {
             .collect()
     }
 
+    /// Connections between their SYN and the handshake's last ACK.
+    pub fn half_open(&self) -> Result<Vec<(FlowKey, HalfOpen)>, MapsError> {
+        self.half_open
+            .iter()
+            .map(|entry| entry.map_err(map_error(map_names::HALF_OPEN)))
+            .collect()
+    }
+
     pub fn flows(&self) -> Result<Vec<(FlowKey, Flow)>, MapsError> {
         self.flows
             .iter()
