@@ -61,7 +61,8 @@ pub fn run() -> Result<()> {
     let counts = run_counting(
         cargo("stable")
             .args(["test", "-p", PRIVILEGED])
-            .env("LIMITER_BIN", &agent),
+            .env("LIMITER_BIN", &agent)
+            .env("LIMITER_MOSQUITTO_PLUGIN", paths::mosquitto_plugin()),
     );
     if !bpffs_before {
         restore_bpffs();
