@@ -123,16 +123,60 @@ fn link_libllvm(sysroot: &Path, soname: &str, dir: &Path) -> Result<()> {
     Ok(())
 }
 
-/// The network-namespace tests drive `ip` (iproute2); a minimal image may lack it.
-pub fn ensure_iproute2() -> Result<()> {
-    if Command::new("ip")
-        .arg("-V")
+/// Programs the tests drive, and the Debian package of each: `ip` for the network
+/// namespaces, the broker and its clients for the plugin's end-to-end test, `systemd-analyze`
+/// to verify the unit, `promtool` to check and unit-test the alert rules. A minimal image may
+/// lack any of them.
+const TEST_TOOLS: &[(&str, &str)] = &[
+    ("ip", "iproute2"),
+    ("mosquitto", "mosquitto"),
+    ("mosquitto_pub", "mosquitto-clients"),
+    ("systemd-analyze", "systemd"),
+    ("promtool", "prometheus"),
+];
+
+/// Installs the Debian packages of whichever [`TEST_TOOLS`] are missing, in one apt run.
+pub fn ensure_test_tools() -> Result<()> {
+    let missing: Vec<&str> = TEST_TOOLS
+        .iter()
+        .filter(|(program, _)| !on_path(program))
+        .map(|(_, package)| *package)
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    println!("setup: installing {}", missing.join(", "));
+    status(Command::new("apt-get").args(["update", "-q"]))?;
+    status(
+        Command::new("apt-get")
+            .args(["install", "-y", "-q", "--no-install-recommends"])
+            .args(&missing)
+            .env("DEBIAN_FRONTEND", "noninteractive"),
+    )
+}
+
+/// `cargo xtask package` builds the .deb with cargo-deb, from crates.io.
+pub fn ensure_cargo_deb() -> Result<()> {
+    if Command::new("cargo")
+        .args(["deb", "--version"])
         .output()
         .is_ok_and(|o| o.status.success())
     {
         return Ok(());
     }
-    println!("setup: installing iproute2");
-    status(Command::new("apt-get").args(["update", "-q"]))?;
-    status(Command::new("apt-get").args(["install", "-y", "-q", "iproute2"]))
+    println!("setup: installing cargo-deb (about 2 minutes)");
+    status(
+        Command::new("cargo")
+            .args(["install", "cargo-deb", "--locked"])
+            .env_remove("RUSTUP_TOOLCHAIN"),
+    )
+}
+
+/// Whether `program` is an executable file in a directory of `PATH` (or the sbin
+/// directories, where Debian puts the broker, even when they are not on a user's `PATH`).
+fn on_path(program: &str) -> bool {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain(["/usr/sbin".into(), "/sbin".into()])
+        .any(|dir| dir.join(program).is_file())
 }

@@ -121,7 +121,7 @@ fn preflight() -> Result<()> {
     if !Path::new("/sys/kernel/btf/vmlinux").exists() {
         bail!("this kernel exposes no BTF (/sys/kernel/btf/vmlinux): the kernel programs need it");
     }
-    setup::ensure_iproute2()
+    setup::ensure_test_tools()
 }
 
 const BPFFS: &str = "/sys/fs/bpf";
