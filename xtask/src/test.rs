@@ -11,6 +11,7 @@ use anyhow::{Context, Result, bail};
 use crate::{
     build,
     cmd::{cargo, status},
+    package,
     paths::{self, BPF_TARGET, NIGHTLY},
     setup,
 };
@@ -53,8 +54,10 @@ pub fn run() -> Result<()> {
         "--exclude",
         PRIVILEGED,
     ]))?;
-    step("agent build");
-    let agent = build::all()?;
+    step("package");
+    let deb = package::build()?;
+    package::check(&deb)?;
+    let agent = paths::agent_binary();
     step("privileged tests");
     preflight()?;
     let bpffs_before = bpffs_mounted();
