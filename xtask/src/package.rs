@@ -18,7 +18,7 @@ use crate::{
 pub fn build() -> Result<PathBuf> {
     setup::ensure_cargo_deb()?;
     build::all()?;
-    let man = paths::target().join("man");
+    let man = paths::target().join("release").join("man");
     std::fs::create_dir_all(&man).with_context(|| format!("creating {}", man.display()))?;
     status(
         cargo("stable")
