@@ -87,8 +87,11 @@ fn username(client: *const Client) -> Option<String> {
 }
 
 /// Chooses plugin API version 5, the only one this plugin implements.
+///
+/// # Safety
+/// Called by the broker with `count` versions at `versions`.
 #[unsafe(no_mangle)]
-pub extern "C" fn mosquitto_plugin_version(count: c_int, versions: *const c_int) -> c_int {
+pub unsafe extern "C" fn mosquitto_plugin_version(count: c_int, versions: *const c_int) -> c_int {
     guard(-1, || {
         let count = usize::try_from(count).unwrap_or(0);
         if versions.is_null() || count == 0 {
