@@ -7,4 +7,5 @@
 pub mod agent;
 pub mod frames;
 pub mod kernel;
+pub mod mosquitto;
 pub mod netns;

@@ -59,6 +59,22 @@ impl Netns {
         ip(&args)
     }
 
+    /// A command that will run inside the namespace. Only the network namespace is entered
+    /// (`ip netns exec` would also remount /sys, hiding the BPF filesystem).
+    pub fn command(&self, program: &str) -> Result<Command> {
+        use std::os::unix::process::CommandExt;
+        let file = File::open(format!("/run/netns/{}", self.name))
+            .with_context(|| format!("opening namespace {}", self.name))?;
+        let mut command = Command::new(program);
+        // SAFETY: only async-signal-safe work between fork and exec: one setns call.
+        unsafe {
+            command.pre_exec(move || {
+                setns(&file, CloneFlags::CLONE_NEWNET).map_err(std::io::Error::from)
+            });
+        }
+        Ok(command)
+    }
+
     /// Runs `f` on a thread that has entered this namespace: sockets it creates and
     /// interfaces it names belong to the namespace, while the rest of the test stays outside.
     pub fn run<T: Send>(&self, f: impl FnOnce() -> T + Send) -> Result<T> {

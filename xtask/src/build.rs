@@ -31,7 +31,8 @@ pub fn ebpf() -> Result<PathBuf> {
     Ok(paths::ebpf_object())
 }
 
-/// Builds the eBPF object and the release agent; returns the agent's path.
+/// Builds the eBPF object, the release agent and the mosquitto plugin; returns the agent's
+/// path (the plugin is at [`paths::mosquitto_plugin`]).
 pub fn all() -> Result<PathBuf> {
     ebpf()?;
     status(cargo("stable").args([
@@ -42,6 +43,7 @@ pub fn all() -> Result<PathBuf> {
         "--bin",
         "limiter",
     ]))?;
+    status(cargo("stable").args(["build", "--release", "-p", "limiter-mosquitto", "--lib"]))?;
     Ok(paths::agent_binary())
 }
 

@@ -3,10 +3,12 @@
 //! Every command that builds calls [`setup::ensure`] first, so a machine with nothing but
 //! rustup and a stable toolchain gets the pinned nightly and `bpf-linker` on first use.
 //!
-//! Modules import only those below them: `test` → `build` → `setup` → `cmd` → `paths`.
+//! Modules import only those below them: `test` → `package` → `build` → `setup` → `cmd` →
+//! `paths`.
 
 mod build;
 mod cmd;
+mod package;
 mod paths;
 mod setup;
 mod test;
@@ -26,7 +28,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Install what is missing: the pinned nightly with rust-src, and bpf-linker.
+    /// Install what is missing: the pinned nightly with rust-src, bpf-linker, cargo-deb and
+    /// the tools the tests drive (iproute2, mosquitto, systemd-analyze, promtool).
     Setup,
     /// Build the eBPF object and the agent (release) into target/release/limiter.
     Build,
@@ -36,6 +39,8 @@ enum Command {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// Build the Debian package (agent, mosquitto plugin, unit, config, man page).
+    Package,
     /// Formatting, clippy, unit tests, the eBPF build and the privileged tests.
     Test,
     /// Benchmarks that print figures beside an anchor measured in the same run.
@@ -60,11 +65,16 @@ fn main() -> Result<()> {
     match Cli::parse().command {
         Command::Setup => {
             setup::ensure()?;
-            println!("setup: the pinned nightly, its components and bpf-linker are in place");
+            setup::ensure_cargo_deb()?;
+            setup::ensure_test_tools()?;
+            println!(
+                "setup: the pinned nightly, its components, bpf-linker, cargo-deb and the test tools are in place"
+            );
             Ok(())
         }
         Command::Build => build::all().map(|_| ()),
         Command::Run { args } => build::run(&args),
+        Command::Package => package::build().map(|_| ()),
         Command::Test => test::run(),
         Command::Bench { suite } => match suite {
             BenchSuite::Kernel => test::bench_kernel(),

@@ -44,3 +44,8 @@ pub fn ebpf_object() -> PathBuf {
 pub fn agent_binary() -> PathBuf {
     target().join("release").join("limiter")
 }
+
+/// The mosquitto plugin, as `cargo xtask build` leaves it.
+pub fn mosquitto_plugin() -> PathBuf {
+    target().join("release").join("liblimiter_mosquitto.so")
+}

@@ -123,9 +123,21 @@ fn link_libllvm(sysroot: &Path, soname: &str, dir: &Path) -> Result<()> {
     Ok(())
 }
 
-/// The network-namespace tests drive `ip` (iproute2); a minimal image may lack it.
-pub fn ensure_iproute2() -> Result<()> {
-    ensure_tools(&[("ip", "iproute2")])
+/// Programs the tests drive, and the Debian package of each: `ip` for the network
+/// namespaces, the broker and its clients for the plugin's end-to-end test, `systemd-analyze`
+/// to verify the unit, `promtool` to check and unit-test the alert rules. A minimal image may
+/// lack any of them.
+const TEST_TOOLS: &[(&str, &str)] = &[
+    ("ip", "iproute2"),
+    ("mosquitto", "mosquitto"),
+    ("mosquitto_pub", "mosquitto-clients"),
+    ("systemd-analyze", "systemd"),
+    ("promtool", "prometheus"),
+];
+
+/// Installs the Debian packages of whichever [`TEST_TOOLS`] are missing, in one apt run.
+pub fn ensure_test_tools() -> Result<()> {
+    ensure_tools(TEST_TOOLS)
 }
 
 /// Installs, through the package manager, the Debian package of each `(command, package)`
@@ -139,7 +151,7 @@ pub fn ensure_tools(tools: &[(&str, &str)]) -> Result<()> {
     if missing.is_empty() {
         return Ok(());
     }
-    println!("setup: installing {}", missing.join(" "));
+    println!("setup: installing {}", missing.join(", "));
     // Waits for the package database rather than failing when another install holds it.
     let lock = ["-o", "DPkg::Lock::Timeout=600"];
     status(Command::new("apt-get").args(lock).args(["update", "-q"]))?;
@@ -147,11 +159,33 @@ pub fn ensure_tools(tools: &[(&str, &str)]) -> Result<()> {
         Command::new("apt-get")
             .args(lock)
             .args(["install", "-y", "-q", "--no-install-recommends"])
-            .args(&missing),
+            .args(&missing)
+            .env("DEBIAN_FRONTEND", "noninteractive"),
     )
 }
 
-fn on_path(command: &str) -> bool {
-    std::env::var_os("PATH")
-        .is_some_and(|path| std::env::split_paths(&path).any(|dir| dir.join(command).is_file()))
+/// `cargo xtask package` builds the .deb with cargo-deb, from crates.io.
+pub fn ensure_cargo_deb() -> Result<()> {
+    if Command::new("cargo")
+        .args(["deb", "--version"])
+        .output()
+        .is_ok_and(|o| o.status.success())
+    {
+        return Ok(());
+    }
+    println!("setup: installing cargo-deb (about 2 minutes)");
+    status(
+        Command::new("cargo")
+            .args(["install", "cargo-deb", "--locked"])
+            .env_remove("RUSTUP_TOOLCHAIN"),
+    )
+}
+
+/// Whether `program` is an executable file in a directory of `PATH` (or the sbin
+/// directories, where Debian puts the broker, even when they are not on a user's `PATH`).
+fn on_path(program: &str) -> bool {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain(["/usr/sbin".into(), "/sbin".into()])
+        .any(|dir| dir.join(program).is_file())
 }

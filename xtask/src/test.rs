@@ -11,6 +11,7 @@ use anyhow::{Context, Result, bail};
 use crate::{
     build,
     cmd::{cargo, status},
+    package,
     paths::{self, BPF_TARGET, NIGHTLY},
     setup,
 };
@@ -53,15 +54,18 @@ pub fn run() -> Result<()> {
         "--exclude",
         PRIVILEGED,
     ]))?;
-    step("agent build");
-    let agent = build::all()?;
+    step("package");
+    let deb = package::build()?;
+    package::check(&deb)?;
+    let agent = paths::agent_binary();
     step("privileged tests");
     preflight()?;
     let bpffs_before = bpffs_mounted();
     let counts = run_counting(
         cargo("stable")
             .args(["test", "-p", PRIVILEGED])
-            .env("LIMITER_BIN", &agent),
+            .env("LIMITER_BIN", &agent)
+            .env("LIMITER_MOSQUITTO_PLUGIN", paths::mosquitto_plugin()),
     );
     if !bpffs_before {
         restore_bpffs();
@@ -132,7 +136,7 @@ fn preflight() -> Result<()> {
     if !Path::new("/sys/kernel/btf/vmlinux").exists() {
         bail!("this kernel exposes no BTF (/sys/kernel/btf/vmlinux): the kernel programs need it");
     }
-    setup::ensure_iproute2()
+    setup::ensure_test_tools()
 }
 
 const BPFFS: &str = "/sys/fs/bpf";

@@ -1,0 +1,173 @@
+//! The plugin's connection to the limiter agent: a one-thread tokio runtime owned by the
+//! plugin, and blocking calls with a deadline for the broker's callbacks.
+//!
+//! The broker runs every callback on its one event loop, so a callback must never wait on
+//! the agent longer than the configured timeout: it hands the question to the runtime and
+//! waits on a channel with that timeout. A late answer is dropped. The connection is made
+//! lazily and remade after it breaks, so the broker may start before the agent, and survives
+//! the agent's restarts.
+
+use std::{
+    net::IpAddr,
+    path::PathBuf,
+    sync::{Arc, mpsc},
+    time::Duration,
+};
+
+use limiter_client::{Client, ClientError};
+use tokio::{runtime::Runtime, sync::Mutex};
+
+/// Why there is no verdict; the caller applies its fail mode either way, and logs this.
+#[derive(Debug)]
+pub enum NoAnswer {
+    /// No reply within the timeout.
+    Timeout,
+    /// The agent is unreachable or answered with an error.
+    Failed(ClientError),
+}
+
+impl std::fmt::Display for NoAnswer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            NoAnswer::Timeout => f.write_str("no answer within the timeout"),
+            NoAnswer::Failed(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+/// A handle to the agent, shared by every callback.
+pub struct Agent {
+    runtime: Runtime,
+    socket: PathBuf,
+    timeout: Duration,
+    client: Arc<Mutex<Option<Client>>>,
+}
+
+impl Agent {
+    /// Starts the runtime; connects on first use.
+    pub fn new(socket: PathBuf, timeout: Duration) -> std::io::Result<Self> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("limiter-plugin")
+            .enable_all()
+            .build()?;
+        Ok(Self {
+            runtime,
+            socket,
+            timeout,
+            client: Arc::new(Mutex::new(None)),
+        })
+    }
+
+    /// Spends one token of `action` for `key`: `Ok(true)` allowed, `Ok(false)` refused.
+    pub fn check(&self, action: &'static str, key: String) -> Result<bool, NoAnswer> {
+        let (tx, rx) = mpsc::sync_channel(1);
+        let client = Arc::clone(&self.client);
+        let socket = self.socket.clone();
+        let timeout = self.timeout;
+        self.runtime.spawn(async move {
+            let answer = tokio::time::timeout(timeout, async {
+                let c = connected(&client, &socket).await?;
+                let verdict = c.check(action, key.as_bytes(), 1).await;
+                forget_if_broken(&client, &verdict).await;
+                verdict
+            })
+            .await;
+            // The callback may have stopped waiting; then nobody needs the answer.
+            let _ = tx.send(match answer {
+                Ok(Ok(v)) => Ok(v.allowed),
+                Ok(Err(e)) => Err(NoAnswer::Failed(e)),
+                Err(_) => Err(NoAnswer::Timeout),
+            });
+        });
+        rx.recv_timeout(self.timeout)
+            .unwrap_or(Err(NoAnswer::Timeout))
+    }
+
+    /// Reports a failed password by `addr` without waiting: the broker has already refused
+    /// the login, and only the escalation count depends on it.
+    pub fn report_auth_failure(&self, addr: IpAddr) {
+        let client = Arc::clone(&self.client);
+        let socket = self.socket.clone();
+        let timeout = self.timeout;
+        self.runtime.spawn(async move {
+            let _ = tokio::time::timeout(timeout, async {
+                let c = connected(&client, &socket).await?;
+                let escalation = c.report_auth_failure(addr).await;
+                forget_if_broken(&client, &escalation).await;
+                escalation
+            })
+            .await;
+        });
+    }
+
+    /// Stops the runtime, giving in-flight requests a moment.
+    pub fn shutdown(self) {
+        self.runtime.shutdown_timeout(Duration::from_millis(100));
+    }
+}
+
+/// The shared connection, made if there is none.
+async fn connected(
+    client: &Mutex<Option<Client>>,
+    socket: &PathBuf,
+) -> Result<Client, ClientError> {
+    let mut slot = client.lock().await;
+    if let Some(c) = slot.as_ref() {
+        return Ok(c.clone());
+    }
+    let c = Client::connect_unix(socket).await?;
+    *slot = Some(c.clone());
+    Ok(c)
+}
+
+/// Drops a connection that has ended, so the next call makes a new one.
+async fn forget_if_broken<T>(client: &Mutex<Option<Client>>, result: &Result<T, ClientError>) {
+    if matches!(
+        result,
+        Err(ClientError::Closed | ClientError::Protocol(_) | ClientError::Connect { .. })
+    ) {
+        *client.lock().await = None;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_unreachable_agent_is_a_failure_not_a_hang() {
+        let dir = std::env::temp_dir().join(format!("no-agent-{}.sock", std::process::id()));
+        let agent = Agent::new(dir, Duration::from_millis(200)).unwrap();
+        let started = std::time::Instant::now();
+        assert!(matches!(
+            agent.check("auth", "192.0.2.1".into()),
+            Err(NoAnswer::Failed(ClientError::Connect { .. }))
+        ));
+        assert!(started.elapsed() < Duration::from_secs(1));
+        agent.shutdown();
+    }
+
+    #[test]
+    fn a_silent_agent_costs_at_most_the_timeout() {
+        let dir = tempfile_dir();
+        let path = dir.join("silent.sock");
+        // Accepts and never answers.
+        let _listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        let agent = Agent::new(path, Duration::from_millis(100)).unwrap();
+        let started = std::time::Instant::now();
+        assert!(matches!(
+            agent.check("auth", "192.0.2.1".into()),
+            Err(NoAnswer::Timeout)
+        ));
+        assert!(started.elapsed() < Duration::from_millis(500));
+        agent.shutdown();
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    fn tempfile_dir() -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("limiter-mosq-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+}

@@ -1,0 +1,369 @@
+//! The functions mosquitto calls: the three exports of plugin API version 5 and the event
+//! callbacks they register.
+//!
+//! **How a failed password reaches the agent with mosquitto 2.0.** 2.0 has no callback
+//! priorities and no "login succeeded" event, and the basic-auth chain stops at the first
+//! callback that does not defer. Plugin callbacks are registered when the plugin is loaded,
+//! before the broker registers its password-file check, so this plugin's basic-auth callback
+//! always runs first: it can refuse on `auth`, but cannot see the password check's result.
+//! So it remembers each client it deferred, and listens for `MOSQ_EVT_DISCONNECT`, which
+//! the broker fires for every client it drops, including a refused CONNECT. A refused login is
+//! recognisable there: when the password check refuses, mosquitto 2.0 clears the client's id
+//! before disconnecting it (`handle_connect.c`), while an accepted client keeps its id. A
+//! remembered client that disconnects without an id is reported as an auth failure; one this
+//! plugin refused itself is not remembered, so it is never counted twice.
+//!
+//! No panic may unwind into the broker (undefined behaviour across `extern "C"`): every
+//! export and callback runs inside [`guard`], which turns a panic into an error code.
+
+use std::{
+    collections::HashMap,
+    ffi::{CStr, CString, c_char, c_int, c_void},
+    net::IpAddr,
+    panic::{AssertUnwindSafe, catch_unwind},
+    sync::Mutex,
+};
+
+use crate::{
+    agent::Agent,
+    ffi::{self, Client, EvtAclCheck, EvtBasicAuth, EvtDisconnect, Opt, PluginId},
+    options::{AclDefault, FailMode, Options},
+};
+
+/// The plugin's state, owned by the broker as `userdata` between init and cleanup.
+struct Plugin {
+    id: *mut PluginId,
+    options: Options,
+    agent: Agent,
+    /// Clients whose login this plugin deferred, by handle, with their address: those the
+    /// password check then refuses are reported on disconnect.
+    deferred: Mutex<HashMap<usize, IpAddr>>,
+}
+
+/// Runs `f`, turning a panic into `on_panic` (and a log line) instead of unwinding into C.
+fn guard(on_panic: c_int, f: impl FnOnce() -> c_int) -> c_int {
+    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|_| {
+        log(
+            ffi::MOSQ_LOG_WARNING,
+            "limiter: internal error (panic) in the plugin",
+        );
+        on_panic
+    })
+}
+
+/// Writes a line to the broker's log.
+fn log(level: c_int, message: &str) {
+    let Ok(text) = CString::new(message) else {
+        return;
+    };
+    // SAFETY: both are valid NUL-terminated strings and "%s" consumes exactly one of them.
+    unsafe { ffi::mosquitto_log_printf(level, c"%s".as_ptr(), text.as_ptr()) };
+}
+
+/// A C string the broker owns, copied; `None` for NULL or non-UTF-8.
+///
+/// # Safety
+/// `ptr` is NULL or a valid NUL-terminated string.
+unsafe fn string(ptr: *const c_char) -> Option<String> {
+    if ptr.is_null() {
+        return None;
+    }
+    // SAFETY: non-NULL and NUL-terminated, by the caller's contract.
+    unsafe { CStr::from_ptr(ptr) }
+        .to_str()
+        .ok()
+        .map(str::to_owned)
+}
+
+fn address(client: *const Client) -> Option<IpAddr> {
+    // SAFETY: `client` is the live handle the broker passed to this callback.
+    let text = unsafe { string(ffi::mosquitto_client_address(client)) }?;
+    text.parse().ok()
+}
+
+fn username(client: *const Client) -> Option<String> {
+    // SAFETY: `client` is the live handle the broker passed to this callback.
+    unsafe { string(ffi::mosquitto_client_username(client)) }
+}
+
+/// Chooses plugin API version 5, the only one this plugin implements.
+///
+/// # Safety
+/// Called by the broker with `count` versions at `versions`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mosquitto_plugin_version(count: c_int, versions: *const c_int) -> c_int {
+    guard(-1, || {
+        let count = usize::try_from(count).unwrap_or(0);
+        if versions.is_null() || count == 0 {
+            return -1;
+        }
+        // SAFETY: the broker passes `count` versions at `versions`.
+        let offered = unsafe { std::slice::from_raw_parts(versions, count) };
+        if offered.contains(&5) { 5 } else { -1 }
+    })
+}
+
+/// Reads the options, starts the runtime and registers the callbacks.
+///
+/// # Safety
+/// Called by the broker with its plugin id, a place for `userdata`, and `count` options.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mosquitto_plugin_init(
+    identifier: *mut PluginId,
+    userdata: *mut *mut c_void,
+    options: *mut Opt,
+    count: c_int,
+) -> c_int {
+    guard(ffi::MOSQ_ERR_UNKNOWN, || {
+        let pairs: Vec<(String, String)> = if options.is_null() || count <= 0 {
+            Vec::new()
+        } else {
+            // SAFETY: the broker passes `count` options at `options`.
+            let opts = unsafe { std::slice::from_raw_parts(options, count as usize) };
+            opts.iter()
+                // SAFETY: the broker's option strings are NUL-terminated (or NULL).
+                .filter_map(|o| Some((unsafe { string(o.key) }?, unsafe { string(o.value) }?)))
+                .collect()
+        };
+        let parsed = match Options::parse(pairs.iter().map(|(k, v)| (k.as_str(), v.as_str()))) {
+            Ok(parsed) => parsed,
+            Err(e) => {
+                log(ffi::MOSQ_LOG_WARNING, &format!("limiter: {e}"));
+                return ffi::MOSQ_ERR_INVAL;
+            }
+        };
+        let agent = match Agent::new(parsed.socket.clone(), parsed.timeout) {
+            Ok(agent) => agent,
+            Err(e) => {
+                log(
+                    ffi::MOSQ_LOG_WARNING,
+                    &format!("limiter: starting the runtime: {e}"),
+                );
+                return ffi::MOSQ_ERR_UNKNOWN;
+            }
+        };
+        let plugin = Box::into_raw(Box::new(Plugin {
+            id: identifier,
+            options: parsed,
+            agent,
+            deferred: Mutex::new(HashMap::new()),
+        }));
+        // SAFETY: the broker passes a valid place for the userdata pointer.
+        unsafe { *userdata = plugin.cast() };
+        for (event, callback) in CALLBACKS {
+            // SAFETY: a valid id, an `extern "C"` callback of the generic type, and the
+            // plugin as userdata, which lives until cleanup unregisters the callbacks.
+            let rc = unsafe {
+                ffi::mosquitto_callback_register(
+                    identifier,
+                    event,
+                    callback,
+                    std::ptr::null(),
+                    plugin.cast(),
+                )
+            };
+            if rc != ffi::MOSQ_ERR_SUCCESS {
+                log(
+                    ffi::MOSQ_LOG_WARNING,
+                    &format!("limiter: registering event {event} failed ({rc})"),
+                );
+                return rc;
+            }
+        }
+        // SAFETY: `plugin` was just made from a Box and is not freed before cleanup.
+        let o = unsafe { &(*plugin).options };
+        log(
+            ffi::MOSQ_LOG_INFO,
+            &format!(
+                "limiter: asking the agent at {} (auth {}, publish {}, subscribe {}; fail {:?}, timeout {:?})",
+                o.socket.display(),
+                o.actions.auth,
+                o.actions.publish,
+                o.actions.subscribe,
+                o.fail,
+                o.timeout
+            ),
+        );
+        ffi::MOSQ_ERR_SUCCESS
+    })
+}
+
+const CALLBACKS: [(c_int, ffi::Callback); 3] = [
+    (ffi::MOSQ_EVT_BASIC_AUTH, on_basic_auth),
+    (ffi::MOSQ_EVT_ACL_CHECK, on_acl_check),
+    (ffi::MOSQ_EVT_DISCONNECT, on_disconnect),
+];
+
+/// Unregisters the callbacks and frees the plugin.
+///
+/// # Safety
+/// Called once by the broker with the `userdata` init stored.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mosquitto_plugin_cleanup(
+    userdata: *mut c_void,
+    _options: *mut Opt,
+    _count: c_int,
+) -> c_int {
+    guard(ffi::MOSQ_ERR_UNKNOWN, || {
+        if userdata.is_null() {
+            return ffi::MOSQ_ERR_SUCCESS;
+        }
+        // SAFETY: `userdata` is the Box init leaked, and the broker frees it only here.
+        let plugin = unsafe { Box::from_raw(userdata.cast::<Plugin>()) };
+        for (event, callback) in CALLBACKS {
+            // SAFETY: the id and callbacks registered in init.
+            unsafe {
+                ffi::mosquitto_callback_unregister(plugin.id, event, callback, std::ptr::null())
+            };
+        }
+        plugin.agent.shutdown();
+        ffi::MOSQ_ERR_SUCCESS
+    })
+}
+
+/// The verdict the fail mode gives when the agent has none.
+fn unanswered(
+    plugin: &Plugin,
+    what: &str,
+    why: &dyn std::fmt::Display,
+    refuse: c_int,
+    allow: c_int,
+) -> c_int {
+    let rc = match plugin.options.fail {
+        FailMode::Open => allow,
+        FailMode::Closed => refuse,
+    };
+    log(
+        ffi::MOSQ_LOG_WARNING,
+        &format!(
+            "limiter: no verdict for {what} ({why}); failing {:?}",
+            plugin.options.fail
+        ),
+    );
+    rc
+}
+
+/// # Safety
+/// Called by the broker with a `mosquitto_evt_basic_auth` and the plugin as userdata.
+unsafe extern "C" fn on_basic_auth(
+    _event: c_int,
+    data: *mut c_void,
+    userdata: *mut c_void,
+) -> c_int {
+    guard(ffi::MOSQ_ERR_AUTH, || {
+        // SAFETY: userdata is the plugin registered with this callback, alive until cleanup.
+        let plugin = unsafe { &*userdata.cast::<Plugin>() };
+        // SAFETY: the broker passes its basic-auth event for this callback.
+        let event = unsafe { &*data.cast::<EvtBasicAuth>() };
+        if !plugin.options.actions.auth {
+            return ffi::MOSQ_ERR_PLUGIN_DEFER;
+        }
+        let Some(addr) = address(event.client) else {
+            return ffi::MOSQ_ERR_PLUGIN_DEFER;
+        };
+        match plugin.agent.check("auth", addr.to_string()) {
+            Ok(true) => {}
+            Ok(false) => {
+                log(
+                    ffi::MOSQ_LOG_NOTICE,
+                    &format!("limiter: auth refused for {addr}"),
+                );
+                return ffi::MOSQ_ERR_AUTH;
+            }
+            Err(why) => {
+                let rc = unanswered(
+                    plugin,
+                    &format!("auth of {addr}"),
+                    &why,
+                    ffi::MOSQ_ERR_AUTH,
+                    ffi::MOSQ_ERR_PLUGIN_DEFER,
+                );
+                if rc == ffi::MOSQ_ERR_AUTH {
+                    return rc;
+                }
+            }
+        }
+        if let Ok(mut deferred) = plugin.deferred.lock() {
+            deferred.insert(event.client as usize, addr);
+        }
+        ffi::MOSQ_ERR_PLUGIN_DEFER
+    })
+}
+
+/// # Safety
+/// Called by the broker with a `mosquitto_evt_acl_check` and the plugin as userdata.
+unsafe extern "C" fn on_acl_check(
+    _event: c_int,
+    data: *mut c_void,
+    userdata: *mut c_void,
+) -> c_int {
+    guard(ffi::MOSQ_ERR_ACL_DENIED, || {
+        // SAFETY: userdata is the plugin registered with this callback, alive until cleanup.
+        let plugin = unsafe { &*userdata.cast::<Plugin>() };
+        // SAFETY: the broker passes its ACL-check event for this callback.
+        let event = unsafe { &*data.cast::<EvtAclCheck>() };
+        let pass = match plugin.options.acl_default {
+            AclDefault::Defer => ffi::MOSQ_ERR_PLUGIN_DEFER,
+            AclDefault::Allow => ffi::MOSQ_ERR_SUCCESS,
+        };
+        let action = match event.access {
+            ffi::MOSQ_ACL_WRITE if plugin.options.actions.publish => "publish",
+            ffi::MOSQ_ACL_SUBSCRIBE if plugin.options.actions.subscribe => "subscribe",
+            _ => return pass,
+        };
+        // Anonymous clients have no per-user bucket; their connections are the kernel's job.
+        let Some(user) = username(event.client) else {
+            return pass;
+        };
+        match plugin.agent.check(action, user.clone()) {
+            Ok(true) => pass,
+            Ok(false) => {
+                log(
+                    ffi::MOSQ_LOG_NOTICE,
+                    &format!("limiter: {action} refused for user {user}"),
+                );
+                ffi::MOSQ_ERR_ACL_DENIED
+            }
+            Err(why) => unanswered(
+                plugin,
+                &format!("{action} by {user}"),
+                &why,
+                ffi::MOSQ_ERR_ACL_DENIED,
+                pass,
+            ),
+        }
+    })
+}
+
+/// # Safety
+/// Called by the broker with a `mosquitto_evt_disconnect` and the plugin as userdata.
+unsafe extern "C" fn on_disconnect(
+    _event: c_int,
+    data: *mut c_void,
+    userdata: *mut c_void,
+) -> c_int {
+    guard(ffi::MOSQ_ERR_SUCCESS, || {
+        // SAFETY: userdata is the plugin registered with this callback, alive until cleanup.
+        let plugin = unsafe { &*userdata.cast::<Plugin>() };
+        // SAFETY: the broker passes its disconnect event for this callback.
+        let event = unsafe { &*data.cast::<EvtDisconnect>() };
+        let Some(addr) = plugin
+            .deferred
+            .lock()
+            .ok()
+            .and_then(|mut d| d.remove(&(event.client as usize)))
+        else {
+            return ffi::MOSQ_ERR_SUCCESS;
+        };
+        // SAFETY: the live client handle of this event.
+        let id = unsafe { ffi::mosquitto_client_id(event.client) };
+        if id.is_null() {
+            log(
+                ffi::MOSQ_LOG_NOTICE,
+                &format!("limiter: reporting a failed login from {addr}"),
+            );
+            plugin.agent.report_auth_failure(addr);
+        }
+        ffi::MOSQ_ERR_SUCCESS
+    })
+}
