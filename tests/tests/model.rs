@@ -34,14 +34,14 @@ const PORTS_PER_CLIENT: usize = 4;
 const CHECK_EVERY: usize = 100;
 const XDP_ABORTED: u32 = 0;
 
-/// Caps that bite: 200 clients with 4 ports each against 3 per source and 50 in all.
+/// Caps that bite: 200 clients with 4 ports each against 3 per source and 150 in all.
 const CAPS: &[&str] = &[
     "--ports",
     "5672",
     "--max-conn-per-ip",
     "3",
     "--max-conn-total",
-    "50",
+    "150",
     "--syn-rate",
     "0",
     "--rst-xdp-tx",
