@@ -277,6 +277,11 @@ struct Generator {
     rng: Rng,
     clients: Vec<IpAddr>,
     conns: Vec<Conn>,
+    /// The next flag byte: flag-byte frames take them in turn, so all 256 come up.
+    next_flags: u8,
+    /// Truncated frames made so far: each cuts one byte further on (modulo the frame), so the
+    /// cuts sweep the offsets rather than sample them.
+    cuts: usize,
 }
 
 fn server(client: IpAddr) -> IpAddr {
@@ -320,6 +325,8 @@ impl Generator {
             rng: Rng(seed),
             clients,
             conns,
+            next_flags: 0,
+            cuts: 0,
         }
     }
 
@@ -387,7 +394,8 @@ impl Generator {
         match self.rng.below(100) {
             0..55 => self.step(c),
             55..65 => {
-                let byte = self.rng.below(256) as u8;
+                let byte = self.next_flags;
+                self.next_flags = byte.wrapping_add(1);
                 if self.rng.percent(50) {
                     self.conns[c].seq = self.rng.u32();
                 }
@@ -503,12 +511,13 @@ impl Generator {
         }
     }
 
-    /// A SYN cut short at a random offset: every cut leaves a header or the datagram short.
+    /// A SYN cut short at the next offset: every cut leaves a header or the datagram short.
     fn truncated(&mut self, c: usize) -> Frame {
         let tcp = self.client(c, SYN);
         let mut bytes = self.dress(tcp).build();
         // BPF_PROG_TEST_RUN takes no XDP frame shorter than an Ethernet header.
-        let cut = 14 + self.rng.below(bytes.len() - 14);
+        let cut = 14 + self.cuts % (bytes.len() - 14);
+        self.cuts += 1;
         bytes.truncate(cut);
         Frame {
             bytes,
