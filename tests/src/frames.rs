@@ -40,6 +40,9 @@ pub struct Tcp {
     /// The acknowledgment number (sent with the ACK flag).
     pub ack: u32,
     pub flags: Flags,
+    /// The flag bits [`Flags`] leaves out (PSH 0x08, URG 0x20, ECE 0x40, CWR 0x80): the
+    /// programs must ignore them, so tests set them to check that they do.
+    pub other_flags: u8,
     pub vlans: Vlans,
     /// IPv4 options (a multiple of 4 bytes).
     pub ipv4_options: Vec<u8>,
@@ -65,6 +68,7 @@ impl Tcp {
                 syn: true,
                 ..Flags::default()
             },
+            other_flags: 0,
             vlans: Vlans::None,
             ipv4_options: Vec::new(),
             ipv6_extensions: false,
@@ -80,6 +84,30 @@ impl Tcp {
             flags,
             ..self.clone()
         }
+    }
+
+    /// The same 4-tuple with all eight flag bits taken from `byte`, as on the wire.
+    pub fn with_flag_byte(&self, byte: u8) -> Self {
+        Self {
+            flags: Flags {
+                fin: byte & 0x01 != 0,
+                syn: byte & 0x02 != 0,
+                rst: byte & 0x04 != 0,
+                ack: byte & 0x10 != 0,
+            },
+            other_flags: byte & 0xE8,
+            ..self.clone()
+        }
+    }
+
+    /// The flag byte as the TCP header carries it.
+    pub fn flag_byte(&self) -> u8 {
+        let f = self.flags;
+        u8::from(f.fin)
+            | u8::from(f.syn) << 1
+            | u8::from(f.rst) << 2
+            | u8::from(f.ack) << 4
+            | self.other_flags
     }
 
     /// The reverse direction (as the host would send it), with `flags`.
@@ -102,6 +130,10 @@ impl Tcp {
         tcp.ack = self.flags.ack;
         tcp.fin = self.flags.fin;
         tcp.rst = self.flags.rst;
+        tcp.psh = self.other_flags & 0x08 != 0;
+        tcp.urg = self.other_flags & 0x20 != 0;
+        tcp.ece = self.other_flags & 0x40 != 0;
+        tcp.cwr = self.other_flags & 0x80 != 0;
         if self.tcp_options {
             // MSS 1460, SACK permitted, NOP, window scale 7: 12 bytes.
             tcp.set_options_raw(&[2, 4, 5, 180, 4, 2, 1, 3, 3, 7, 1, 1])

@@ -7,5 +7,6 @@
 pub mod agent;
 pub mod frames;
 pub mod kernel;
+pub mod model;
 pub mod mosquitto;
 pub mod netns;

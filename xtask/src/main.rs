@@ -43,6 +43,15 @@ enum Command {
     Package,
     /// Formatting, clippy, unit tests, the eBPF build and the privileged tests.
     Test,
+    /// The differential test (kernel against its reference model) at length, as root.
+    Fuzz {
+        /// Frames in all, split between the test's two configurations.
+        #[arg(long, default_value_t = 2_000_000)]
+        frames: u64,
+        /// The PRNG seed; from the clock if not given (printed either way).
+        #[arg(long)]
+        seed: Option<u64>,
+    },
     /// Benchmarks that print figures beside an anchor measured in the same run.
     Bench {
         #[arg(value_enum)]
@@ -76,6 +85,7 @@ fn main() -> Result<()> {
         Command::Run { args } => build::run(&args),
         Command::Package => package::build().map(|_| ()),
         Command::Test => test::run(),
+        Command::Fuzz { frames, seed } => test::fuzz(frames, seed),
         Command::Bench { suite } => match suite {
             BenchSuite::Kernel => test::bench_kernel(),
             BenchSuite::App => test::bench_app(),

@@ -1,4 +1,4 @@
-//! `cargo xtask test` and `cargo xtask bench`.
+//! `cargo xtask test`, `cargo xtask fuzz` and `cargo xtask bench`.
 
 use std::{
     io::{BufRead, BufReader},
@@ -87,6 +87,30 @@ pub fn run() -> Result<()> {
         bail!("no privileged test ran");
     }
     Ok(())
+}
+
+/// The differential test (`tests/tests/model.rs`) with `frames` frames, optimised: the
+/// frames and the model cost more than the programs in a debug build. The seed comes from
+/// the clock unless given, and is printed so a failure can be replayed.
+pub fn fuzz(frames: u64, seed: Option<u64>) -> Result<()> {
+    let agent = build::all()?;
+    preflight()?;
+    let seed = match seed {
+        Some(seed) => seed,
+        None => std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .context("the clock is before 1970")?
+            .as_nanos() as u64,
+    };
+    step(&format!("fuzz: {frames} frames, seed {seed}"));
+    status(
+        cargo("stable")
+            .args(["test", "-p", PRIVILEGED, "--test", "model", "--release"])
+            .args(["--", "--nocapture"])
+            .env("LIMITER_BIN", &agent)
+            .env("LIMITER_FUZZ_FRAMES", frames.to_string())
+            .env("LIMITER_MODEL_SEED", seed.to_string()),
+    )
 }
 
 pub fn bench_kernel() -> Result<()> {

@@ -1,0 +1,370 @@
+//! A plain-Rust reference model of the kernel policy (limiter-ebpf's `policy.rs`), written
+//! from the code as it stands, for the differential test: the same frames go through the real
+//! programs and through this model, and every verdict and counter must agree.
+//!
+//! Parsing is not modelled here: each frame's generator knows what it built, so it hands the
+//! model either the segment or the reason the parser must refuse it with ([`Input`]). The
+//! clock is left out: the model serves configurations with no SYN rate and no bans, and the
+//! ACK hint pre-filter is taken as exact (a false positive only costs the kernel a lookup,
+//! so the verdict must not depend on it). `HALF_OPEN` is an LRU; runs stay far below its size,
+//! so it behaves as a plain map here.
+
+use std::{collections::HashMap, net::IpAddr};
+
+use limiter::datapath::Policy;
+use limiter_common::{
+    Config, Direction, Event, FlowKey, Reason, Refusal, SourceKey, Verdict, flow_state, source_key,
+    stats::stat_slot,
+};
+
+use crate::kernel::{XDP_DROP, XDP_PASS, XDP_TX};
+
+const FIN: u8 = 0x01;
+const SYN: u8 = 0x02;
+const RST: u8 = 0x04;
+const ACK: u8 = 0x10;
+
+/// A TCP segment as the parser would read it.
+#[derive(Clone, Copy, Debug)]
+pub struct Segment {
+    pub src: IpAddr,
+    pub dst: IpAddr,
+    pub sport: u16,
+    pub dport: u16,
+    pub seq: u32,
+    pub ack: u32,
+    /// The whole TCP flag byte.
+    pub flags: u8,
+    /// The first fragment of a fragmented datagram.
+    pub fragment: bool,
+}
+
+/// What the parser makes of a frame.
+#[derive(Clone, Copy, Debug)]
+pub enum Input {
+    Segment(Segment),
+    Unparsed(Reason),
+}
+
+/// A half-open connection: its source key and, once the SYN-ACK left, the server's ISN.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HalfOpen {
+    pub source: SourceKey,
+    pub isn: Option<u32>,
+}
+
+/// A tracked connection: the source charged and its `flow_state` bits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Flow {
+    pub source: SourceKey,
+    pub state: u32,
+}
+
+/// The kernel's state as the policy leaves it; see the module doc for what is left out.
+pub struct Model {
+    config: Config,
+    policy: Policy,
+    /// Packets by `stat_slot(direction, verdict, reason)`.
+    pub stats: HashMap<u32, u64>,
+    /// Events by `Event as usize`.
+    pub events: [u64; Event::COUNT],
+    pub half_open: HashMap<FlowKey, HalfOpen>,
+    pub flows: HashMap<FlowKey, Flow>,
+    /// Entries are created at a handshake's completion and never removed, as in the kernel.
+    pub source_conns: HashMap<SourceKey, u64>,
+    pub global: u64,
+}
+
+/// What the XDP program returns for a policy decision.
+enum Action {
+    Pass,
+    Drop,
+    Rst,
+    ResetHost,
+}
+
+/// IPv4 as `::ffff:a.b.c.d`, as the parser keys everything.
+pub fn mapped(addr: IpAddr) -> [u8; 16] {
+    match addr {
+        IpAddr::V4(v4) => v4.to_ipv6_mapped().octets(),
+        IpAddr::V6(v6) => v6.octets(),
+    }
+}
+
+/// The connection a segment belongs to: `inbound` for the client's segments, else the host's.
+pub fn flow_key(seg: &Segment, inbound: bool) -> FlowKey {
+    let (remote, local, remote_port, local_port) = if inbound {
+        (seg.src, seg.dst, seg.sport, seg.dport)
+    } else {
+        (seg.dst, seg.src, seg.dport, seg.sport)
+    };
+    FlowKey {
+        remote: mapped(remote),
+        local: mapped(local),
+        remote_port,
+        local_port,
+        _pad: 0,
+    }
+}
+
+impl Model {
+    pub fn new(policy: &Policy) -> Self {
+        Self {
+            config: policy.config(),
+            policy: policy.clone(),
+            stats: HashMap::new(),
+            events: [0; Event::COUNT],
+            half_open: HashMap::new(),
+            flows: HashMap::new(),
+            source_conns: HashMap::new(),
+            global: 0,
+        }
+    }
+
+    /// The source key of `addr` under the configured prefixes.
+    pub fn source(&self, addr: IpAddr) -> SourceKey {
+        source_key(
+            &mapped(addr),
+            self.config.ipv4_prefix,
+            self.config.ipv6_prefix,
+        )
+    }
+
+    /// A frame arriving: returns the XDP action the program must give it.
+    pub fn xdp(&mut self, input: &Input) -> u32 {
+        let action = match input {
+            Input::Unparsed(reason) => self.unparsed(Direction::Ingress, *reason),
+            Input::Segment(seg) => self.ingress(seg),
+        };
+        match action {
+            Action::Pass | Action::ResetHost => XDP_PASS,
+            Action::Drop => XDP_DROP,
+            // Marked for TC ingress, which answers it, unless answered by XDP_TX.
+            Action::Rst if self.config.rst_xdp_tx == 0 => XDP_PASS,
+            Action::Rst => XDP_TX,
+        }
+    }
+
+    /// A frame leaving through TC egress (whose action is always `TC_ACT_OK`).
+    pub fn tc(&mut self, input: &Input) {
+        match input {
+            Input::Unparsed(reason) => {
+                self.unparsed(Direction::Egress, *reason);
+            }
+            Input::Segment(seg) => self.egress(seg),
+        }
+    }
+
+    fn count(&mut self, direction: Direction, verdict: Verdict, reason: Reason) {
+        *self
+            .stats
+            .entry(stat_slot(direction, verdict, reason))
+            .or_default() += 1;
+    }
+
+    fn event(&mut self, event: Event) {
+        self.events[event as usize] += 1;
+    }
+
+    fn pass(&mut self, direction: Direction, reason: Reason) -> Action {
+        self.count(direction, Verdict::Pass, reason);
+        Action::Pass
+    }
+
+    fn unparsed(&mut self, direction: Direction, reason: Reason) -> Action {
+        if direction == Direction::Ingress && !matches!(reason, Reason::NonIp | Reason::NonTcp) {
+            self.count(direction, Verdict::Drop, reason);
+            return Action::Drop;
+        }
+        self.pass(direction, reason)
+    }
+
+    fn protected(&self, port: u16) -> bool {
+        self.policy.ports.is_empty() || self.policy.ports.contains(&port)
+    }
+
+    fn refuse(&mut self, seg: &Segment, reason: Reason, mode: u8) -> Action {
+        if Refusal::from_u8(mode) == Refusal::Rst && is_syn(seg.flags) {
+            self.count(Direction::Ingress, Verdict::Rst, reason);
+            Action::Rst
+        } else {
+            self.count(Direction::Ingress, Verdict::Drop, reason);
+            Action::Drop
+        }
+    }
+
+    fn ingress(&mut self, seg: &Segment) -> Action {
+        if !self.protected(seg.dport) {
+            return self.pass(Direction::Ingress, Reason::UnprotectedPort);
+        }
+        if seg.fragment {
+            self.count(Direction::Ingress, Verdict::Drop, Reason::Fragment);
+            return Action::Drop;
+        }
+        if self.policy.allow.iter().any(|net| net.contains(&seg.src)) {
+            return self.pass(Direction::Ingress, Reason::Allowlisted);
+        }
+        if self.policy.deny.iter().any(|net| net.contains(&seg.src)) {
+            return self.refuse(seg, Reason::Denylisted, self.config.reject_deny);
+        }
+        if is_syn(seg.flags) {
+            return self.syn(seg);
+        }
+        if seg.flags & RST != 0 {
+            return self.reset(&flow_key(seg, true), Direction::Ingress);
+        }
+        let mut reason = Reason::Segment;
+        if seg.flags & ACK != 0 && seg.flags & SYN == 0 {
+            match self.complete(seg) {
+                Some(Completion::Admitted) => reason = Reason::Admitted,
+                Some(Completion::Refused) => return Action::ResetHost,
+                None => {}
+            }
+        }
+        if seg.flags & FIN != 0 {
+            return self.fin(&flow_key(seg, true), Direction::Ingress);
+        }
+        self.pass(Direction::Ingress, reason)
+    }
+
+    fn egress(&mut self, seg: &Segment) {
+        if !self.protected(seg.sport) {
+            self.pass(Direction::Egress, Reason::UnprotectedPort);
+            return;
+        }
+        let key = flow_key(seg, false);
+        if seg.flags & (SYN | ACK | RST) == SYN | ACK {
+            let reason = match self.half_open.get_mut(&key) {
+                Some(entry) => {
+                    // The first SYN-ACK's ISN is the one a client answers.
+                    entry.isn.get_or_insert(seg.seq);
+                    Reason::Tracked
+                }
+                None => Reason::Untracked,
+            };
+            self.pass(Direction::Egress, reason);
+        } else if seg.flags & RST != 0 {
+            self.reset(&key, Direction::Egress);
+        } else if seg.flags & FIN != 0 {
+            self.fin(&key, Direction::Egress);
+        } else {
+            self.pass(Direction::Egress, Reason::Segment);
+        }
+    }
+
+    fn syn(&mut self, seg: &Segment) -> Action {
+        let key = flow_key(seg, true);
+        if let Some(flow) = self.flows.get_mut(&key) {
+            // A new connection on a closing one's 4-tuple inherits its slot.
+            flow.state &= !flow_state::FIN_BOTH;
+            return self.pass(Direction::Ingress, Reason::Retransmit);
+        }
+        if self.half_open.contains_key(&key) {
+            return self.pass(Direction::Ingress, Reason::Retransmit);
+        }
+        let source = self.source(seg.src);
+        let per_ip = self.config.max_conn_per_ip as u64;
+        let total = self.config.max_conn_total as u64;
+        if per_ip != 0 && self.source_conns.get(&source).is_some_and(|n| *n >= per_ip) {
+            return self.refuse(seg, Reason::ConnPerIp, self.config.reject_conn);
+        }
+        if total != 0 && self.global >= total {
+            return self.refuse(seg, Reason::ConnTotal, self.config.reject_conn);
+        }
+        self.half_open.insert(key, HalfOpen { source, isn: None });
+        self.pass(Direction::Ingress, Reason::HalfOpen)
+    }
+
+    /// An ACK that may complete a handshake; `None` if it completes none.
+    fn complete(&mut self, seg: &Segment) -> Option<Completion> {
+        let key = flow_key(seg, true);
+        let entry = *self.half_open.get(&key)?;
+        if entry.isn?.wrapping_add(1) != seg.ack {
+            return None;
+        }
+        self.half_open.remove(&key);
+        let per_source = self.source_conns.entry(entry.source).or_default();
+        let per_ip = self.config.max_conn_per_ip as u64;
+        let total = self.config.max_conn_total as u64;
+        let refused = if per_ip != 0 && *per_source >= per_ip {
+            Some(Reason::ConnPerIp)
+        } else if total != 0 && self.global >= total {
+            Some(Reason::ConnTotal)
+        } else {
+            None
+        };
+        if let Some(reason) = refused {
+            self.count(Direction::Ingress, Verdict::Rst, reason);
+            self.event(Event::RefusedAtAck);
+            return Some(Completion::Refused);
+        }
+        if self.flows.contains_key(&key) {
+            // The 4-tuple is tracked already: its connection holds the slot.
+            return None;
+        }
+        *per_source += 1;
+        self.global += 1;
+        let flow = Flow {
+            source: entry.source,
+            state: flow_state::ESTABLISHED,
+        };
+        self.flows.insert(key, flow);
+        self.event(Event::Opened);
+        Some(Completion::Admitted)
+    }
+
+    fn reset(&mut self, key: &FlowKey, direction: Direction) -> Action {
+        if self.flows.contains_key(key) {
+            self.close(key, Event::ClosedRst);
+            self.pass(direction, Reason::Tracked)
+        } else {
+            self.pass(direction, Reason::Untracked)
+        }
+    }
+
+    fn fin(&mut self, key: &FlowKey, direction: Direction) -> Action {
+        let Some(flow) = self.flows.get_mut(key) else {
+            return self.pass(direction, Reason::Untracked);
+        };
+        let mine = match direction {
+            Direction::Ingress => flow_state::FIN_IN,
+            Direction::Egress => flow_state::FIN_OUT,
+        };
+        let before = flow.state;
+        flow.state |= mine;
+        if before & mine == 0 && (before | mine) & flow_state::FIN_BOTH == flow_state::FIN_BOTH {
+            self.close(key, Event::ClosedFin);
+        }
+        self.pass(direction, Reason::Tracked)
+    }
+
+    /// Removes the flow and releases its slots, once.
+    fn close(&mut self, key: &FlowKey, why: Event) {
+        let Some(flow) = self.flows.remove(key) else {
+            return;
+        };
+        if let Some(n) = self.source_conns.get_mut(&flow.source) {
+            *n -= 1;
+        }
+        self.global -= 1;
+        self.event(why);
+    }
+
+    /// Open connections charged to `addr`'s source (0 if it never had one).
+    pub fn source_connections(&self, addr: IpAddr) -> u64 {
+        self.source_conns
+            .get(&self.source(addr))
+            .copied()
+            .unwrap_or(0)
+    }
+}
+
+enum Completion {
+    Admitted,
+    Refused,
+}
+
+/// A connection request: SYN without ACK or RST.
+fn is_syn(flags: u8) -> bool {
+    flags & (SYN | ACK | RST) == SYN
+}

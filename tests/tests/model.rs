@@ -1,0 +1,620 @@
+//! Differential test: random and mutated frames through the real programs under
+//! BPF_PROG_TEST_RUN (XDP for ingress, the egress TC program for the host's segments) and
+//! through the reference model (`limiter_tests::model`); verdicts and every counter must
+//! agree, and XDP_ABORTED must never appear.
+//!
+//! Frames come from a seeded PRNG, so a failure reproduces: it names the seed and the frame.
+//! Set `LIMITER_MODEL_SEED` to replay one; `cargo xtask fuzz` sets it and
+//! `LIMITER_FUZZ_FRAMES` for long runs.
+
+use std::{
+    collections::HashMap,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
+};
+
+use etherparse::{EtherType, SingleVlanHeader, VlanId};
+use limiter_common::{Event, FlowKey, Reason, SourceKey, stats::stat_slot};
+use limiter_tests::{
+    frames::{self, Flags, Tcp, Vlans},
+    kernel::{Kernel, TC_ACT_OK, settings},
+    model::{Input, Model, Segment},
+};
+use nix::{
+    sched::{CpuSet, sched_setaffinity},
+    unistd::Pid,
+};
+
+const PORT: u16 = 5672;
+/// A port nothing protects.
+const OTHER_PORT: u16 = 22;
+const V4_CLIENTS: usize = 150;
+const V6_CLIENTS: usize = 50;
+const PORTS_PER_CLIENT: usize = 4;
+/// Full state comparisons (every map) happen this often; verdicts are checked every frame.
+const CHECK_EVERY: usize = 100;
+const XDP_ABORTED: u32 = 0;
+
+/// Caps that bite: 200 clients with 4 ports each against 3 per source and 150 in all.
+const CAPS: &[&str] = &[
+    "--ports",
+    "5672",
+    "--max-conn-per-ip",
+    "3",
+    "--max-conn-total",
+    "150",
+    "--syn-rate",
+    "0",
+    "--rst-xdp-tx",
+];
+
+/// The same caps with an allow list and a deny list over part of the clients, and refused
+/// connections dropped rather than answered.
+const LISTS: &[&str] = &[
+    "--ports",
+    "5672",
+    "--max-conn-per-ip",
+    "2",
+    "--max-conn-total",
+    "40",
+    "--syn-rate",
+    "0",
+    "--allow",
+    "192.0.2.0/28",
+    "--deny",
+    "192.0.2.64/26,2001:db8:bad::/48",
+    "--reject-conn",
+    "drop",
+    "--rst-xdp-tx",
+];
+
+#[test]
+fn caps_agree_with_the_model() {
+    run(CAPS, seed(0x11A1_7E55), frames());
+}
+
+#[test]
+fn lists_agree_with_the_model() {
+    run(LISTS, seed(0xDE1A_7157).wrapping_add(1), frames());
+}
+
+/// Frames per test: half of `LIMITER_FUZZ_FRAMES` (`cargo xtask fuzz`), else 25,000.
+fn frames() -> usize {
+    env_u64("LIMITER_FUZZ_FRAMES").map_or(25_000, |n| (n / 2).max(1) as usize)
+}
+
+fn env_u64(name: &str) -> Option<u64> {
+    let value = std::env::var(name).ok()?;
+    Some(
+        value
+            .parse()
+            .unwrap_or_else(|_| panic!("{name}: not a number")),
+    )
+}
+
+/// `LIMITER_MODEL_SEED` if set (`cargo xtask fuzz --seed`), else the test's own fixed seed.
+fn seed(default: u64) -> u64 {
+    env_u64("LIMITER_MODEL_SEED").unwrap_or(default)
+}
+
+/// Runs `count` frames of seed `seed` through a kernel loaded with `flags` and the model.
+fn run(flags: &[&str], seed: u64, count: usize) {
+    let k = Kernel::new(flags);
+    let mut model = Model::new(&settings(flags).policy);
+    let mut generator = Generator::new(seed);
+    let started = std::time::Instant::now();
+    println!("model: seed {seed} ({count} frames, flags {flags:?})");
+    for index in 0..count {
+        on_cpu(index % 2);
+        let frame = generator.next();
+        let fail =
+            |what: String| -> ! { panic!("seed {seed}, frame {index} ({}): {what}", frame.label) };
+        match frame.path {
+            Path::Xdp => {
+                let got = k.xdp(&frame.bytes).action;
+                if got == XDP_ABORTED {
+                    fail("XDP_ABORTED".into());
+                }
+                let want = model.xdp(&frame.input);
+                if got != want {
+                    fail(format!("XDP action {got}, model {want}; {:?}", frame.input));
+                }
+            }
+            Path::Tc => {
+                let got = k.tc(&frame.bytes);
+                model.tc(&frame.input);
+                if got != TC_ACT_OK {
+                    fail(format!("TC action {got}; {:?}", frame.input));
+                }
+            }
+        }
+        let checkpoint = index % CHECK_EVERY == CHECK_EVERY - 1 || index + 1 == count;
+        if checkpoint && let Err(what) = compare(&k, &model, &generator.clients) {
+            fail(format!(
+                "{what} (state last matched after frame {})",
+                (index / CHECK_EVERY * CHECK_EVERY).saturating_sub(1)
+            ));
+        }
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    println!(
+        "model: {count} frames in {elapsed:.1} s ({:.0} frames/s), {} opened",
+        count as f64 / elapsed,
+        model.events[Event::Opened as usize]
+    );
+}
+
+/// Pins the calling thread to `cpu`: BPF_PROG_TEST_RUN runs the program there, so per-CPU
+/// counters are written on both CPUs and must still add up.
+fn on_cpu(cpu: usize) {
+    let mut set = CpuSet::new();
+    set.set(cpu).expect("a CPU index");
+    sched_setaffinity(Pid::from_raw(0), &set).expect("sched_setaffinity");
+}
+
+/// Every counter and table of the kernel against the model's.
+fn compare(k: &Kernel, model: &Model, clients: &[IpAddr]) -> Result<(), String> {
+    let maps = &k.dp.maps;
+    for count in maps.packet_counts().expect("packet counts") {
+        let slot = stat_slot(count.direction, count.verdict, count.reason);
+        let want = model.stats.get(&slot).copied().unwrap_or(0);
+        if count.packets != want {
+            return Err(format!(
+                "{:?}/{:?}/{:?}: kernel {}, model {want}",
+                count.direction, count.verdict, count.reason, count.packets
+            ));
+        }
+    }
+    for event in Event::ALL {
+        let got = maps.events(event).expect("events");
+        let want = model.events[event as usize];
+        if got != want {
+            return Err(format!("event {event:?}: kernel {got}, model {want}"));
+        }
+    }
+    let global = maps.global_connections().expect("global count");
+    if global != model.global {
+        return Err(format!("global: kernel {global}, model {}", model.global));
+    }
+    for addr in clients {
+        let got = maps.source_connections(*addr).expect("source count");
+        let want = model.source_connections(*addr);
+        if got != want {
+            return Err(format!("connections of {addr}: kernel {got}, model {want}"));
+        }
+    }
+    let flows: HashMap<FlowKey, (SourceKey, u32)> = maps
+        .flows()
+        .expect("flows")
+        .into_iter()
+        .map(|(key, flow)| (key, (flow.source, flow.state)))
+        .collect();
+    let want: HashMap<FlowKey, (SourceKey, u32)> = model
+        .flows
+        .iter()
+        .map(|(key, flow)| (*key, (flow.source, flow.state)))
+        .collect();
+    if flows != want {
+        return Err(format!("flows: kernel {flows:?}, model {want:?}"));
+    }
+    let half_open: HashMap<FlowKey, (SourceKey, Option<u32>)> = maps
+        .half_open()
+        .expect("half-open")
+        .into_iter()
+        .map(|(key, h)| (key, (h.source, (h.isn_seen != 0).then_some(h.server_isn))))
+        .collect();
+    let want: HashMap<FlowKey, (SourceKey, Option<u32>)> = model
+        .half_open
+        .iter()
+        .map(|(key, h)| (*key, (h.source, h.isn)))
+        .collect();
+    if half_open != want {
+        return Err(format!("half-open: kernel {half_open:?}, model {want:?}"));
+    }
+    Ok(())
+}
+
+/// A splitmix64 PRNG: small, seedable, good enough to pick frames.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+
+    fn u32(&mut self) -> u32 {
+        self.next() as u32
+    }
+
+    /// True with probability `percent`/100.
+    fn percent(&mut self, percent: usize) -> bool {
+        self.below(100) < percent
+    }
+}
+
+enum Path {
+    Xdp,
+    Tc,
+}
+
+/// One generated frame: its bytes, where it goes, what the parser must make of it.
+struct Frame {
+    bytes: Vec<u8>,
+    path: Path,
+    input: Input,
+    /// What kind of frame, for failure messages.
+    label: &'static str,
+}
+
+/// Where a client's connection on one port is, as the generator sees it. The generator only
+/// aims at plausible sequences; what is right is the model's to say.
+#[derive(Clone, Copy, Default)]
+struct Conn {
+    stage: Stage,
+    seq: u32,
+    isn: u32,
+    fin_in: bool,
+    fin_out: bool,
+}
+
+#[derive(Clone, Copy, Default, PartialEq)]
+enum Stage {
+    #[default]
+    Idle,
+    SynSent,
+    SynAcked,
+    Open,
+}
+
+struct Generator {
+    rng: Rng,
+    clients: Vec<IpAddr>,
+    conns: Vec<Conn>,
+    /// The next flag byte: flag-byte frames take them in turn, so all 256 come up.
+    next_flags: u8,
+    /// Truncated frames made so far: each cuts one byte further on (modulo the frame), so the
+    /// cuts sweep the offsets rather than sample them.
+    cuts: usize,
+}
+
+fn server(client: IpAddr) -> IpAddr {
+    match client {
+        IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::new(198, 51, 100, 1)),
+        IpAddr::V6(_) => IpAddr::V6(Ipv6Addr::new(0x2001, 0xdb8, 0xffff, 0, 0, 0, 0, 1)),
+    }
+}
+
+/// The model's view of a segment built from `tcp`.
+fn segment(tcp: &Tcp) -> Input {
+    Input::Segment(Segment {
+        src: tcp.src,
+        dst: tcp.dst,
+        sport: tcp.sport,
+        dport: tcp.dport,
+        seq: tcp.seq,
+        ack: tcp.ack,
+        flags: tcp.flag_byte(),
+        fragment: false,
+    })
+}
+
+const ACK: u8 = 0x10;
+const SYN: u8 = 0x02;
+const FIN: u8 = 0x01;
+const RST: u8 = 0x04;
+const PSH: u8 = 0x08;
+
+impl Generator {
+    fn new(seed: u64) -> Self {
+        let v4 = (0..V4_CLIENTS).map(|i| IpAddr::V4(Ipv4Addr::new(192, 0, 2, i as u8 + 1)));
+        // Every tenth in the denied /48; each in its own /64 (the default IPv6 source prefix).
+        let v6 = (0..V6_CLIENTS).map(|i| {
+            let third = if i % 10 == 0 { 0xbad } else { 0 };
+            IpAddr::V6(Ipv6Addr::new(0x2001, 0xdb8, third, i as u16, 0, 0, 0, 1))
+        });
+        let clients: Vec<IpAddr> = v4.chain(v6).collect();
+        let conns = vec![Conn::default(); clients.len() * PORTS_PER_CLIENT];
+        Self {
+            rng: Rng(seed),
+            clients,
+            conns,
+            next_flags: 0,
+            cuts: 0,
+        }
+    }
+
+    /// The client's segment of connection `c` with flag byte `flags`.
+    fn client(&self, c: usize, flags: u8) -> Tcp {
+        let src = self.clients[c / PORTS_PER_CLIENT];
+        let sport = 40_000 + (c % PORTS_PER_CLIENT) as u16;
+        let conn = self.conns[c];
+        let mut tcp = Tcp::syn(src, sport, server(src), PORT).with_flag_byte(flags);
+        tcp.seq = conn.seq;
+        tcp.ack = conn.isn.wrapping_add(1);
+        tcp.tcp_options = flags & SYN != 0;
+        tcp
+    }
+
+    /// The host's segment of connection `c` with flag byte `flags`.
+    fn host(&self, c: usize, flags: u8) -> Tcp {
+        let conn = self.conns[c];
+        let mut tcp = self.client(c, 0).reply(Flags::default());
+        tcp = tcp.with_flag_byte(flags);
+        tcp.seq = conn.isn.wrapping_add(u32::from(flags & SYN == 0));
+        tcp.ack = conn.seq.wrapping_add(1);
+        tcp.tcp_options = flags & SYN != 0;
+        tcp
+    }
+
+    /// Random VLAN tags and IP options or extension headers: none of them changes a verdict.
+    fn dress(&mut self, mut tcp: Tcp) -> Tcp {
+        tcp.vlans = match self.rng.below(6) {
+            0 => Vlans::One(self.rng.below(4094) as u16 + 1),
+            1 => Vlans::Two(100, self.rng.below(4094) as u16 + 1),
+            _ => Vlans::None,
+        };
+        if self.rng.percent(15) {
+            match tcp.src {
+                IpAddr::V4(_) => tcp.ipv4_options = vec![1; 4 * (self.rng.below(10) + 1)],
+                IpAddr::V6(_) => tcp.ipv6_extensions = true,
+            }
+        }
+        tcp
+    }
+
+    fn xdp(&mut self, tcp: Tcp, label: &'static str) -> Frame {
+        let tcp = self.dress(tcp);
+        Frame {
+            bytes: tcp.build(),
+            path: Path::Xdp,
+            input: segment(&tcp),
+            label,
+        }
+    }
+
+    fn tc(&mut self, tcp: Tcp, label: &'static str) -> Frame {
+        let tcp = self.dress(tcp);
+        Frame {
+            bytes: tcp.build(),
+            path: Path::Tc,
+            input: segment(&tcp),
+            label,
+        }
+    }
+
+    fn next(&mut self) -> Frame {
+        let c = self.rng.below(self.conns.len());
+        match self.rng.below(100) {
+            0..55 => self.step(c),
+            55..65 => {
+                let byte = self.next_flags;
+                self.next_flags = byte.wrapping_add(1);
+                if self.rng.percent(50) {
+                    self.conns[c].seq = self.rng.u32();
+                }
+                let tcp = self.client(c, byte);
+                self.xdp(tcp, "flag byte")
+            }
+            65..70 => self.truncated(c),
+            70..76 => self.fragment(c),
+            76..80 => self.chain(c),
+            80..82 => self.too_many_vlans(c),
+            82..85 => {
+                let src = self.clients[c / PORTS_PER_CLIENT];
+                let (bytes, reason) = if self.rng.percent(50) {
+                    (frames::non_ip(), Reason::NonIp)
+                } else {
+                    (frames::udp(src, server(src)), Reason::NonTcp)
+                };
+                Frame {
+                    bytes,
+                    path: Path::Xdp,
+                    input: Input::Unparsed(reason),
+                    label: "not TCP",
+                }
+            }
+            85..88 => {
+                let mut tcp = self.client(c, SYN);
+                tcp.dport = OTHER_PORT;
+                self.xdp(tcp, "unprotected port")
+            }
+            _ => {
+                let flags = [SYN | ACK, ACK, FIN | ACK, RST, RST | ACK, SYN | ACK | PSH];
+                let byte = flags[self.rng.below(flags.len())];
+                let tcp = self.host(c, byte);
+                self.tc(tcp, "host segment")
+            }
+        }
+    }
+
+    /// The next segment of a plausible connection on `c`.
+    fn step(&mut self, c: usize) -> Frame {
+        let conn = self.conns[c];
+        match conn.stage {
+            Stage::Idle => {
+                self.conns[c] = Conn {
+                    stage: Stage::SynSent,
+                    seq: self.rng.u32(),
+                    ..Conn::default()
+                };
+                let tcp = self.client(c, SYN);
+                self.xdp(tcp, "SYN")
+            }
+            Stage::SynSent if self.rng.percent(10) => {
+                let tcp = self.client(c, SYN);
+                self.xdp(tcp, "SYN again")
+            }
+            Stage::SynSent => {
+                self.conns[c].isn = self.rng.u32();
+                self.conns[c].stage = Stage::SynAcked;
+                let tcp = self.host(c, SYN | ACK);
+                self.tc(tcp, "SYN-ACK")
+            }
+            Stage::SynAcked => {
+                self.conns[c].stage = Stage::Open;
+                let mut tcp = self.client(c, ACK);
+                tcp.seq = conn.seq.wrapping_add(1);
+                if self.rng.percent(10) {
+                    tcp.ack = self.rng.u32();
+                }
+                if self.rng.percent(20) {
+                    tcp.payload = b"CONNECT".to_vec();
+                }
+                self.xdp(tcp, "handshake ACK")
+            }
+            Stage::Open => self.open_step(c),
+        }
+    }
+
+    fn open_step(&mut self, c: usize) -> Frame {
+        match self.rng.below(10) {
+            0..4 => {
+                let mut tcp = self.client(c, ACK | PSH);
+                tcp.payload = b"PUBLISH".to_vec();
+                self.xdp(tcp, "data")
+            }
+            4..6 => {
+                self.conns[c].fin_in = true;
+                self.close_if_both(c);
+                let tcp = self.client(c, FIN | ACK);
+                self.xdp(tcp, "client FIN")
+            }
+            6..8 => {
+                self.conns[c].fin_out = true;
+                self.close_if_both(c);
+                let tcp = self.host(c, FIN | ACK);
+                self.tc(tcp, "host FIN")
+            }
+            8 => {
+                self.conns[c].stage = Stage::Idle;
+                let tcp = self.client(c, RST);
+                self.xdp(tcp, "client RST")
+            }
+            _ => {
+                self.conns[c].stage = Stage::Idle;
+                let tcp = self.host(c, RST | ACK);
+                self.tc(tcp, "host RST")
+            }
+        }
+    }
+
+    fn close_if_both(&mut self, c: usize) {
+        if self.conns[c].fin_in && self.conns[c].fin_out {
+            self.conns[c].stage = Stage::Idle;
+        }
+    }
+
+    /// A SYN cut short at the next offset: every cut leaves a header or the datagram short.
+    fn truncated(&mut self, c: usize) -> Frame {
+        let tcp = self.client(c, SYN);
+        let mut bytes = self.dress(tcp).build();
+        // BPF_PROG_TEST_RUN takes no XDP frame shorter than an Ethernet header.
+        let cut = 14 + self.cuts % (bytes.len() - 14);
+        self.cuts += 1;
+        bytes.truncate(cut);
+        Frame {
+            bytes,
+            path: Path::Xdp,
+            input: Input::Unparsed(Reason::Truncated),
+            label: "truncated SYN",
+        }
+    }
+
+    /// A fragment of a SYN: the first (with a whole or a tiny TCP header) or a later one.
+    fn fragment(&mut self, c: usize) -> Frame {
+        let mut tcp = self.client(c, SYN);
+        if self.rng.percent(20) {
+            tcp.dport = OTHER_PORT;
+        }
+        let header = 32;
+        tcp.payload = vec![0; 16];
+        let (bytes, input, label) = match self.rng.below(3) {
+            0 => {
+                let first = 8 * (self.rng.below(5) + 1);
+                let bytes = tcp.fragments(first).swap_remove(0);
+                let input = if first >= header {
+                    let Input::Segment(seg) = segment(&tcp) else {
+                        unreachable!("segment() gives a segment");
+                    };
+                    Input::Segment(Segment {
+                        fragment: true,
+                        ..seg
+                    })
+                } else {
+                    Input::Unparsed(Reason::Fragment)
+                };
+                (bytes, input, "first fragment")
+            }
+            1 => {
+                let first = 8 * (self.rng.below(5) + 1);
+                let bytes = tcp.fragments(first).swap_remove(1);
+                (bytes, Input::Unparsed(Reason::Fragment), "last fragment")
+            }
+            _ => {
+                tcp.fragment_offset = self.rng.below(100) as u16 + 1;
+                let bytes = self.dress(tcp).build();
+                (bytes, Input::Unparsed(Reason::Fragment), "middle fragment")
+            }
+        };
+        Frame {
+            bytes,
+            path: Path::Xdp,
+            input,
+            label,
+        }
+    }
+
+    /// IPv6: a SYN behind 1 to 8 extension headers (the parser follows 5 before TCP). IPv4:
+    /// a SYN with options.
+    fn chain(&mut self, c: usize) -> Frame {
+        let mut tcp = self.client(c, SYN);
+        if tcp.src.is_ipv4() {
+            tcp.ipv4_options = vec![1; 4 * (self.rng.below(10) + 1)];
+            return Frame {
+                bytes: tcp.build(),
+                path: Path::Xdp,
+                input: segment(&tcp),
+                label: "IPv4 options",
+            };
+        }
+        let count = self.rng.below(8) + 1;
+        let input = if count <= 5 {
+            segment(&tcp)
+        } else {
+            Input::Unparsed(Reason::HeaderChain)
+        };
+        Frame {
+            bytes: tcp.behind_ipv6_chain(count),
+            path: Path::Xdp,
+            input,
+            label: "IPv6 header chain",
+        }
+    }
+
+    /// Three VLAN tags: one more than the parser follows.
+    fn too_many_vlans(&mut self, c: usize) -> Frame {
+        let mut tcp = self.client(c, SYN);
+        tcp.vlans = Vlans::Two(100, 200);
+        let mut bytes = tcp.build();
+        let extra = SingleVlanHeader {
+            pcp: Default::default(),
+            drop_eligible_indicator: false,
+            vlan_id: VlanId::try_new(300).expect("vlan"),
+            ether_type: EtherType::VLAN_TAGGED_FRAME,
+        };
+        bytes.splice(14..14, extra.to_bytes());
+        Frame {
+            bytes,
+            path: Path::Xdp,
+            input: Input::Unparsed(Reason::Malformed),
+            label: "three VLAN tags",
+        }
+    }
+}
