@@ -5,9 +5,9 @@ use std::path::{Path, PathBuf};
 use aya::{
     Ebpf, EbpfLoader,
     programs::{
-        ProgramError, SchedClassifier, TcAttachType, Xdp, XdpMode,
+        LinkOrder, ProgramError, SchedClassifier, TcAttachType, Xdp, XdpMode,
         links::{FdLink, PinnedLink},
-        tc::{SchedClassifierLink, SchedClassifierLinkId},
+        tc::{SchedClassifierLink, TcAttachOptions},
         xdp::{XdpLink, XdpLinkId},
     },
 };
@@ -15,8 +15,11 @@ use limiter_common::map_names;
 use thiserror::Error;
 
 use super::{
-    Maps, MapsError, pins,
+    Maps, MapsError,
+    kernel::{self, KernelError},
+    pins,
     programs::{ADJUST_PROGRAM, RELEASE_PROGRAM, TC_PROGRAM, XDP_PROGRAM, program},
+    tc_legacy::{self, TcLegacyError},
 };
 
 /// The kernel object, built by `cargo xtask build` and embedded so the agent is one file.
@@ -24,6 +27,8 @@ pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(env!("LIMITER_EBPF_O
 
 #[derive(Debug, Error)]
 pub enum LoadError {
+    #[error(transparent)]
+    Kernel(#[from] KernelError),
     #[error("loading the eBPF object")]
     Load(#[from] aya::EbpfError),
     /// build.rs embedded an empty stub because the object had not been built.
@@ -44,6 +49,9 @@ pub enum LoadError {
         #[source]
         source: ProgramError,
     },
+    /// Boxed: the netlink errors inside are large, and every `Result` here carries them.
+    #[error(transparent)]
+    TcLegacy(Box<TcLegacyError>),
     #[error("finding the default route's interface: {0}")]
     DefaultRoute(String),
     #[error(transparent)]
@@ -64,6 +72,12 @@ pub enum LoadError {
         #[source]
         source: aya::programs::links::LinkError,
     },
+}
+
+impl From<TcLegacyError> for LoadError {
+    fn from(error: TcLegacyError) -> Self {
+        Self::TcLegacy(Box::new(error))
+    }
 }
 
 /// How the kernel programs are loaded.
@@ -115,8 +129,8 @@ macro_rules! adopt {
 /// How an interface came to be enforced.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Attachment {
-    /// Attached afresh, in this XDP mode.
-    New(XdpAttachMode),
+    /// Attached afresh: XDP in this mode, TC through this path.
+    New(XdpAttachMode, TcPath),
     /// The pinned links of an earlier agent now run this agent's programs.
     Adopted,
 }
@@ -127,6 +141,14 @@ pub enum XdpAttachMode {
     Auto,
     Native,
     Skb,
+}
+
+/// How a TC program is attached: through a TCX link (6.6 and later), or through a netlink
+/// filter on the clsact qdisc where the kernel has no TCX (see `tc_legacy`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TcPath {
+    Tcx,
+    Netlink,
 }
 
 /// The loaded programs and their maps; dropping it detaches everything it attached.
@@ -144,6 +166,7 @@ impl Datapath {
         if EBPF_OBJECT.is_empty() {
             return Err(LoadError::NoObject);
         }
+        kernel::check_running()?;
         // aya-log's levels: 0 turns every statement off, 4 keeps debug and above.
         let log_level: u8 = if options.kernel_debug { 4 } else { 0 };
         let mut loader = EbpfLoader::new();
@@ -199,48 +222,38 @@ impl Datapath {
     /// moment unenforced); otherwise the programs are attached and their links pinned.
     pub fn attach(&mut self, iface: &str, mode: XdpAttachMode) -> Result<Attachment, LoadError> {
         let Some(dir) = self.pin_dir.clone() else {
-            return self
-                .attach_unpinned(iface, mode)
-                .map(|(mode, _, _)| Attachment::New(mode));
+            let (taken, _) = self.attach_xdp(iface, mode)?;
+            let tc = self.attach_tc(TC_PROGRAM, iface, TcAttachType::Egress, None)?;
+            return Ok(Attachment::New(taken, tc));
         };
-        let (xdp_pin, tc_pin) = (pins::xdp_link(&dir, iface), pins::tc_link(&dir, iface));
-        if xdp_pin.exists() && tc_pin.exists() {
+        let xdp_pin = pins::xdp_link(&dir, iface);
+        if xdp_pin.exists() && pins::tc_attached(&dir, iface, TcAttachType::Egress) {
             adopt!(self, Xdp, XdpLink, XDP_PROGRAM, &xdp_pin, iface);
-            adopt!(
-                self,
-                SchedClassifier,
-                SchedClassifierLink,
-                TC_PROGRAM,
-                &tc_pin,
-                iface
-            );
+            self.adopt_tc(TC_PROGRAM, iface, TcAttachType::Egress, &dir)?;
             return Ok(Attachment::Adopted);
         }
-        let (taken, xdp_id, tc_id) = self.attach_unpinned(iface, mode)?;
         let link_dir = pins::links(&dir, iface);
         std::fs::create_dir_all(&link_dir).map_err(|source| LoadError::Pin {
             path: link_dir,
             source,
         })?;
+        let (taken, xdp_id) = self.attach_xdp(iface, mode)?;
         let link = program::<Xdp>(&mut self.ebpf, XDP_PROGRAM)?
             .take_link(xdp_id)
             .map_err(|source| attach_error(XDP_PROGRAM, iface, source))?;
         pin_link(FdLink::try_from(link), &xdp_pin)?;
-        let link = program::<SchedClassifier>(&mut self.ebpf, TC_PROGRAM)?
-            .take_link(tc_id)
-            .map_err(|source| attach_error(TC_PROGRAM, iface, source))?;
-        pin_link(FdLink::try_from(link), &tc_pin)?;
-        Ok(Attachment::New(taken))
+        let tc = self.attach_tc(TC_PROGRAM, iface, TcAttachType::Egress, Some(&dir))?;
+        Ok(Attachment::New(taken, tc))
     }
 
-    /// Attaches both programs to `iface`, the links owned by this process.
-    fn attach_unpinned(
+    /// Attaches the XDP program to `iface`, the link owned by this process.
+    fn attach_xdp(
         &mut self,
         iface: &str,
         mode: XdpAttachMode,
-    ) -> Result<(XdpAttachMode, XdpLinkId, SchedClassifierLinkId), LoadError> {
+    ) -> Result<(XdpAttachMode, XdpLinkId), LoadError> {
         let xdp = program::<Xdp>(&mut self.ebpf, XDP_PROGRAM)?;
-        let (taken, xdp_id) = match mode {
+        match mode {
             XdpAttachMode::Native => xdp.attach(iface, XdpMode::Driver).map(|id| (mode, id)),
             XdpAttachMode::Skb => xdp.attach(iface, XdpMode::Skb).map(|id| (mode, id)),
             XdpAttachMode::Auto => xdp
@@ -252,11 +265,91 @@ impl Datapath {
                         .map(|id| (XdpAttachMode::Skb, id))
                 }),
         }
-        .map_err(|source| attach_error(XDP_PROGRAM, iface, source))?;
-        let tc_id = program::<SchedClassifier>(&mut self.ebpf, TC_PROGRAM)?
-            .attach(iface, TcAttachType::Egress)
-            .map_err(|source| attach_error(TC_PROGRAM, iface, source))?;
-        Ok((taken, xdp_id, tc_id))
+        .map_err(|source| attach_error(XDP_PROGRAM, iface, source))
+    }
+
+    /// Attaches the TC program `name` to `iface` in `direction`: through a TCX link where the
+    /// kernel has TCX, else through a netlink filter (`tc_legacy`). With a pin directory the
+    /// attachment outlives this process: the TCX link is pinned, or the netlink filter is
+    /// recorded, under the interface's link directory, where [`Self::adopt_tc`] and `limiter
+    /// detach` find it. Any TC program of the object, either direction.
+    pub fn attach_tc(
+        &mut self,
+        name: &'static str,
+        iface: &str,
+        direction: TcAttachType,
+        pin_dir: Option<&Path>,
+    ) -> Result<TcPath, LoadError> {
+        let tc = program::<SchedClassifier>(&mut self.ebpf, name)?;
+        match tc.attach_with_options(
+            iface,
+            direction,
+            TcAttachOptions::TcxOrder(LinkOrder::default()),
+        ) {
+            Ok(id) => {
+                tracing::info!(iface, program = name, "TC attached through a TCX link");
+                if let Some(dir) = pin_dir {
+                    let link = tc
+                        .take_link(id)
+                        .map_err(|source| attach_error(name, iface, source))?;
+                    pin_link(
+                        FdLink::try_from(link),
+                        &pins::tc_link(dir, iface, direction),
+                    )?;
+                }
+                Ok(TcPath::Tcx)
+            }
+            // Kernels before 6.6 know no TCX attach type, and BPF_LINK_CREATE says EINVAL.
+            Err(ProgramError::SyscallError(e))
+                if e.io_error.raw_os_error() == Some(libc::EINVAL) =>
+            {
+                tracing::info!(
+                    iface,
+                    program = name,
+                    error = %e.io_error,
+                    "no TCX on this kernel: TC attached through a netlink filter"
+                );
+                let record =
+                    pin_dir.map(|dir| (pins::links(dir, iface), pins::tc_link_file(direction)));
+                tc_legacy::attach(
+                    tc,
+                    name,
+                    iface,
+                    direction,
+                    record.as_ref().map(|(dir, file)| (dir.as_path(), *file)),
+                )?;
+                Ok(TcPath::Netlink)
+            }
+            Err(source) => Err(attach_error(name, iface, source)),
+        }
+    }
+
+    /// Swaps the TC program `name` into what an earlier agent left on `iface` in `direction`:
+    /// its pinned TCX link, or its recorded netlink filter, with no moment unenforced.
+    pub fn adopt_tc(
+        &mut self,
+        name: &'static str,
+        iface: &str,
+        direction: TcAttachType,
+        pin_dir: &Path,
+    ) -> Result<TcPath, LoadError> {
+        let link_dir = pins::links(pin_dir, iface);
+        let file = pins::tc_link_file(direction);
+        if tc_legacy::recorded(&link_dir, file) {
+            let tc = program::<SchedClassifier>(&mut self.ebpf, name)?;
+            tc_legacy::adopt(tc, name, iface, &link_dir, file)?;
+            return Ok(TcPath::Netlink);
+        }
+        let pin = pins::tc_link(pin_dir, iface, direction);
+        adopt!(
+            self,
+            SchedClassifier,
+            SchedClassifierLink,
+            name,
+            &pin,
+            iface
+        );
+        Ok(TcPath::Tcx)
     }
 
     /// The loaded object, so its programs can be run directly (`BPF_PROG_TEST_RUN` in the

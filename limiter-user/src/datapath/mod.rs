@@ -4,6 +4,7 @@
 
 mod enforcer;
 mod helpers;
+pub mod kernel;
 pub mod keys;
 mod loader;
 mod maps;
@@ -11,15 +12,17 @@ pub mod pins;
 mod policy;
 mod programs;
 mod route;
+mod tc_legacy;
 mod walk;
 
 pub use enforcer::{EnforceError, Enforcer};
 pub use loader::{
-    Attachment, Datapath, EBPF_OBJECT, KernelLogger, LoadError, LoadOptions, XdpAttachMode,
+    Attachment, Datapath, EBPF_OBJECT, KernelLogger, LoadError, LoadOptions, TcPath, XdpAttachMode,
 };
 pub use maps::{Maps, MapsError, PacketCount};
 pub use pins::detach;
 pub use policy::Policy;
 pub use programs::{TC_PROGRAM, XDP_PROGRAM};
 pub use route::default_route_interface;
+pub use tc_legacy::TcLegacyError;
 pub use walk::{FlowBatch, SweepCursor};
