@@ -3,10 +3,13 @@
 //! Every command that builds calls [`setup::ensure`] first, so a machine with nothing but
 //! rustup and a stable toolchain gets the pinned nightly and `bpf-linker` on first use.
 //!
-//! Modules import only those below them: `test` → `build` → `setup` → `cmd` → `paths`.
+//! Modules import only those below them: `kernels` and `test` → `build` → `cross` → `setup` →
+//! `cmd` → `paths`.
 
 mod build;
 mod cmd;
+mod cross;
+mod kernels;
 mod paths;
 mod setup;
 mod test;
@@ -26,10 +29,16 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Install what is missing: the pinned nightly with rust-src, and bpf-linker.
+    /// Install what is missing: the pinned nightly with rust-src, bpf-linker, and what
+    /// test-kernels needs (qemu, busybox, cpio, Debian's kernel packages).
     Setup,
-    /// Build the eBPF object and the agent (release) into target/release/limiter.
-    Build,
+    /// Build the eBPF object and the agent (release) into target/release/limiter, or with
+    /// `--target aarch64` into target/aarch64-unknown-linux-gnu/release/limiter.
+    Build {
+        /// Cross-build the agent for this target (the eBPF object is the same).
+        #[arg(long, value_enum)]
+        target: Option<cross::Target>,
+    },
     /// Build, then run `limiter run` as root with the given arguments.
     Run {
         /// Arguments passed to `limiter run`.
@@ -38,6 +47,9 @@ enum Command {
     },
     /// Formatting, clippy, unit tests, the eBPF build and the privileged tests.
     Test,
+    /// Boot the agent and the privileged tests on every supported kernel this machine can
+    /// get (the host's, and Debian's under qemu); prints a kernel × result table.
+    TestKernels,
     /// Benchmarks that print figures beside an anchor measured in the same run.
     Bench {
         #[arg(value_enum)]
@@ -57,12 +69,19 @@ fn main() -> Result<()> {
     match Cli::parse().command {
         Command::Setup => {
             setup::ensure()?;
-            println!("setup: the pinned nightly, its components and bpf-linker are in place");
+            kernels::setup()?;
+            println!(
+                "setup: the pinned nightly, its components, bpf-linker and the boot-test kernels are in place"
+            );
             Ok(())
         }
-        Command::Build => build::all().map(|_| ()),
+        Command::Build { target: None } => build::all().map(|_| ()),
+        Command::Build {
+            target: Some(target),
+        } => build::cross(target).map(|_| ()),
         Command::Run { args } => build::run(&args),
         Command::Test => test::run(),
+        Command::TestKernels => kernels::run(),
         Command::Bench { suite } => match suite {
             BenchSuite::Kernel => test::bench_kernel(),
             BenchSuite::App => test::bench_app(),

@@ -125,14 +125,25 @@ fn link_libllvm(sysroot: &Path, soname: &str, dir: &Path) -> Result<()> {
 
 /// The network-namespace tests drive `ip` (iproute2); a minimal image may lack it.
 pub fn ensure_iproute2() -> Result<()> {
-    if Command::new("ip")
-        .arg("-V")
-        .output()
-        .is_ok_and(|o| o.status.success())
-    {
+    ensure_packages(&[("/usr/sbin/ip", "iproute2")])
+}
+
+/// Installs through apt-get each package whose marker file is missing; does nothing (and
+/// touches no package index) when every marker is present.
+pub fn ensure_packages(packages: &[(&str, &str)]) -> Result<()> {
+    let missing: Vec<&str> = packages
+        .iter()
+        .filter(|(marker, _)| !Path::new(marker).exists())
+        .map(|(_, package)| *package)
+        .collect();
+    if missing.is_empty() {
         return Ok(());
     }
-    println!("setup: installing iproute2");
+    println!("setup: installing {}", missing.join(" "));
     status(Command::new("apt-get").args(["update", "-q"]))?;
-    status(Command::new("apt-get").args(["install", "-y", "-q", "iproute2"]))
+    status(
+        Command::new("apt-get")
+            .args(["install", "-y", "-q", "--no-install-recommends"])
+            .args(&missing),
+    )
 }

@@ -337,7 +337,7 @@ impl Datapath {
         let file = pins::tc_link_file(direction);
         if tc_legacy::recorded(&link_dir, file) {
             let tc = program::<SchedClassifier>(&mut self.ebpf, name)?;
-            tc_legacy::adopt(tc, name, iface, &link_dir, file)?;
+            tc_legacy::adopt(tc, name, iface, direction)?;
             return Ok(TcPath::Netlink);
         }
         let pin = pins::tc_link(pin_dir, iface, direction);

@@ -2,7 +2,7 @@
 //! `links/<iface>/` holding one interface's attachments (`xdp`; `tc` for egress and
 //! `tc-ingress` for ingress, each either a pinned TCX link or, on kernels without TCX, a
 //! `tc.netlink` / `tc-ingress.netlink` filter record, plus `clsact` when limiter created the
-//! qdisc), on a BPF filesystem this module mounts when needed, and `limiter detach`, which
+//! qdisc; records are empty directories), on a BPF filesystem this module mounts when needed, and `limiter detach`, which
 //! removes them.
 
 use std::path::{Path, PathBuf};
@@ -53,6 +53,15 @@ pub fn tc_link_file(direction: TcAttachType) -> &'static str {
     match direction {
         TcAttachType::Ingress => "tc-ingress",
         TcAttachType::Egress | TcAttachType::Custom(_) => "tc",
+    }
+}
+
+/// The direction whose TC attachment is called `file` (the inverse of [`tc_link_file`]).
+fn tc_direction(file: &str) -> TcAttachType {
+    if file == tc_link_file(TcAttachType::Ingress) {
+        TcAttachType::Ingress
+    } else {
+        TcAttachType::Egress
     }
 }
 
@@ -172,8 +181,8 @@ fn detach_iface(iface: &str, dir: &Path) -> Result<(), LoadError> {
             .unwrap_or_default();
         if name == tc_legacy::CLSACT_RECORD {
             qdisc = Some(path);
-        } else if name.ends_with(tc_legacy::FILTER_RECORD_SUFFIX) {
-            tc_legacy::detach_filter(iface, &path)?;
+        } else if let Some(file) = name.strip_suffix(tc_legacy::FILTER_RECORD_SUFFIX) {
+            tc_legacy::detach_filter(iface, tc_direction(file), &path)?;
         } else {
             let link = PinnedLink::from_pin(&path).map_err(|source| LoadError::Link {
                 path: path.clone(),

@@ -4,8 +4,9 @@
 //! A netlink filter is no BPF link and cannot be pinned, but it holds its own reference to the
 //! program: the filter keeps enforcing when the agent exits or dies. What the next agent needs
 //! is where the filter is, so every filter limiter makes sits at one fixed priority and handle
-//! per direction, and a record of it is left in the pin directory (a symlink on bpffs, whose
-//! target is the record: bpffs holds no regular files). A new agent replaces the program of
+//! per direction, and a record of it is left in the pin directory (an empty directory named
+//! after the filter: bpffs holds no regular files, and symlinks on it are refused by some
+//! kernels, 6.1 among them). A new agent replaces the program of
 //! that filter in one netlink request (cls_bpf swaps the program under RCU, so no packet goes
 //! unfiltered), which is `tc filter replace` on the same priority and handle.
 //!
@@ -30,10 +31,10 @@ pub const PRIORITY: u16 = 1;
 /// The handle of every filter limiter makes ("LM"), unique within its priority.
 pub const HANDLE: TcHandle = TcHandle::new(0, 0x4c4d);
 
-/// The record's file name beside a filter's record: present only when limiter created the
+/// The record beside the filters' records that is present only when limiter created the
 /// interface's clsact qdisc.
 pub const CLSACT_RECORD: &str = "clsact";
-/// What a record file name ends with.
+/// What a filter's record is called: its link file name (which says the direction) and this.
 pub const FILTER_RECORD_SUFFIX: &str = ".netlink";
 
 #[derive(Debug, Error)]
@@ -71,16 +72,15 @@ pub enum TcLegacyError {
     },
     #[error("limiter attaches TC programs only to the clsact ingress or egress hook")]
     CustomParent,
-    #[error("record {path} reads {text:?}, which limiter never writes")]
-    BadRecord { path: PathBuf, text: String },
 }
 
 /// Attaches `program` (called `name`) to `iface` in `direction` through a netlink filter at
 /// [`PRIORITY`] and [`HANDLE`], adding the clsact qdisc when the interface has none.
 ///
-/// With `record_dir` (the interface's link directory in the pin directory), the filter is left
-/// to outlive this process and recorded there as `<file>.netlink`; without it the filter stays
-/// the program's and goes when the program is dropped (the qdisc stays).
+/// With `record` (the interface's link directory in the pin directory, and the link file name
+/// for `direction`), the filter is left to outlive this process and recorded there as
+/// `<file>.netlink`; without it the filter stays the program's and goes when the program is
+/// dropped (the qdisc stays).
 pub fn attach(
     program: &mut SchedClassifier,
     name: &'static str,
@@ -88,7 +88,9 @@ pub fn attach(
     direction: TcAttachType,
     record: Option<(&Path, &str)>,
 ) -> Result<(), TcLegacyError> {
-    let direction_text = direction_name(direction)?;
+    if let TcAttachType::Custom(_) = direction {
+        return Err(TcLegacyError::CustomParent);
+    }
     let created = match tc::qdisc_add_clsact(iface) {
         Ok(()) => true,
         Err(TcError::NetlinkError(e)) if e.raw_os_error() == Some(libc::EEXIST) => false,
@@ -102,7 +104,7 @@ pub fn attach(
     if let Some((dir, _)) = record {
         // Written before the filter, so a failure in between still lets detach clean up.
         if created {
-            write_record(&dir.join(CLSACT_RECORD), "created")?;
+            write_record(&dir.join(CLSACT_RECORD))?;
         }
     }
     let filter_error = |source| TcLegacyError::Filter {
@@ -122,7 +124,7 @@ pub fn attach(
         )
         .map_err(filter_error)?;
     if let Some((dir, file)) = record {
-        write_record(&record_path(dir, file), direction_text)?;
+        write_record(&record_path(dir, file))?;
         let link = program.take_link(id).map_err(filter_error)?;
         // Dropping the link would delete the filter; it must outlive this process.
         std::mem::forget(link);
@@ -132,20 +134,17 @@ pub fn attach(
 
 /// Whether `dir` holds a netlink filter record for the link file `file`.
 pub fn recorded(dir: &Path, file: &str) -> bool {
-    record_path(dir, file).symlink_metadata().is_ok()
+    record_path(dir, file).is_dir()
 }
 
-/// Swaps `program` into the filter recorded as `file` in `dir` by an earlier agent: the same
+/// Swaps `program` into the filter an earlier agent left on `iface` in `direction`: the same
 /// priority and handle, replaced in place.
 pub fn adopt(
     program: &mut SchedClassifier,
     name: &'static str,
     iface: &str,
-    dir: &Path,
-    file: &str,
+    direction: TcAttachType,
 ) -> Result<(), TcLegacyError> {
-    let path = record_path(dir, file);
-    let direction = read_record(&path)?;
     let filter_error = |source| TcLegacyError::Filter {
         name,
         iface: iface.to_string(),
@@ -160,10 +159,13 @@ pub fn adopt(
     Ok(())
 }
 
-/// Removes the filter recorded at `path` (a `*.netlink` record of `iface`) and its record.
-/// A filter already gone (the interface deleted with it) is not an error.
-pub fn detach_filter(iface: &str, path: &Path) -> Result<(), TcLegacyError> {
-    let direction = read_record(path)?;
+/// Removes the filter recorded at `path` (the `*.netlink` record of `iface` in `direction`)
+/// and its record. A filter already gone (the interface deleted with it) is not an error.
+pub fn detach_filter(
+    iface: &str,
+    direction: TcAttachType,
+    path: &Path,
+) -> Result<(), TcLegacyError> {
     let detach_error = |source| TcLegacyError::Detach {
         path: path.to_path_buf(),
         source,
@@ -206,38 +208,15 @@ fn record_path(dir: &Path, file: &str) -> PathBuf {
     dir.join(format!("{file}{FILTER_RECORD_SUFFIX}"))
 }
 
-fn direction_name(direction: TcAttachType) -> Result<&'static str, TcLegacyError> {
-    match direction {
-        TcAttachType::Ingress => Ok("ingress"),
-        TcAttachType::Egress => Ok("egress"),
-        TcAttachType::Custom(_) => Err(TcLegacyError::CustomParent),
-    }
-}
-
-fn write_record(path: &Path, text: &str) -> Result<(), TcLegacyError> {
-    std::os::unix::fs::symlink(text, path).map_err(|source| TcLegacyError::Record {
+fn write_record(path: &Path) -> Result<(), TcLegacyError> {
+    std::fs::create_dir(path).map_err(|source| TcLegacyError::Record {
         path: path.to_path_buf(),
         source,
     })
 }
 
-fn read_record(path: &Path) -> Result<TcAttachType, TcLegacyError> {
-    let text = std::fs::read_link(path).map_err(|source| TcLegacyError::Record {
-        path: path.to_path_buf(),
-        source,
-    })?;
-    match text.to_str() {
-        Some("ingress") => Ok(TcAttachType::Ingress),
-        Some("egress") => Ok(TcAttachType::Egress),
-        _ => Err(TcLegacyError::BadRecord {
-            path: path.to_path_buf(),
-            text: text.to_string_lossy().into_owned(),
-        }),
-    }
-}
-
 fn remove_record(path: &Path) -> Result<(), TcLegacyError> {
-    match std::fs::remove_file(path) {
+    match std::fs::remove_dir(path) {
         Err(e) if e.kind() != io::ErrorKind::NotFound => Err(TcLegacyError::Record {
             path: path.to_path_buf(),
             source: e,
