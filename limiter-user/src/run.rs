@@ -106,6 +106,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     };
     let runtime = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
     runtime.block_on(async move {
+        let signals = Signals::install().context("installing the signal handlers")?;
         let mut datapath = Datapath::load(LoadOptions {
             flow_table_size: settings.flow_table_size,
             kernel_debug: settings.kernel_debug,
@@ -179,7 +180,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
             settings: live,
             enforcer,
         };
-        wait_for_signals(&agent).await?;
+        signals.wait(&agent).await;
         tracing::info!("stopping; the programs stay attached (limiter detach removes them)");
         stop.cancel();
         while tasks.join_next().await.is_some() {}
@@ -205,18 +206,35 @@ fn warn_of_stale_links(pin_dir: &std::path::Path, ifaces: &[String]) {
 }
 
 /// Reloads on SIGHUP; returns on SIGTERM or SIGINT.
-async fn wait_for_signals(agent: &Agent) -> anyhow::Result<()> {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut term = signal(SignalKind::terminate())?;
-    let mut int = signal(SignalKind::interrupt())?;
-    let mut hup = signal(SignalKind::hangup())?;
-    loop {
-        tokio::select! {
-            _ = term.recv() => return Ok(()),
-            _ = int.recv() => return Ok(()),
-            _ = hup.recv() => {
-                if let Err(error) = agent.reload() {
-                    tracing::error!("reload refused, the old settings stay: {error}");
+/// The signals the agent handles, installed before anything is attached: a SIGTERM sent while
+/// it starts, or the moment it reports ready, must stop it cleanly (once started), not kill it
+/// by the default action.
+struct Signals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+    hup: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn install() -> std::io::Result<Self> {
+        use tokio::signal::unix::{SignalKind, signal};
+        Ok(Self {
+            term: signal(SignalKind::terminate())?,
+            int: signal(SignalKind::interrupt())?,
+            hup: signal(SignalKind::hangup())?,
+        })
+    }
+
+    /// Reloads on SIGHUP; returns on SIGTERM or SIGINT.
+    async fn wait(mut self, agent: &Agent) {
+        loop {
+            tokio::select! {
+                _ = self.term.recv() => return,
+                _ = self.int.recv() => return,
+                _ = self.hup.recv() => {
+                    if let Err(error) = agent.reload() {
+                        tracing::error!("reload refused, the old settings stay: {error}");
+                    }
                 }
             }
         }
