@@ -1,7 +1,7 @@
 //! The pin layout and its lifecycle: `maps/<MAP>` shared by every interface and
 //! `links/<iface>/` holding one interface's attachments (`xdp`; `tc` for egress and
 //! `tc-ingress` for ingress, each either a pinned TCX link or, on kernels without TCX, a
-//! `tc.netlink` / `tc-ingress.netlink` filter record, plus `clsact` when limiter created the
+//! `tc-netlink` / `tc-ingress-netlink` filter record, plus `clsact` when limiter created the
 //! qdisc; records are empty directories), on a BPF filesystem this module mounts when needed, and `limiter detach`, which
 //! removes them.
 

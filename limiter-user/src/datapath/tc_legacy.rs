@@ -5,8 +5,8 @@
 //! program: the filter keeps enforcing when the agent exits or dies. What the next agent needs
 //! is where the filter is, so every filter limiter makes sits at one fixed priority and handle
 //! per direction, and a record of it is left in the pin directory (an empty directory named
-//! after the filter: bpffs holds no regular files, and symlinks on it are refused by some
-//! kernels, 6.1 among them). A new agent replaces the program of
+//! after the filter, without a dot: bpffs holds no regular files, and older kernels
+//! refuse names with dots on it with `EPERM`, 6.1 among them). A new agent replaces the program of
 //! that filter in one netlink request (cls_bpf swaps the program under RCU, so no packet goes
 //! unfiltered), which is `tc filter replace` on the same priority and handle.
 //!
@@ -35,7 +35,7 @@ pub const HANDLE: TcHandle = TcHandle::new(0, 0x4c4d);
 /// interface's clsact qdisc.
 pub const CLSACT_RECORD: &str = "clsact";
 /// What a filter's record is called: its link file name (which says the direction) and this.
-pub const FILTER_RECORD_SUFFIX: &str = ".netlink";
+pub const FILTER_RECORD_SUFFIX: &str = "-netlink";
 
 #[derive(Debug, Error)]
 pub enum TcLegacyError {
@@ -79,7 +79,7 @@ pub enum TcLegacyError {
 ///
 /// With `record` (the interface's link directory in the pin directory, and the link file name
 /// for `direction`), the filter is left to outlive this process and recorded there as
-/// `<file>.netlink`; without it the filter stays the program's and goes when the program is
+/// `<file>-netlink`; without it the filter stays the program's and goes when the program is
 /// dropped (the qdisc stays).
 pub fn attach(
     program: &mut SchedClassifier,
@@ -159,7 +159,7 @@ pub fn adopt(
     Ok(())
 }
 
-/// Removes the filter recorded at `path` (the `*.netlink` record of `iface` in `direction`)
+/// Removes the filter recorded at `path` (the `*-netlink` record of `iface` in `direction`)
 /// and its record. A filter already gone (the interface deleted with it) is not an error.
 pub fn detach_filter(
     iface: &str,
