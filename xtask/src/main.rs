@@ -49,7 +49,11 @@ enum Command {
     Test,
     /// Boot the agent and the privileged tests on every supported kernel this machine can
     /// get (the host's, and Debian's under qemu); prints a kernel × result table.
-    TestKernels,
+    TestKernels {
+        /// Only this architecture's rows (the host's kernel counts as amd64).
+        #[arg(long, value_enum)]
+        arch: Option<kernels::Arch>,
+    },
     /// Benchmarks that print figures beside an anchor measured in the same run.
     Bench {
         #[arg(value_enum)]
@@ -81,7 +85,7 @@ fn main() -> Result<()> {
         } => build::cross(target).map(|_| ()),
         Command::Run { args } => build::run(&args),
         Command::Test => test::run(),
-        Command::TestKernels => kernels::run(),
+        Command::TestKernels { arch } => kernels::run(arch),
         Command::Bench { suite } => match suite {
             BenchSuite::Kernel => test::bench_kernel(),
             BenchSuite::App => test::bench_app(),
