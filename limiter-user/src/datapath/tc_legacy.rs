@@ -172,9 +172,12 @@ pub fn detach_filter(
     };
     match SchedClassifierLink::attached(iface, direction, PRIORITY, HANDLE, None) {
         Ok(link) => match link.detach() {
-            Ok(()) => {}
-            Err(ProgramError::TcError(TcError::NetlinkError(e)))
+            // No such filter, or no clsact qdisc at all ("Parent Qdisc doesn't exists"): the
+            // filter is gone already. Also what a detach run in another network namespace
+            // than the interface's sees: netlink reaches only its own namespace's interfaces.
+            Err(ProgramError::NetlinkError(e))
                 if matches!(e.raw_os_error(), Some(libc::ENOENT | libc::EINVAL)) => {}
+            Ok(()) => {}
             Err(e) => return Err(detach_error(e)),
         },
         // No such interface: its filters went with it.
