@@ -180,8 +180,9 @@ pub fn detach_filter(
             Ok(()) => {}
             Err(e) => return Err(detach_error(e)),
         },
-        // No such interface: its filters went with it.
-        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        // No such interface (here): its filters went with it, or live in another namespace.
+        Err(e) if e.raw_os_error() == Some(libc::ENODEV) || e.kind() == io::ErrorKind::NotFound => {
+        }
         Err(e) => return Err(detach_error(TcError::IoError(e).into())),
     }
     remove_record(path)
