@@ -11,6 +11,14 @@
 //! - `ops`: the operator commands, clients of the HTTP API (or readers of pinned maps).
 //! - `run` and `cli`: the wiring of `limiter run`, and the command line.
 
+// The kernel object is built for bpfel (little-endian) and its maps are shared byte for byte
+// with the agent, so a big-endian agent would misread every key and counter.
+#[cfg(target_endian = "big")]
+compile_error!(
+    "limiter runs only on little-endian hosts (x86_64, arm64): its eBPF object is bpfel and \
+     shares its maps byte for byte with the agent"
+);
+
 pub mod api;
 pub mod buckets;
 pub mod cli;

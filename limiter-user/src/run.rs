@@ -111,6 +111,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     };
     let runtime = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
     runtime.block_on(async move {
+        let signals = Signals::install().context("installing the signal handlers")?;
         let mut datapath = Datapath::load(LoadOptions {
             flow_table_size: settings.flow_table_size,
             half_open_size: settings.half_open_table_size,
@@ -179,9 +180,6 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
                 }
             });
         }
-        // The handlers are in place before "ready" is said: a signal sent on that word must
-        // reload or stop the agent, not kill it with the default action.
-        let signals = Signals::new()?;
         tracing::info!("limiter is ready");
         let agent = Agent {
             args,
@@ -213,7 +211,9 @@ fn warn_of_stale_links(pin_dir: &std::path::Path, ifaces: &[String]) {
     }
 }
 
-/// The agent's signal handlers: SIGTERM and SIGINT stop it, SIGHUP reloads.
+/// The signals the agent handles, installed before anything is attached: a SIGTERM sent while
+/// it starts, or the moment it reports ready, must stop it cleanly (once started), not kill it
+/// by the default action.
 struct Signals {
     term: tokio::signal::unix::Signal,
     int: tokio::signal::unix::Signal,
@@ -221,7 +221,7 @@ struct Signals {
 }
 
 impl Signals {
-    fn new() -> anyhow::Result<Self> {
+    fn install() -> std::io::Result<Self> {
         use tokio::signal::unix::{SignalKind, signal};
         Ok(Self {
             term: signal(SignalKind::terminate())?,

@@ -6,6 +6,7 @@ use anyhow::Result;
 
 use crate::{
     cmd::{cargo, status},
+    cross::{self, Target},
     paths::{self, BPF_TARGET, NIGHTLY},
     setup,
 };
@@ -45,6 +46,24 @@ pub fn all() -> Result<PathBuf> {
     ]))?;
     status(cargo("stable").args(["build", "--release", "-p", "limiter-mosquitto", "--lib"]))?;
     Ok(paths::agent_binary())
+}
+
+/// Builds the eBPF object and the release agent for another target; returns the agent's path.
+pub fn cross(target: Target) -> Result<PathBuf> {
+    ebpf()?;
+    cross::ensure(target)?;
+    let mut cmd = cargo("stable");
+    cmd.args([
+        "build",
+        "--release",
+        "-p",
+        "limiter-user",
+        "--bin",
+        "limiter",
+    ]);
+    cross::configure(&mut cmd, target);
+    status(&mut cmd)?;
+    Ok(target.agent_binary())
 }
 
 /// Builds, then runs `limiter run ARGS`, through sudo when not already root.

@@ -3,11 +3,13 @@
 //! Every command that builds calls [`setup::ensure`] first, so a machine with nothing but
 //! rustup and a stable toolchain gets the pinned nightly and `bpf-linker` on first use.
 //!
-//! Modules import only those below them: `test` → `package` → `build` → `setup` → `cmd` →
-//! `paths`.
+//! Modules import only those below them: `kernels` and `test` → `package` → `build` →
+//! `cross` → `setup` → `cmd` → `paths`.
 
 mod build;
 mod cmd;
+mod cross;
+mod kernels;
 mod package;
 mod paths;
 mod setup;
@@ -28,11 +30,17 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Install what is missing: the pinned nightly with rust-src, bpf-linker, cargo-deb and
-    /// the tools the tests drive (iproute2, mosquitto, systemd-analyze, promtool).
+    /// Install what is missing: the pinned nightly with rust-src, bpf-linker, cargo-deb, the
+    /// tools the tests drive (iproute2, mosquitto, systemd-analyze, promtool), and what
+    /// test-kernels needs (qemu, busybox, cpio, Debian's kernel packages).
     Setup,
-    /// Build the eBPF object and the agent (release) into target/release/limiter.
-    Build,
+    /// Build the eBPF object and the agent (release) into target/release/limiter, or with
+    /// `--target aarch64` into target/aarch64-unknown-linux-gnu/release/limiter.
+    Build {
+        /// Cross-build the agent for this target (the eBPF object is the same).
+        #[arg(long, value_enum)]
+        target: Option<cross::Target>,
+    },
     /// Build, then run `limiter run` as root with the given arguments.
     Run {
         /// Arguments passed to `limiter run`.
@@ -51,6 +59,13 @@ enum Command {
         /// The PRNG seed; from the clock if not given (printed either way).
         #[arg(long)]
         seed: Option<u64>,
+    },
+    /// Boot the agent and the privileged tests on every supported kernel this machine can
+    /// get (the host's, and Debian's under qemu); prints a kernel × result table.
+    TestKernels {
+        /// Only this architecture's rows (the host's kernel counts as amd64).
+        #[arg(long, value_enum)]
+        arch: Option<kernels::Arch>,
     },
     /// Benchmarks that print figures beside an anchor measured in the same run.
     Bench {
@@ -76,16 +91,21 @@ fn main() -> Result<()> {
             setup::ensure()?;
             setup::ensure_cargo_deb()?;
             setup::ensure_test_tools()?;
+            kernels::setup()?;
             println!(
-                "setup: the pinned nightly, its components, bpf-linker, cargo-deb and the test tools are in place"
+                "setup: the pinned nightly, its components, bpf-linker, cargo-deb, the test tools and the boot-test kernels are in place"
             );
             Ok(())
         }
-        Command::Build => build::all().map(|_| ()),
+        Command::Build { target: None } => build::all().map(|_| ()),
+        Command::Build {
+            target: Some(target),
+        } => build::cross(target).map(|_| ()),
         Command::Run { args } => build::run(&args),
         Command::Package => package::build().map(|_| ()),
         Command::Test => test::run(),
         Command::Fuzz { frames, seed } => test::fuzz(frames, seed),
+        Command::TestKernels { arch } => kernels::run(arch),
         Command::Bench { suite } => match suite {
             BenchSuite::Kernel => test::bench_kernel(),
             BenchSuite::App => test::bench_app(),

@@ -189,3 +189,31 @@ fn on_path(program: &str) -> bool {
         .chain(["/usr/sbin".into(), "/sbin".into()])
         .any(|dir| dir.join(program).is_file())
 }
+
+/// The network-namespace tests drive `ip` (iproute2); a minimal image may lack it.
+pub fn ensure_iproute2() -> Result<()> {
+    ensure_tools(&[("ip", "iproute2")])
+}
+
+/// Installs through apt-get each package whose marker file is missing; does nothing (and
+/// touches no package index) when every marker is present.
+pub fn ensure_packages(packages: &[(&str, &str)]) -> Result<()> {
+    let missing: Vec<&str> = packages
+        .iter()
+        .filter(|(marker, _)| !Path::new(marker).exists())
+        .map(|(_, package)| *package)
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    println!("setup: installing {}", missing.join(" "));
+    let lock = ["-o", "DPkg::Lock::Timeout=600"];
+    status(Command::new("apt-get").args(lock).args(["update", "-q"]))?;
+    status(
+        Command::new("apt-get")
+            .args(lock)
+            .args(["install", "-y", "-q", "--no-install-recommends"])
+            .args(&missing)
+            .env("DEBIAN_FRONTEND", "noninteractive"),
+    )
+}

@@ -5,9 +5,9 @@ use std::path::{Path, PathBuf};
 use aya::{
     Ebpf, EbpfLoader,
     programs::{
-        ProgramError, SchedClassifier, TcAttachType, Xdp, XdpMode,
+        LinkOrder, ProgramError, SchedClassifier, TcAttachType, Xdp, XdpMode,
         links::{FdLink, PinnedLink},
-        tc::SchedClassifierLink,
+        tc::{SchedClassifierLink, TcAttachOptions},
         xdp::{XdpLink, XdpLinkId},
     },
 };
@@ -15,10 +15,13 @@ use limiter_common::map_names;
 use thiserror::Error;
 
 use super::{
-    Maps, MapsError, pins,
+    Maps, MapsError,
+    kernel::{self, KernelError},
+    pins,
     programs::{
         ADJUST_PROGRAM, RELEASE_PROGRAM, TC_INGRESS_PROGRAM, TC_PROGRAM, XDP_PROGRAM, program,
     },
+    tc_legacy::{self, TcLegacyError},
 };
 
 /// The kernel object, built by `cargo xtask build` and embedded so the agent is one file.
@@ -26,6 +29,8 @@ pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(env!("LIMITER_EBPF_O
 
 #[derive(Debug, Error)]
 pub enum LoadError {
+    #[error(transparent)]
+    Kernel(#[from] KernelError),
     #[error("loading the eBPF object")]
     Load(#[from] aya::EbpfError),
     /// build.rs embedded an empty stub because the object had not been built.
@@ -46,6 +51,9 @@ pub enum LoadError {
         #[source]
         source: ProgramError,
     },
+    /// Boxed: the netlink errors inside are large, and every `Result` here carries them.
+    #[error(transparent)]
+    TcLegacy(Box<TcLegacyError>),
     #[error("finding the default route's interface: {0}")]
     DefaultRoute(String),
     #[error(transparent)]
@@ -66,6 +74,12 @@ pub enum LoadError {
         #[source]
         source: aya::programs::links::LinkError,
     },
+}
+
+impl From<TcLegacyError> for LoadError {
+    fn from(error: TcLegacyError) -> Self {
+        Self::TcLegacy(Box::new(error))
+    }
 }
 
 /// How the kernel programs are loaded.
@@ -126,8 +140,8 @@ const TC_PROGRAMS: [(&str, TcAttachType); 2] = [
 /// How an interface came to be enforced.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Attachment {
-    /// Attached afresh, in this XDP mode.
-    New(XdpAttachMode),
+    /// Attached afresh: XDP in this mode, TC through this path.
+    New(XdpAttachMode, TcPath),
     /// The pinned links of an earlier agent now run this agent's programs.
     Adopted,
 }
@@ -138,6 +152,14 @@ pub enum XdpAttachMode {
     Auto,
     Native,
     Skb,
+}
+
+/// How a TC program is attached: through a TCX link (6.6 and later), or through a netlink
+/// filter on the clsact qdisc where the kernel has no TCX (see `tc_legacy`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TcPath {
+    Tcx,
+    Netlink,
 }
 
 /// The loaded programs and their maps; dropping it detaches everything it attached.
@@ -155,6 +177,7 @@ impl Datapath {
         if EBPF_OBJECT.is_empty() {
             return Err(LoadError::NoObject);
         }
+        kernel::check_running()?;
         // aya-log's levels: 0 turns every statement off, 4 keeps debug and above.
         let log_level: u8 = if options.kernel_debug { 4 } else { 0 };
         let mut loader = EbpfLoader::new();
@@ -212,59 +235,43 @@ impl Datapath {
     pub fn attach(&mut self, iface: &str, mode: XdpAttachMode) -> Result<Attachment, LoadError> {
         let Some(dir) = self.pin_dir.clone() else {
             let (taken, _) = self.attach_xdp(iface, mode)?;
+            let mut path = TcPath::Tcx;
             for (name, direction) in TC_PROGRAMS {
-                program::<SchedClassifier>(&mut self.ebpf, name)?
-                    .attach(iface, direction)
-                    .map_err(|source| attach_error(name, iface, source))?;
+                path = self.attach_tc(name, iface, direction, None)?;
             }
-            return Ok(Attachment::New(taken));
+            return Ok(Attachment::New(taken, path));
         };
         let xdp_pin = pins::xdp_link(&dir, iface);
-        let adopted = xdp_pin.exists();
-        let taken = if adopted {
+        let taken = if xdp_pin.exists() {
             adopt!(self, Xdp, XdpLink, XDP_PROGRAM, &xdp_pin, iface);
             None
         } else {
-            let (taken, id) = self.attach_xdp(iface, mode)?;
             let link_dir = pins::links(&dir, iface);
             std::fs::create_dir_all(&link_dir).map_err(|source| LoadError::Pin {
                 path: link_dir,
                 source,
             })?;
+            let (taken, xdp_id) = self.attach_xdp(iface, mode)?;
             let link = program::<Xdp>(&mut self.ebpf, XDP_PROGRAM)?
-                .take_link(id)
+                .take_link(xdp_id)
                 .map_err(|source| attach_error(XDP_PROGRAM, iface, source))?;
             pin_link(FdLink::try_from(link), &xdp_pin)?;
             Some(taken)
         };
+        let mut path = TcPath::Tcx;
         for (name, direction) in TC_PROGRAMS {
-            let pin = match direction {
-                TcAttachType::Ingress => pins::tc_ingress_link(&dir, iface),
-                _ => pins::tc_link(&dir, iface),
-            };
-            // Each TC link is adopted or made on its own: an agent from before the ingress
-            // program existed pinned none for it.
-            if pin.exists() {
-                adopt!(
-                    self,
-                    SchedClassifier,
-                    SchedClassifierLink,
-                    name,
-                    &pin,
-                    iface
-                );
+            // Each TC program is adopted or attached on its own: an agent from before the
+            // ingress program existed left nothing for it.
+            path = if pins::tc_attached(&dir, iface, direction) {
+                self.adopt_tc(name, iface, direction, &dir)?
             } else {
-                let tc = program::<SchedClassifier>(&mut self.ebpf, name)?;
-                let id = tc
-                    .attach(iface, direction)
-                    .map_err(|source| attach_error(name, iface, source))?;
-                let link = tc
-                    .take_link(id)
-                    .map_err(|source| attach_error(name, iface, source))?;
-                pin_link(FdLink::try_from(link), &pin)?;
-            }
+                self.attach_tc(name, iface, direction, Some(&dir))?
+            };
         }
-        Ok(taken.map_or(Attachment::Adopted, Attachment::New))
+        Ok(match taken {
+            Some(mode) => Attachment::New(mode, path),
+            None => Attachment::Adopted,
+        })
     }
 
     /// Attaches the XDP program to `iface`, the link owned by this process.
@@ -287,6 +294,90 @@ impl Datapath {
                 }),
         }
         .map_err(|source| attach_error(XDP_PROGRAM, iface, source))
+    }
+
+    /// Attaches the TC program `name` to `iface` in `direction`: through a TCX link where the
+    /// kernel has TCX, else through a netlink filter (`tc_legacy`). With a pin directory the
+    /// attachment outlives this process: the TCX link is pinned, or the netlink filter is
+    /// recorded, under the interface's link directory, where [`Self::adopt_tc`] and `limiter
+    /// detach` find it. Any TC program of the object, either direction.
+    pub fn attach_tc(
+        &mut self,
+        name: &'static str,
+        iface: &str,
+        direction: TcAttachType,
+        pin_dir: Option<&Path>,
+    ) -> Result<TcPath, LoadError> {
+        let tc = program::<SchedClassifier>(&mut self.ebpf, name)?;
+        match tc.attach_with_options(
+            iface,
+            direction,
+            TcAttachOptions::TcxOrder(LinkOrder::default()),
+        ) {
+            Ok(id) => {
+                tracing::info!(iface, program = name, "TC attached through a TCX link");
+                if let Some(dir) = pin_dir {
+                    let link = tc
+                        .take_link(id)
+                        .map_err(|source| attach_error(name, iface, source))?;
+                    pin_link(
+                        FdLink::try_from(link),
+                        &pins::tc_link(dir, iface, direction),
+                    )?;
+                }
+                Ok(TcPath::Tcx)
+            }
+            // Kernels before 6.6 know no TCX attach type, and BPF_LINK_CREATE says EINVAL.
+            Err(ProgramError::SyscallError(e))
+                if e.io_error.raw_os_error() == Some(libc::EINVAL) =>
+            {
+                tracing::info!(
+                    iface,
+                    program = name,
+                    error = %e.io_error,
+                    "no TCX on this kernel: TC attached through a netlink filter"
+                );
+                let record =
+                    pin_dir.map(|dir| (pins::links(dir, iface), pins::tc_link_file(direction)));
+                tc_legacy::attach(
+                    tc,
+                    name,
+                    iface,
+                    direction,
+                    record.as_ref().map(|(dir, file)| (dir.as_path(), *file)),
+                )?;
+                Ok(TcPath::Netlink)
+            }
+            Err(source) => Err(attach_error(name, iface, source)),
+        }
+    }
+
+    /// Swaps the TC program `name` into what an earlier agent left on `iface` in `direction`:
+    /// its pinned TCX link, or its recorded netlink filter, with no moment unenforced.
+    pub fn adopt_tc(
+        &mut self,
+        name: &'static str,
+        iface: &str,
+        direction: TcAttachType,
+        pin_dir: &Path,
+    ) -> Result<TcPath, LoadError> {
+        let link_dir = pins::links(pin_dir, iface);
+        let file = pins::tc_link_file(direction);
+        if tc_legacy::recorded(&link_dir, file) {
+            let tc = program::<SchedClassifier>(&mut self.ebpf, name)?;
+            tc_legacy::adopt(tc, name, iface, direction)?;
+            return Ok(TcPath::Netlink);
+        }
+        let pin = pins::tc_link(pin_dir, iface, direction);
+        adopt!(
+            self,
+            SchedClassifier,
+            SchedClassifierLink,
+            name,
+            &pin,
+            iface
+        );
+        Ok(TcPath::Tcx)
     }
 
     /// The loaded object, so its programs can be run directly (`BPF_PROG_TEST_RUN` in the

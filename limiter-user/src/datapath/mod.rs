@@ -4,6 +4,7 @@
 
 mod enforcer;
 mod helpers;
+pub mod kernel;
 pub mod keys;
 mod loader;
 mod maps;
@@ -12,15 +13,17 @@ mod policy;
 mod programs;
 mod route;
 pub mod sockets;
+mod tc_legacy;
 mod walk;
 
 pub use enforcer::{EnforceError, Enforcer};
 pub use loader::{
-    Attachment, Datapath, EBPF_OBJECT, KernelLogger, LoadError, LoadOptions, XdpAttachMode,
+    Attachment, Datapath, EBPF_OBJECT, KernelLogger, LoadError, LoadOptions, TcPath, XdpAttachMode,
 };
 pub use maps::{Maps, MapsError, PacketCount};
 pub use pins::detach;
 pub use policy::Policy;
 pub use programs::{TC_PROGRAM, XDP_PROGRAM};
 pub use route::default_route_interface;
+pub use tc_legacy::TcLegacyError;
 pub use walk::{FlowBatch, SweepCursor};

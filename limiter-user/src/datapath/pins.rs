@@ -1,14 +1,17 @@
 //! The pin layout and its lifecycle: `maps/<MAP>` shared by every interface and
-//! `links/<iface>/{xdp,tc}` holding one interface's links, on a BPF filesystem this module
-//! mounts when needed, and `limiter detach`, which removes them.
+//! `links/<iface>/` holding one interface's attachments (`xdp`; `tc` for egress and
+//! `tc-ingress` for ingress, each either a pinned TCX link or, on kernels without TCX, a
+//! `tc-netlink` / `tc-ingress-netlink` filter record, plus `clsact` when limiter created the
+//! qdisc; records are empty directories), on a BPF filesystem this module mounts when needed, and `limiter detach`, which
+//! removes them.
 
 use std::path::{Path, PathBuf};
 
-use aya::programs::links::PinnedLink;
+use aya::programs::{TcAttachType, links::PinnedLink};
 
 use limiter_common::map_names;
 
-use super::LoadError;
+use super::{LoadError, tc_legacy};
 
 /// The maps whose state must outlive an agent (everything but the log ring buffer).
 pub const PINNED_MAPS: &[&str] = &[
@@ -46,13 +49,36 @@ pub fn xdp_link(pin_dir: &Path, iface: &str) -> PathBuf {
     links(pin_dir, iface).join("xdp")
 }
 
-pub fn tc_link(pin_dir: &Path, iface: &str) -> PathBuf {
-    links(pin_dir, iface).join("tc")
+/// The file name of the TC attachment in `direction`: one TC program per direction, which is
+/// also what lets the netlink filters share one priority and handle.
+pub fn tc_link_file(direction: TcAttachType) -> &'static str {
+    match direction {
+        TcAttachType::Ingress => "tc-ingress",
+        TcAttachType::Egress | TcAttachType::Custom(_) => "tc",
+    }
 }
 
-pub fn tc_ingress_link(pin_dir: &Path, iface: &str) -> PathBuf {
-    links(pin_dir, iface).join("tc_ingress")
+/// The direction whose TC attachment is called `file` (the inverse of [`tc_link_file`]).
+fn tc_direction(file: &str) -> TcAttachType {
+    if file == tc_link_file(TcAttachType::Ingress) {
+        TcAttachType::Ingress
+    } else {
+        TcAttachType::Egress
+    }
 }
+
+/// The pinned TCX link of the TC program in `direction`.
+pub fn tc_link(pin_dir: &Path, iface: &str, direction: TcAttachType) -> PathBuf {
+    links(pin_dir, iface).join(tc_link_file(direction))
+}
+
+/// Whether an earlier agent left the TC program in `direction` attached to `iface`: a pinned
+/// TCX link or a netlink filter record.
+pub fn tc_attached(pin_dir: &Path, iface: &str, direction: TcAttachType) -> bool {
+    tc_link(pin_dir, iface, direction).exists()
+        || tc_legacy::recorded(&links(pin_dir, iface), tc_link_file(direction))
+}
+
 
 /// Where the BPF filesystem is conventionally mounted.
 const BPFFS: &str = "/sys/fs/bpf";
@@ -123,23 +149,7 @@ pub fn detach(pin_dir: &Path, iface: Option<&str>) -> Result<Vec<String>, LoadEr
         if !dir.exists() {
             continue;
         }
-        for path in [
-            xdp_link(pin_dir, &iface),
-            tc_link(pin_dir, &iface),
-            tc_ingress_link(pin_dir, &iface),
-        ] {
-            if path.exists() {
-                // Unpinning drops the last reference to the link, which detaches the program.
-                let link = PinnedLink::from_pin(&path).map_err(|source| LoadError::Link {
-                    path: path.clone(),
-                    source,
-                })?;
-                drop(link.unpin().map_err(|source| LoadError::Pin {
-                    path: path.clone(),
-                    source,
-                })?);
-            }
-        }
+        detach_iface(&iface, &dir)?;
         std::fs::remove_dir(&dir).map_err(|source| LoadError::Pin { path: dir, source })?;
         detached.push(iface);
     }
@@ -150,6 +160,47 @@ pub fn detach(pin_dir: &Path, iface: Option<&str>) -> Result<Vec<String>, LoadEr
         remove_tree(pin_dir)?;
     }
     Ok(detached)
+}
+
+/// Removes everything in one interface's link directory: pinned links are unpinned (dropping
+/// the last reference to a link detaches its program), recorded netlink filters are deleted,
+/// and last the clsact qdisc, if limiter created it.
+fn detach_iface(iface: &str, dir: &Path) -> Result<(), LoadError> {
+    let entries = std::fs::read_dir(dir).map_err(|source| LoadError::Pin {
+        path: dir.to_path_buf(),
+        source,
+    })?;
+    let mut qdisc = None;
+    for entry in entries {
+        let path = entry
+            .map_err(|source| LoadError::Pin {
+                path: dir.to_path_buf(),
+                source,
+            })?
+            .path();
+        let name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        if name == tc_legacy::CLSACT_RECORD {
+            qdisc = Some(path);
+        } else if let Some(file) = name.strip_suffix(tc_legacy::FILTER_RECORD_SUFFIX) {
+            tc_legacy::detach_filter(iface, tc_direction(file), &path)?;
+        } else {
+            let link = PinnedLink::from_pin(&path).map_err(|source| LoadError::Link {
+                path: path.clone(),
+                source,
+            })?;
+            drop(link.unpin().map_err(|source| LoadError::Pin {
+                path: path.clone(),
+                source,
+            })?);
+        }
+    }
+    if let Some(path) = qdisc {
+        tc_legacy::detach_qdisc(iface, &path)?;
+    }
+    Ok(())
 }
 
 /// Removes the pin directory: bpffs unlinks each pin, dropping the kernel's reference.

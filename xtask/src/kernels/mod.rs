@@ -1,0 +1,352 @@
+//! `cargo xtask test-kernels`: the agent and the privileged tests that prove it (starting,
+//! attaching on a veth in namespaces the tests make, TCP caps enforced end to end, adoption
+//! after SIGKILL, detach) on every kernel the project claims and this machine can get: the
+//! host's, run directly, and Debian's kernel packages booted under qemu (TCG).
+//!
+//! Its own command, not part of `cargo xtask test`: a run takes many minutes of emulation.
+//! Submodules import only `crate::{cmd, paths, setup, build}` and each other downwards:
+//! `fetch` and `qemu` know nothing of the others, `initramfs` takes what `fetch` unpacked.
+
+mod fetch;
+mod initramfs;
+mod qemu;
+
+use std::{
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+    time::Duration,
+};
+
+use anyhow::{Context, Result, bail};
+
+use crate::{
+    build,
+    cmd::cargo,
+    cross::{self, Target},
+};
+use initramfs::{Payload, RC_MARKER};
+
+/// An architecture the agent runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Arch {
+    Amd64,
+    Arm64,
+}
+
+impl Arch {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Amd64 => "x86_64",
+            Self::Arm64 => "arm64",
+        }
+    }
+}
+
+/// A kernel to boot: a Debian meta-package, resolved to today's package of that series.
+pub struct Kernel {
+    pub arch: Arch,
+    pub package: &'static str,
+}
+
+/// The kernels booted under qemu: Debian 12's own 6.1, and its 6.12 builds, on both
+/// architectures.
+const KERNELS: &[Kernel] = &[
+    Kernel {
+        arch: Arch::Amd64,
+        package: "linux-image-cloud-amd64",
+    },
+    Kernel {
+        arch: Arch::Amd64,
+        package: "linux-image-6.12-cloud-amd64",
+    },
+    Kernel {
+        arch: Arch::Arm64,
+        package: "linux-image-cloud-arm64",
+    },
+    Kernel {
+        arch: Arch::Arm64,
+        package: "linux-image-6.12-cloud-arm64",
+    },
+];
+
+/// The privileged test binaries the guests run: the agent end to end (start, attach,
+/// caps, adoption after SIGKILL, reload, detach) and real TCP through the loaded datapath.
+const TESTS: &[&str] = &["agent_e2e", "netns_tcp"];
+
+/// How long one guest may take; TCG runs the tests many times slower than the host, and an
+/// arm64 guest on an x86_64 host slower still.
+fn guest_timeout(arch: Arch) -> Duration {
+    match arch {
+        Arch::Amd64 => Duration::from_secs(900),
+        Arch::Arm64 => Duration::from_secs(1500),
+    }
+}
+
+/// One row of the matrix.
+struct Row {
+    kernel: String,
+    arch: Arch,
+    how: &'static str,
+    passed: u64,
+    failed: u64,
+    ok: bool,
+}
+
+/// `cargo xtask setup`'s share: the tools and kernel packages the guests need.
+pub fn setup() -> Result<()> {
+    let arches: Vec<Arch> = KERNELS.iter().map(|k| k.arch).collect();
+    fetch::ensure_tools(&arches)?;
+    for kernel in KERNELS {
+        fetch::kernel(kernel)?;
+    }
+    Ok(())
+}
+
+/// Runs the matrix, or only the rows of `only` (the host's kernel counts as amd64).
+pub fn run(only: Option<Arch>) -> Result<()> {
+    if !build::is_root() {
+        bail!(
+            "test-kernels runs the privileged tests: run it as root (`sudo -E cargo xtask test-kernels`)"
+        );
+    }
+    setup()?;
+    crate::setup::ensure_iproute2()?;
+    let wanted = |arch: Arch| only.is_none_or(|only| only == arch);
+    let mut rows = Vec::new();
+    if wanted(Arch::Amd64) {
+        rows.extend(amd64_rows()?);
+    }
+    if wanted(Arch::Arm64) {
+        rows.extend(arm64_rows()?);
+    }
+    print_table(&rows);
+    let passed = rows.iter().filter(|r| r.ok).count();
+    let failed = rows.len() - passed;
+    println!("kernels: {passed} passed, {failed} failed");
+    if failed > 0 {
+        bail!("{failed} kernel(s) failed");
+    }
+    Ok(())
+}
+
+/// The host's kernel, then the x86_64 guests.
+fn amd64_rows() -> Result<Vec<Row>> {
+    let agent = build::all()?;
+    let tests = test_binaries(None)?;
+    let mut rows = vec![host_row(&agent, &tests)?];
+    let amd64 = Payload {
+        arch: Arch::Amd64,
+        busybox: PathBuf::from("/bin/busybox"),
+        agent,
+        ip: PathBuf::from("/usr/sbin/ip"),
+        tests,
+        library_dirs: [
+            "/lib/x86_64-linux-gnu",
+            "/usr/lib/x86_64-linux-gnu",
+            "/lib64",
+        ]
+        .map(PathBuf::from)
+        .to_vec(),
+    };
+    for kernel in KERNELS.iter().filter(|k| k.arch == Arch::Amd64) {
+        rows.push(guest_row(kernel, &amd64)?);
+    }
+    Ok(rows)
+}
+
+/// The arm64 agent's unit tests under qemu-user, then the arm64 guests.
+fn arm64_rows() -> Result<Vec<Row>> {
+    let mut rows = Vec::new();
+    let arm64 = Target::Aarch64;
+    let arm64_agent = build::cross(arm64)?;
+    rows.push(qemu_user_row(arm64)?);
+    let arm64_root = fetch::arm64_root()?;
+    let arm64 = Payload {
+        arch: Arch::Arm64,
+        busybox: arm64_root.join("bin/busybox"),
+        agent: arm64_agent,
+        ip: arm64_root.join("bin/ip"),
+        tests: test_binaries(Some(arm64))?,
+        library_dirs: vec![
+            arm64_root.join("lib/aarch64-linux-gnu"),
+            arm64_root.join("usr/lib/aarch64-linux-gnu"),
+            arm64.sysroot().join("lib"),
+        ],
+    };
+    for kernel in KERNELS.iter().filter(|k| k.arch == Arch::Arm64) {
+        rows.push(guest_row(kernel, &arm64)?);
+    }
+    Ok(rows)
+}
+
+/// Builds the privileged test binaries without running them; returns (name, path) of each of
+/// [`TESTS`], read from cargo's JSON messages.
+fn test_binaries(target: Option<Target>) -> Result<Vec<(String, PathBuf)>> {
+    let mut cmd = cargo("stable");
+    cmd.args([
+        "test",
+        "-p",
+        "limiter-tests",
+        "--no-run",
+        "--message-format=json",
+    ]);
+    for test in TESTS {
+        cmd.args(["--test", test]);
+    }
+    if let Some(target) = target {
+        cross::configure(&mut cmd, target);
+    }
+    let out = cmd
+        .stderr(Stdio::inherit())
+        .output()
+        .context("building the test binaries")?;
+    if !out.status.success() {
+        bail!("building the test binaries failed");
+    }
+    let mut found = Vec::new();
+    for line in String::from_utf8(out.stdout)?.lines() {
+        let Ok(message) = serde_json::from_str::<serde_json::Value>(line) else {
+            continue;
+        };
+        let name = message["target"]["name"].as_str().unwrap_or_default();
+        if let (Some(executable), true) = (
+            message["executable"].as_str(),
+            TESTS.contains(&name) && message["profile"]["test"].as_bool() == Some(true),
+        ) {
+            found.push((name.to_string(), PathBuf::from(executable)));
+        }
+    }
+    if found.len() != TESTS.len() {
+        bail!("cargo built {found:?}, not every one of {TESTS:?}");
+    }
+    Ok(found)
+}
+
+/// The host's own kernel, no emulation: the same binaries run directly.
+fn host_row(agent: &Path, tests: &[(String, PathBuf)]) -> Result<Row> {
+    let kernel = crate::cmd::output("uname", &["-r"])?.trim().to_string();
+    let mut lines = Vec::new();
+    for (name, binary) in tests {
+        let out = Command::new(binary)
+            .arg("--test-threads=1")
+            .env("LIMITER_BIN", agent)
+            .output()
+            .with_context(|| format!("running {name}"))?;
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        print!("{text}");
+        lines.extend(text.lines().map(str::to_string));
+        lines.push(format!(
+            "{RC_MARKER} {name} {}",
+            out.status.code().unwrap_or(-1)
+        ));
+    }
+    Ok(score(kernel, Arch::Amd64, "host", &lines, true))
+}
+
+/// The unit tests of every userspace crate (`--lib --bins`), built for `target` and run under
+/// qemu-user (the runner `cross::configure` sets): the agent's logic on the other
+/// architecture, no kernel involved. Integration tests are left out: some start the agent
+/// binary, which a process under qemu-user cannot exec without binfmt_misc.
+fn qemu_user_row(target: Target) -> Result<Row> {
+    let mut cmd = cargo("stable");
+    cmd.args([
+        "test",
+        "--workspace",
+        "--exclude",
+        "limiter-ebpf",
+        "--exclude",
+        "limiter-tests",
+        "--lib",
+        "--bins",
+    ]);
+    cross::configure(&mut cmd, target);
+    let out = cmd
+        .stderr(Stdio::inherit())
+        .output()
+        .context("running the unit tests under qemu-user")?;
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    print!("{text}");
+    let lines: Vec<String> = text.lines().map(str::to_string).collect();
+    let mut row = score(
+        "unit tests".to_string(),
+        Arch::Arm64,
+        "qemu-user",
+        &lines,
+        true,
+    );
+    row.ok = out.status.success() && row.passed > 0 && row.failed == 0;
+    Ok(row)
+}
+
+fn guest_row(kernel: &Kernel, payload: &Payload) -> Result<Row> {
+    let fetched = fetch::kernel(kernel)?;
+    let arch = kernel.arch;
+    let initrd = fetch::dir().join(format!("initramfs-{}.cpio.gz", fetched.release));
+    initramfs::build(&fetched, payload, &initrd)?;
+    let tag = format!("{} {}", arch.name(), fetched.release);
+    let console = qemu::boot(arch, &fetched.vmlinuz, &initrd, &tag, guest_timeout(arch))?;
+    Ok(score(
+        fetched.release.clone(),
+        arch,
+        "qemu (TCG)",
+        &console.lines,
+        console.finished,
+    ))
+}
+
+/// Adds up the harness's "test result:" lines; a kernel passes when every test binary ran
+/// to the end with status 0, something passed and nothing failed or was ignored.
+fn score(kernel: String, arch: Arch, how: &'static str, lines: &[String], finished: bool) -> Row {
+    let (mut passed, mut failed, mut ignored) = (0, 0, 0);
+    let mut statuses = Vec::new();
+    for line in lines {
+        if let Some(rest) = line.split("test result: ").nth(1) {
+            for part in rest.split(['.', ';']) {
+                let mut words = part.split_whitespace();
+                if let (Some(n), Some(what)) = (words.next(), words.next()) {
+                    let n: u64 = n.parse().unwrap_or(0);
+                    match what {
+                        "passed" => passed += n,
+                        "failed" => failed += n,
+                        "ignored" => ignored += n,
+                        _ => {}
+                    }
+                }
+            }
+        }
+        if let Some(rest) = line.split(&format!("{RC_MARKER} ")).nth(1) {
+            statuses.push(rest.split_whitespace().nth(1) == Some("0"));
+        }
+    }
+    let ok = finished
+        && statuses.len() == TESTS.len()
+        && statuses.iter().all(|&s| s)
+        && passed > 0
+        && failed == 0
+        && ignored == 0;
+    Row {
+        kernel,
+        arch,
+        how,
+        passed,
+        failed,
+        ok,
+    }
+}
+
+fn print_table(rows: &[Row]) {
+    println!();
+    println!("| kernel | arch | run | tests passed | tests failed | result |");
+    println!("| --- | --- | --- | --- | --- | --- |");
+    for row in rows {
+        println!(
+            "| {} | {} | {} | {} | {} | {} |",
+            row.kernel,
+            row.arch.name(),
+            row.how,
+            row.passed,
+            row.failed,
+            if row.ok { "pass" } else { "FAIL" }
+        );
+    }
+}
