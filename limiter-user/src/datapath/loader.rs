@@ -193,8 +193,9 @@ impl Datapath {
             let maps = pins::maps(dir);
             std::fs::create_dir_all(&maps)
                 .map_err(|source| LoadError::Pin { path: maps, source })?;
-            for name in pins::PINNED_MAPS {
-                loader.map_pin_path(name, pins::map(dir, name));
+            // Every catalogued map outlives the agent (the log ring buffer is not one of them).
+            for map in limiter_common::maps::ALL {
+                loader.map_pin_path(map.name, pins::map(dir, map.name));
             }
         }
         let mut ebpf = loader.load(EBPF_OBJECT)?;

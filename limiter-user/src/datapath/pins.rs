@@ -2,36 +2,14 @@
 //! `links/<iface>/` holding one interface's attachments (`xdp`; `tc` for egress and
 //! `tc-ingress` for ingress, each either a pinned TCX link or, on kernels without TCX, a
 //! `tc-netlink` / `tc-ingress-netlink` filter record, plus `clsact` when limiter created the
-//! qdisc; records are empty directories), on a BPF filesystem this module mounts when needed, and `limiter detach`, which
-//! removes them.
+//! qdisc; records are empty directories), on a BPF filesystem this module mounts when needed,
+//! and `limiter detach`, which removes them.
 
 use std::path::{Path, PathBuf};
 
 use aya::programs::{TcAttachType, links::PinnedLink};
 
-use limiter_common::map_names;
-
 use super::{LoadError, tc_legacy};
-
-/// The maps whose state must outlive an agent (everything but the log ring buffer).
-pub const PINNED_MAPS: &[&str] = &[
-    map_names::CONFIG,
-    map_names::PORTS,
-    map_names::FLOWS,
-    map_names::HALF_OPEN,
-    map_names::ACK_HINTS,
-    map_names::SOURCE_CONNS,
-    map_names::GLOBAL_CONNS,
-    map_names::SYN_BUCKETS,
-    map_names::BANS,
-    map_names::ALLOW_V4,
-    map_names::ALLOW_V6,
-    map_names::DENY_V4,
-    map_names::DENY_V6,
-    map_names::STATS,
-    map_names::EVENTS,
-    map_names::BLOCKED,
-];
 
 pub fn maps(pin_dir: &Path) -> PathBuf {
     pin_dir.join("maps")
@@ -78,7 +56,6 @@ pub fn tc_attached(pin_dir: &Path, iface: &str, direction: TcAttachType) -> bool
     tc_link(pin_dir, iface, direction).exists()
         || tc_legacy::recorded(&links(pin_dir, iface), tc_link_file(direction))
 }
-
 
 /// Where the BPF filesystem is conventionally mounted.
 const BPFFS: &str = "/sys/fs/bpf";
