@@ -3,14 +3,15 @@
 //!
 //! Layers, each importing only from those below it:
 //! - `errors` and `api`: shared error types, and the HTTP API's documents (server and CLI).
-//! - `datapath` and `buckets`, side by side: the kernel programs and maps, and the broker's
-//!   token buckets. Neither knows the other.
+//! - `datapath`, `buckets` and `admission`, side by side: the kernel programs and maps, the
+//!   broker's token buckets, and the listeners' connection slots. None knows the others.
 //! - `settings`: flags, file and defaults, resolved into what the two layers below take.
 //! - `protocol` and `services`: the broker socket, HTTP, metrics and the sweeper, each given
 //!   the narrow handles it uses.
 //! - `ops`: the operator commands, clients of the HTTP API (or readers of pinned maps).
 //! - `run` and `cli`: the wiring of `limiter run`, and the command line.
 
+pub mod admission;
 pub mod api;
 pub mod buckets;
 pub mod cli;

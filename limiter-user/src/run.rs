@@ -31,8 +31,8 @@ impl Banner for KernelBans {
         })
     }
 
-    fn unban(&self, addr: IpAddr) -> Result<(), BanError> {
-        self.0.unban(addr).map(drop).map_err(|e| BanError::Failed {
+    fn unban(&self, addr: IpAddr) -> Result<bool, BanError> {
+        self.0.unban(addr).map_err(|e| BanError::Failed {
             addr,
             reason: e.to_string(),
         })
@@ -88,6 +88,18 @@ impl Agent {
     }
 }
 
+/// Raises the soft limit on open files to the hard limit: the listeners' caps are sized so the
+/// agent never runs out of descriptors, and the default soft limit (1024) is below them.
+/// Returns the limit now in force.
+pub fn raise_fd_limit() -> nix::Result<u64> {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE)?;
+    if soft < hard {
+        setrlimit(Resource::RLIMIT_NOFILE, hard, hard)?;
+    }
+    Ok(hard)
+}
+
 /// Checks every setting before touching the kernel (exit 2 on a bad one), loads or adopts the
 /// pinned datapath, attaches, then serves until SIGTERM or SIGINT. The programs stay attached
 /// after it exits; `limiter detach` removes them.
@@ -99,6 +111,19 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
             return Ok(ExitCode::from(EXIT_CONFIG));
         }
     };
+    match raise_fd_limit() {
+        Ok(limit) => {
+            let needed = 3 * u64::from(settings.clients.max) + 256;
+            if limit < needed {
+                tracing::warn!(
+                    limit,
+                    needed,
+                    "the open-file limit is below what three full listeners need; lower max-clients or raise the hard limit"
+                );
+            }
+        }
+        Err(error) => tracing::warn!(%error, "could not raise the open-file limit"),
+    }
     let ifaces = if settings.ifaces.is_empty() {
         vec![default_route_interface()?]
     } else {

@@ -50,8 +50,8 @@ pub fn store(kind: KeyKind, raw: &[u8]) -> Result<StoredKey<'_>, KeyError> {
         KeyKind::Ip => {
             let text = std::str::from_utf8(raw)
                 .map_err(|_| KeyError::NotAnAddress(String::from_utf8_lossy(raw).into_owned()))?;
+            // No trimming: " 10.0.0.1" is refused rather than silently read as another key.
             let addr: IpAddr = text
-                .trim()
                 .parse()
                 .map_err(|_| KeyError::NotAnAddress(text.to_owned()))?;
             Ok(address_key(addr))
@@ -121,6 +121,10 @@ mod tests {
         assert_eq!(
             store(KeyKind::Ip, b"10.0.0").err(),
             Some(KeyError::NotAnAddress("10.0.0".into()))
+        );
+        assert_eq!(
+            store(KeyKind::Ip, b" 10.0.0.1\n").err(),
+            Some(KeyError::NotAnAddress(" 10.0.0.1\n".into()))
         );
     }
 

@@ -151,7 +151,7 @@ impl Limiter {
     }
 
     /// Lifts a ban and forgets the address's failures, so it starts again from a clean slate.
-    pub fn unban(&self, addr: IpAddr) -> Result<(), BanError> {
+    pub fn unban(&self, addr: IpAddr) -> Result<bool, BanError> {
         if let Some(escalator) = &self.escalator {
             escalator.forget(addr);
         }

@@ -83,8 +83,8 @@ pub struct TopArgs {
 pub struct BanArgs {
     /// The address to ban (its source key, masked to the configured prefix, is banned).
     pub addr: IpAddr,
-    /// How long the ban lasts, e.g. `10m` or `2h`.
-    #[arg(long, value_parser = humantime::parse_duration)]
+    /// How long the ban lasts, e.g. `10m` or `2h` (1s to 366d).
+    #[arg(long, value_parser = crate::api::parse_ban_ttl)]
     pub ttl: Duration,
     #[command(flatten)]
     pub admin: AdminConnect,

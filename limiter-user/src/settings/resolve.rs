@@ -7,7 +7,7 @@ use ipnet::IpNet;
 use limiter_common::{Config, Refusal};
 
 use super::{
-    BrokerSettings, ConfigError, Settings, SweepSettings, defaults,
+    BrokerSettings, ClientLimits, ConfigError, Settings, SweepSettings, defaults,
     flags::{Layer, RefusalArg, XdpModeArg},
 };
 use crate::datapath::Policy;
@@ -33,15 +33,16 @@ impl Layer {
         if sweep.batch == 0 {
             return Err(ConfigError::new("sweep-batch", "must be at least 1"));
         }
-        if self
-            .admin_token
-            .as_deref()
-            .is_some_and(|t| t.trim().is_empty())
-        {
-            return Err(ConfigError::new(
-                "admin-token",
-                "is empty (leave it out to turn the admin endpoints off)",
-            ));
+        for (setting, token) in [
+            ("admin-token", &self.admin_token),
+            ("check-token", &self.check_token),
+        ] {
+            if token.as_deref().is_some_and(|t| t.trim().is_empty()) {
+                return Err(ConfigError::new(
+                    setting,
+                    "is empty (leave it out to turn the token off)",
+                ));
+            }
         }
         Ok(Settings {
             ifaces: self
@@ -61,6 +62,9 @@ impl Layer {
             sweep,
             http: self.http.unwrap_or(defaults::HTTP),
             admin_token: self.admin_token.clone(),
+            check_token: self.check_token.clone(),
+            clients: self.clients()?,
+            allow_private_bpffs: self.allow_private_bpffs.unwrap_or(false),
             broker,
             pinned: Vec::new(),
         })
@@ -126,11 +130,42 @@ impl Layer {
         })
     }
 
+    /// Checked here, before the kernel is asked for the maps, so a size it would refuse is
+    /// reported as this setting rather than as a map.
     fn flow_table_size(&self) -> Result<u32, ConfigError> {
         match self.flow_table_size.unwrap_or(defaults::FLOW_TABLE_SIZE) {
             0 => Err(ConfigError::new("flow-table-size", "must be at least 1")),
+            size if size > defaults::MAX_FLOW_TABLE_SIZE => Err(ConfigError::new(
+                "flow-table-size",
+                format!(
+                    "{size} is more than the {} slots the agent supports",
+                    defaults::MAX_FLOW_TABLE_SIZE
+                ),
+            )),
             size => Ok(size),
         }
+    }
+
+    fn clients(&self) -> Result<ClientLimits, ConfigError> {
+        let limits = ClientLimits {
+            max: self.max_clients.unwrap_or(defaults::MAX_CLIENTS),
+            header_timeout: self.header_timeout.unwrap_or(defaults::HEADER_TIMEOUT),
+            idle_timeout: self
+                .client_idle_timeout
+                .unwrap_or(defaults::CLIENT_IDLE_TIMEOUT),
+        };
+        if limits.max == 0 {
+            return Err(ConfigError::new("max-clients", "must be at least 1"));
+        }
+        for (setting, value) in [
+            ("header-timeout", limits.header_timeout),
+            ("client-idle-timeout", limits.idle_timeout),
+        ] {
+            if value.is_zero() {
+                return Err(ConfigError::new(setting, "must be longer than zero"));
+            }
+        }
+        Ok(limits)
     }
 }
 

@@ -20,7 +20,7 @@ use super::{
     problem::{Problem, blocking, json_rejection, maps_problem, query_rejection},
 };
 use crate::{
-    api::{BanAnswer, BanRequest, ListAnswer, ListKind, ListRequest, millis},
+    api::{BanAnswer, BanRequest, ListAnswer, ListKind, ListRequest, millis, parse_ban_ttl},
     datapath::{
         EnforceError, Enforcer,
         keys::{key_address, source_key},
@@ -96,12 +96,7 @@ pub(super) async fn ban(
 ) -> Result<Json<BanAnswer>, Problem> {
     let Json(request) = body.map_err(json_rejection)?;
     let addr = parse_addr(&request.addr)?;
-    let ttl = humantime::parse_duration(request.ttl.trim()).map_err(|e| {
-        Problem::bad_request("ttl", format!("`{}` is not a duration: {e}", request.ttl))
-    })?;
-    if ttl.is_zero() {
-        return Err(Problem::bad_request("ttl", "must be longer than zero"));
-    }
+    let ttl = parse_ban_ttl(&request.ttl).map_err(|e| Problem::bad_request("ttl", e))?;
     let answer = blocking(move || {
         state.enforcer.ban(addr, ttl).map_err(enforce_problem)?;
         let source = ban_source(&state.enforcer, addr)?;
