@@ -8,15 +8,14 @@ use axum::{
         Path, Query, Request, State,
         rejection::{JsonRejection, QueryRejection},
     },
-    http::{HeaderValue, StatusCode, header},
+    http::StatusCode,
     middleware::Next,
     response::{IntoResponse, Response},
 };
-use sha2::{Digest, Sha256};
-use subtle::ConstantTimeEq;
 
 use super::{
     AppState,
+    auth::require_bearer,
     problem::{Problem, blocking, json_rejection, maps_problem, query_rejection},
 };
 use crate::{
@@ -41,34 +40,8 @@ pub(super) async fn require_admin(
             "the admin endpoints are disabled: no admin token is configured (--admin-token)",
         ));
     };
-    let presented = request
-        .headers()
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| {
-            let (scheme, token) = v.split_once(' ')?;
-            scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
-        });
-    if !presented.is_some_and(|token| token_matches(token, &expected)) {
-        let mut problem = Problem::new(
-            StatusCode::UNAUTHORIZED,
-            "a valid bearer token is required (Authorization: Bearer <admin token>)",
-        );
-        problem
-            .0
-            .headers
-            .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-        return Err(problem);
-    }
+    require_bearer(&request, &expected, "admin token")?;
     Ok(next.run(request).await)
-}
-
-/// Compares digests in constant time: neither the content nor the length of the configured
-/// token leaks through response timing.
-fn token_matches(presented: &str, expected: &str) -> bool {
-    let a = Sha256::digest(presented.as_bytes());
-    let b = Sha256::digest(expected.as_bytes());
-    a.ct_eq(&b).into()
 }
 
 fn parse_addr(text: &str) -> Result<IpAddr, Problem> {
