@@ -2,13 +2,19 @@
 //! loads or adopts the datapath, builds the broker limiter, binds the listeners, attaches, and
 //! serves until SIGTERM or SIGINT; SIGHUP reloads through the same resolve as the start.
 
-use std::{net::IpAddr, process::ExitCode, sync::Arc, time::Duration};
+use std::{
+    net::IpAddr,
+    path::{Path, PathBuf},
+    process::ExitCode,
+    sync::Arc,
+    time::Duration,
+};
 
 use anyhow::Context;
 
 use crate::{
     buckets::{BanError, Banner, Limiter, MonotonicClock},
-    datapath::{Datapath, Enforcer, KernelLogger, LoadOptions, default_route_interface},
+    datapath::{Datapath, Enforcer, KernelLogger, LoadOptions, default_route_interface, pins},
     protocol::Server,
     services::{
         http::HttpServer,
@@ -129,8 +135,119 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     } else {
         settings.ifaces.clone()
     };
+    // Checked before anything is created, so a typo leaves nothing behind.
+    for iface in &ifaces {
+        if nix::net::if_::if_nametoindex(iface.as_str()).is_err() {
+            tracing::error!(
+                "{}",
+                ConfigError::new("iface", format!("no interface is named {iface:?}"))
+            );
+            return Ok(ExitCode::from(EXIT_CONFIG));
+        }
+    }
+    if !settings.allow_private_bpffs
+        && let Err(error) = pins::refuse_private_bpffs(&settings.pin_dir)
+    {
+        tracing::error!("{error}");
+        return Ok(ExitCode::from(EXIT_CONFIG));
+    }
+    if let Some(pid) = pins::live_agent(&settings.pin_dir) {
+        tracing::error!(
+            pid,
+            pin_dir = %settings.pin_dir.display(),
+            "another agent (pid {pid}) enforces through {}; this one leaves it alone and exits \
+             (stop that agent first, or give this one its own --pin-dir and interfaces)",
+            settings.pin_dir.display()
+        );
+        return Ok(ExitCode::FAILURE);
+    }
+    let mut leftovers = Leftovers::before_start(&settings, &ifaces);
     let runtime = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
-    runtime.block_on(async move {
+    let result = runtime.block_on(serve(args, settings, ifaces, &mut leftovers));
+    leftovers.clean_up();
+    result
+}
+
+/// What a start creates (the pin directory with its maps, links, the socket file, the pid
+/// file), so that a start that fails removes it again and leaves the host as it found it.
+struct Leftovers {
+    pin_dir: PathBuf,
+    /// The pin directory did not exist: everything in it is this start's.
+    new_pins: bool,
+    /// Interfaces without pinned links before this start.
+    new_links: Vec<String>,
+    socket: Option<PathBuf>,
+    /// Set once the agent is up: from then on a stop leaves the enforcement in place.
+    started: bool,
+}
+
+impl Leftovers {
+    fn before_start(settings: &Settings, ifaces: &[String]) -> Self {
+        let pin_dir = settings.pin_dir.clone();
+        Self {
+            new_pins: !pins::maps(&pin_dir).exists(),
+            new_links: ifaces
+                .iter()
+                .filter(|i| !pins::links(&pin_dir, i).exists())
+                .cloned()
+                .collect(),
+            pin_dir,
+            socket: None,
+            started: false,
+        }
+    }
+
+    fn clean_up(&self) {
+        if self.started {
+            pins::remove_pid_file(&self.pin_dir);
+            return;
+        }
+        if let Some(socket) = &self.socket {
+            let _ = std::fs::remove_file(socket);
+        }
+        let removed = if self.new_pins {
+            pins::detach(&self.pin_dir, None).map(drop)
+        } else {
+            self.new_links
+                .iter()
+                .try_for_each(|iface| pins::unpin_links(&self.pin_dir, iface).map(drop))
+        };
+        match removed {
+            Ok(()) => tracing::info!("the failed start left nothing behind"),
+            Err(error) => {
+                let error = anyhow::Error::from(error);
+                tracing::warn!("removing what the failed start created: {error:#}");
+            }
+        }
+    }
+}
+
+/// Attaching fails with `EEXIST` when a program is attached that this agent's pins do not
+/// hold: another agent with its own pin directory, or another tool.
+fn explain_attach(error: crate::datapath::LoadError, iface: &str, pin_dir: &Path) -> anyhow::Error {
+    let error = anyhow::Error::from(error);
+    let taken = error.chain().any(|e| {
+        e.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.raw_os_error() == Some(libc::EEXIST))
+    });
+    if taken {
+        error.context(format!(
+            "{iface} is already enforced by a program this agent's pins ({}) do not hold: another \
+             agent with its own --pin-dir, or another tool; nothing was changed on {iface}",
+            pin_dir.display()
+        ))
+    } else {
+        error.context(format!("attaching to {iface}"))
+    }
+}
+
+async fn serve(
+    args: RunArgs,
+    settings: Settings,
+    ifaces: Vec<String>,
+    leftovers: &mut Leftovers,
+) -> anyhow::Result<ExitCode> {
+    {
         let mut datapath = Datapath::load(LoadOptions {
             flow_table_size: settings.flow_table_size,
             kernel_debug: settings.kernel_debug,
@@ -159,6 +276,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         let protocol = Server::bind(&serve, Arc::clone(&limiter))
             .await
             .context("binding the broker protocol socket")?;
+        leftovers.socket = Some(serve.socket.clone());
         let http = HttpServer::bind(
             Arc::clone(&enforcer),
             Arc::clone(&limiter),
@@ -171,9 +289,11 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
             let how = enforcer
                 .datapath()
                 .attach(iface, mode)
-                .with_context(|| format!("attaching to {iface}"))?;
+                .map_err(|e| explain_attach(e, iface, &pin_dir))?;
             tracing::info!(iface, ?how, "enforcing");
         }
+        pins::write_pid_file(&pin_dir).context("writing the pid file")?;
+        leftovers.started = true;
         enforcer.set_ready();
         warn_of_stale_links(&pin_dir, &ifaces);
 
@@ -209,7 +329,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         stop.cancel();
         while tasks.join_next().await.is_some() {}
         Ok(ExitCode::SUCCESS)
-    })
+    }
 }
 
 /// Links an earlier agent pinned for interfaces this one was not given keep enforcing (with

@@ -1,6 +1,7 @@
-//! The pin layout and its lifecycle: `maps/<MAP>` shared by every interface and
-//! `links/<iface>/{xdp,tc}` holding one interface's links, on a BPF filesystem this module
-//! mounts when needed, and `limiter detach`, which removes them.
+//! The pin layout and its lifecycle: `maps/<MAP>` shared by every interface,
+//! `links/<iface>/{xdp,tc}` holding one interface's links and `agent.pid` naming the agent
+//! that enforces through them, on a BPF filesystem this module mounts when needed, and
+//! `limiter detach`, which removes them.
 
 use std::path::{Path, PathBuf};
 
@@ -48,17 +49,82 @@ pub fn tc_link(pin_dir: &Path, iface: &str) -> PathBuf {
     links(pin_dir, iface).join("tc")
 }
 
+/// The running agent's pid, so that a second agent for the same pins says whose they are
+/// instead of swapping its programs into a live agent's links.
+pub fn pid_file(pin_dir: &Path) -> PathBuf {
+    pin_dir.join("agent.pid")
+}
+
+/// Another live agent enforcing through `pin_dir`, by its pid file.
+pub fn live_agent(pin_dir: &Path) -> Option<u32> {
+    let pid: u32 = std::fs::read_to_string(pid_file(pin_dir))
+        .ok()?
+        .trim()
+        .parse()
+        .ok()?;
+    let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).ok()?;
+    (pid != std::process::id() && comm.trim() == "limiter").then_some(pid)
+}
+
+/// Records this process as the agent enforcing through `pin_dir`.
+pub fn write_pid_file(pin_dir: &Path) -> Result<(), LoadError> {
+    let path = pid_file(pin_dir);
+    std::fs::write(&path, format!("{}\n", std::process::id()))
+        .map_err(|source| LoadError::Pin { path, source })
+}
+
+/// Removes the pid file if it is still this process's (a successor may have taken over).
+pub fn remove_pid_file(pin_dir: &Path) {
+    let path = pid_file(pin_dir);
+    let ours = std::fs::read_to_string(&path)
+        .is_ok_and(|text| text.trim() == std::process::id().to_string());
+    if ours && let Err(error) = std::fs::remove_file(&path) {
+        tracing::warn!(%error, path = %path.display(), "removing the pid file");
+    }
+}
+
 /// Where the BPF filesystem is conventionally mounted.
 const BPFFS: &str = "/sys/fs/bpf";
+
+/// Mounting a BPF filesystem in a private mount namespace (`ip netns exec` makes one, with a
+/// fresh /sys) would pin into a filesystem nobody else sees, which dies with the agent: the
+/// kernel would stop enforcing when it exits and no successor could adopt the maps.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "{BPFFS} has no BPF filesystem and this agent runs in a private mount namespace (as under \
+     `ip netns exec`): a BPF filesystem mounted here would die with the agent, and the pins \
+     with it. Enter only the network namespace (`nsenter --net=/run/netns/NAME limiter run ...`), \
+     or set allow-private-bpffs to accept pins that last only as long as this agent"
+)]
+pub struct PrivateBpffs;
+
+/// Refuses to go on when `pin_dir` would need a BPF filesystem mounted and this process's
+/// mount namespace is not init's.
+pub fn refuse_private_bpffs(pin_dir: &Path) -> Result<(), PrivateBpffs> {
+    let would_mount = pin_dir.starts_with(BPFFS) && !on_bpffs(Path::new(BPFFS));
+    let ns = |pid: &str| std::fs::read_link(format!("/proc/{pid}/ns/mnt")).ok();
+    let private = match (ns("self"), ns("1")) {
+        (Some(ours), Some(init)) => ours != init,
+        // Without a view of init's namespace (a container's pid namespace hides it), nothing
+        // says the mount would be private.
+        _ => false,
+    };
+    if would_mount && private {
+        Err(PrivateBpffs)
+    } else {
+        Ok(())
+    }
+}
+
+fn on_bpffs(path: &Path) -> bool {
+    nix::sys::statfs::statfs(path)
+        .is_ok_and(|fs| fs.filesystem_type() == nix::sys::statfs::BPF_FS_MAGIC)
+}
 
 /// Makes sure `pin_dir` lies on a BPF filesystem, mounting one at /sys/fs/bpf when the pin
 /// directory is under it and nothing is mounted there yet (minimal hosts and containers often
 /// boot without it). Pins anywhere else must already be on a BPF filesystem.
 pub(super) fn ensure_bpffs(pin_dir: &Path) -> Result<(), LoadError> {
-    let on_bpffs = |path: &Path| {
-        nix::sys::statfs::statfs(path)
-            .is_ok_and(|fs| fs.filesystem_type() == nix::sys::statfs::BPF_FS_MAGIC)
-    };
     let mut existing = pin_dir;
     while !existing.exists() {
         match existing.parent() {
@@ -113,25 +179,9 @@ pub fn detach(pin_dir: &Path, iface: Option<&str>) -> Result<Vec<String>, LoadEr
     };
     let mut detached = Vec::new();
     for iface in ifaces {
-        let dir = links(pin_dir, &iface);
-        if !dir.exists() {
-            continue;
+        if unpin_links(pin_dir, &iface)? {
+            detached.push(iface);
         }
-        for path in [xdp_link(pin_dir, &iface), tc_link(pin_dir, &iface)] {
-            if path.exists() {
-                // Unpinning drops the last reference to the link, which detaches the program.
-                let link = PinnedLink::from_pin(&path).map_err(|source| LoadError::Link {
-                    path: path.clone(),
-                    source,
-                })?;
-                drop(link.unpin().map_err(|source| LoadError::Pin {
-                    path: path.clone(),
-                    source,
-                })?);
-            }
-        }
-        std::fs::remove_dir(&dir).map_err(|source| LoadError::Pin { path: dir, source })?;
-        detached.push(iface);
     }
     let remaining = std::fs::read_dir(&all_links)
         .map(|d| d.count())
@@ -140,6 +190,29 @@ pub fn detach(pin_dir: &Path, iface: Option<&str>) -> Result<Vec<String>, LoadEr
         remove_tree(pin_dir)?;
     }
     Ok(detached)
+}
+
+/// Unpins `iface`'s links, which detaches its programs; false if it had none.
+pub fn unpin_links(pin_dir: &Path, iface: &str) -> Result<bool, LoadError> {
+    let dir = links(pin_dir, iface);
+    if !dir.exists() {
+        return Ok(false);
+    }
+    for path in [xdp_link(pin_dir, iface), tc_link(pin_dir, iface)] {
+        if path.exists() {
+            // Unpinning drops the last reference to the link, which detaches the program.
+            let link = PinnedLink::from_pin(&path).map_err(|source| LoadError::Link {
+                path: path.clone(),
+                source,
+            })?;
+            drop(link.unpin().map_err(|source| LoadError::Pin {
+                path: path.clone(),
+                source,
+            })?);
+        }
+    }
+    std::fs::remove_dir(&dir).map_err(|source| LoadError::Pin { path: dir, source })?;
+    Ok(true)
 }
 
 /// Removes the pin directory: bpffs unlinks each pin, dropping the kernel's reference.
