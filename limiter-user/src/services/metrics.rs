@@ -257,6 +257,7 @@ struct Broker {
     blocked: IntCounterVec,
     keys: IntGaugeVec,
     overflow: IntCounterVec,
+    key_memory: IntGaugeVec,
     escalation_bans: IntCounter,
 }
 
@@ -306,7 +307,15 @@ impl LimiterCollector {
             overflow: IntCounterVec::new(
                 Opts::new(
                     "limiter_rate_limit_overflow_checks_total",
-                    "Checks of new keys that shared the overflow bucket because the action was at its key cap.",
+                    "Checks of new keys answered untracked because the action was at its key cap with every bucket still spending.",
+                ),
+                &["action"],
+            )
+            .map_err(r)?,
+            key_memory: IntGaugeVec::new(
+                Opts::new(
+                    "limiter_rate_limit_key_memory_bytes",
+                    "Memory the action's key table holds.",
                 ),
                 &["action"],
             )
@@ -324,6 +333,7 @@ impl LimiterCollector {
                 &b.blocked,
                 &b.keys,
                 &b.overflow,
+                &b.key_memory,
                 &b.escalation_bans,
             ])
         };
@@ -350,6 +360,7 @@ impl Collector for LimiterCollector {
         b.blocked.reset();
         b.keys.reset();
         b.overflow.reset();
+        b.key_memory.reset();
         b.escalation_bans.reset();
         for stats in self.limiter.stats() {
             let action = stats.action.as_str();
@@ -372,6 +383,9 @@ impl Collector for LimiterCollector {
             b.overflow
                 .with_label_values(&[action])
                 .inc_by(stats.overflow_checks);
+            b.key_memory
+                .with_label_values(&[action])
+                .set(gauge_value(stats.key_memory_bytes as u64));
         }
         if let Some(escalation) = self.limiter.escalation_stats() {
             b.escalation_bans.inc_by(escalation.bans);
@@ -382,6 +396,7 @@ impl Collector for LimiterCollector {
             &b.blocked,
             &b.keys,
             &b.overflow,
+            &b.key_memory,
             &b.escalation_bans,
         ] {
             out.extend(c.collect());

@@ -41,3 +41,16 @@ fn token_matches(presented: &str, expected: &str) -> bool {
     let b = Sha256::digest(expected.as_bytes());
     a.ct_eq(&b).into()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_match_only_exactly() {
+        assert!(token_matches("s3cret", "s3cret"));
+        assert!(!token_matches("s3cret ", "s3cret"));
+        assert!(!token_matches("s3cre", "s3cret"));
+        assert!(!token_matches("", "s3cret"));
+    }
+}
