@@ -54,12 +54,17 @@ struct Agent {
 
 impl Agent {
     /// Re-reads the configuration (SIGHUP) through the start's own resolve, and applies what
-    /// can change live: limits, lists, refusal modes, ports, timeouts and the admin token. A
-    /// bad file changes nothing.
+    /// can change live: limits, lists, refusal modes, ports, the sweeper's timeouts and the
+    /// admin and check tokens. Everything else the file changed is named, in the log and in
+    /// `/v1/status`, as waiting for a restart, and so are the settings flags or environment
+    /// pin. A bad file changes nothing.
     fn reload(&self) -> Result<(), ConfigError> {
         let new = self.args.resolve()?;
+        // The live settings keep the start's values of everything below, so each comparison
+        // is with what the agent runs: a file changed back needs no restart.
         let old = self.settings.get();
-        for (what, changed) in [
+        let (new_broker, old_broker) = (&new.broker, &old.broker);
+        let mut restart: Vec<String> = [
             ("iface", new.ifaces != old.ifaces),
             ("pin-dir", new.pin_dir != old.pin_dir),
             ("http", new.http != old.http),
@@ -69,13 +74,63 @@ impl Agent {
             ),
             ("xdp-mode", new.xdp_mode != old.xdp_mode),
             ("kernel-debug", new.kernel_debug != old.kernel_debug),
-        ] {
-            if changed {
-                tracing::warn!(
-                    setting = what,
-                    "changed in the file; takes effect on restart"
-                );
+            ("max-clients", new.clients.max != old.clients.max),
+            (
+                "header-timeout",
+                new.clients.header_timeout != old.clients.header_timeout,
+            ),
+            (
+                "client-idle-timeout",
+                new.clients.idle_timeout != old.clients.idle_timeout,
+            ),
+            (
+                "allow-private-bpffs",
+                new.allow_private_bpffs != old.allow_private_bpffs,
+            ),
+            (
+                "broker.socket",
+                new_broker.serve.socket != old_broker.serve.socket,
+            ),
+            (
+                "broker.listen",
+                new_broker.serve.listen != old_broker.serve.listen,
+            ),
+            (
+                "broker.admin-uids / admin-gids",
+                new_broker.serve.admin != old_broker.serve.admin,
+            ),
+            (
+                "broker.escalate-*",
+                new_broker.limiter.escalation != old_broker.limiter.escalation,
+            ),
+        ]
+        .into_iter()
+        .filter(|(_, changed)| *changed)
+        .map(|(what, _)| what.to_owned())
+        .collect();
+        for spec in &new_broker.limiter.actions {
+            if !old_broker.limiter.actions.contains(spec) {
+                restart.push(format!("actions.{}", spec.name));
             }
+        }
+        for spec in &old_broker.limiter.actions {
+            if !new_broker
+                .limiter
+                .actions
+                .iter()
+                .any(|s| s.name == spec.name)
+            {
+                restart.push(format!("actions.{}", spec.name));
+            }
+        }
+        for what in &restart {
+            tracing::warn!(setting = %what, "changed in the file; takes effect on restart");
+        }
+        if !new.pinned.is_empty() {
+            tracing::info!(
+                pinned = ?new.pinned,
+                "set by flags or the environment, which the file cannot change"
+            );
         }
         self.enforcer
             .set_policy(new.policy.clone())
@@ -87,6 +142,10 @@ impl Agent {
             flow_table_size: old.flow_table_size,
             xdp_mode: old.xdp_mode,
             kernel_debug: old.kernel_debug,
+            clients: old.clients,
+            allow_private_bpffs: old.allow_private_bpffs,
+            broker: old.broker,
+            restart_required: restart,
             ..new
         });
         tracing::info!("configuration reloaded");

@@ -143,6 +143,37 @@ fn sighup_lowers_a_cap_live_and_a_bad_file_changes_nothing() {
 }
 
 #[test]
+fn sighup_names_what_waits_for_a_restart_and_what_flags_pin() {
+    let s = Setup::new();
+    let file = s.sockets.path().join("limiter.toml");
+    std::fs::write(&file, "max-conn-total = 10\n[actions.auth]\nlimit = 5\n").unwrap();
+    let agent = s.agent(&["--config", file.to_str().unwrap(), "--max-conn-total", "50"]);
+    agent.wait_for("limiter is ready", STARTUP).unwrap();
+    std::fs::write(
+        &file,
+        "max-conn-total = 20\n[broker]\nescalate-after = 3\n[actions.auth]\nlimit = 7\n",
+    )
+    .unwrap();
+    agent.signal(Signal::SIGHUP);
+    for needle in ["actions.auth", "broker.escalate"] {
+        let line = agent.wait_for(needle, Duration::from_secs(10)).unwrap();
+        assert!(line.contains("takes effect on restart"), "{line}");
+    }
+    let line = agent
+        .wait_for("cannot change", Duration::from_secs(10))
+        .unwrap();
+    assert!(line.contains("max-conn-total"), "{line}");
+    agent
+        .wait_for("configuration reloaded", Duration::from_secs(10))
+        .unwrap();
+    assert_eq!(
+        s.pins.maps().config().unwrap().max_conn_total,
+        50,
+        "the flag still wins"
+    );
+}
+
+#[test]
 fn a_half_open_client_has_its_slot_freed_by_the_sweeper() {
     let s = Setup::new();
     let agent = s.agent(&[

@@ -301,7 +301,7 @@ fn metrics_read_the_kernel_maps_the_sweeper_and_the_broker_limiter_at_scrape_tim
         "limiter_flow_table_entries",
         "limiter_flow_table_capacity",
         "limiter_evictions_total",
-        "limiter_counter_repairs_total",
+        "limiter_drift_repairs_total",
         "limiter_bans_active",
         "limiter_sweep_duration_seconds",
         "limiter_build_info",
@@ -354,7 +354,7 @@ fn metrics_read_the_kernel_maps_the_sweeper_and_the_broker_limiter_at_scrape_tim
         0.0
     );
     assert_eq!(value(&s, "limiter_sweep_duration_seconds_count", &[]), 1.0);
-    assert_eq!(value(&s, "limiter_counter_repairs_total", &[]), 0.0);
+    assert_eq!(value(&s, "limiter_drift_repairs_total", &[]), 0.0);
     assert_eq!(
         value(
             &s,
@@ -1061,4 +1061,71 @@ fn check_can_require_its_own_token() {
     assert_eq!(answer.status, 200, "{}", answer.body);
     // The admin token is not the check token.
     assert_eq!(h.get("/healthz").status, 200);
+}
+
+#[test]
+fn the_first_scrape_passes_promtool_and_has_every_documented_series_and_no_impossible_one() {
+    let h = Harness::new(&[]);
+    let answer = h.get("/metrics");
+    assert_eq!(answer.status, 200);
+    let text = &answer.body;
+    let mut promtool = std::process::Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("promtool (cargo xtask setup installs it)");
+    {
+        use std::io::Write;
+        promtool
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(text.as_bytes())
+            .unwrap();
+    }
+    let out = promtool.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "promtool: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Every metric the README documents, from the first scrape.
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md")).unwrap();
+    let documented: Vec<&str> = readme
+        .lines()
+        .filter_map(|l| l.strip_prefix("| `limiter_"))
+        .filter_map(|l| l.split('`').next())
+        .collect();
+    assert!(documented.len() > 15, "{documented:?}");
+    for name in documented {
+        let name = format!("limiter_{name}");
+        assert!(
+            text.lines()
+                .any(|l| !l.starts_with('#') && l.starts_with(name.as_str())),
+            "{name} missing from the first scrape"
+        );
+    }
+    let s = samples(text);
+    for kind in ["half_open", "idle", "syn_bucket", "ban", "app_key"] {
+        assert_eq!(value(&s, "limiter_evictions_total", &[("kind", kind)]), 0.0);
+    }
+    let packets: Vec<&String> = s
+        .keys()
+        .filter(|k| k.starts_with("limiter_packets_total{"))
+        .collect();
+    assert!(packets.len() <= 30, "{} series: {packets:?}", packets.len());
+    for impossible in [
+        r#"direction="egress",reason="tracked",verdict="rst""#,
+        r#"direction="ingress",reason="admitted",verdict="drop""#,
+        r#"direction="egress",reason="conn_per_ip",verdict="pass""#,
+    ] {
+        assert!(
+            !packets.iter().any(|k| k.contains(impossible)),
+            "{impossible} is exported"
+        );
+    }
 }

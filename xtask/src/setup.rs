@@ -125,14 +125,24 @@ fn link_libllvm(sysroot: &Path, soname: &str, dir: &Path) -> Result<()> {
 
 /// The network-namespace tests drive `ip` (iproute2); a minimal image may lack it.
 pub fn ensure_iproute2() -> Result<()> {
-    if Command::new("ip")
-        .arg("-V")
+    ensure_debian_package("ip", "-V", "iproute2")
+}
+
+/// The metrics test checks the exposition with `promtool` (Debian package `prometheus`).
+pub fn ensure_promtool() -> Result<()> {
+    ensure_debian_package("promtool", "--version", "prometheus")
+}
+
+/// Installs `package` unless `tool probe` already runs.
+fn ensure_debian_package(tool: &str, probe: &str, package: &str) -> Result<()> {
+    if Command::new(tool)
+        .arg(probe)
         .output()
         .is_ok_and(|o| o.status.success())
     {
         return Ok(());
     }
-    println!("setup: installing iproute2");
+    println!("setup: installing {package}");
     status(Command::new("apt-get").args(["update", "-q"]))?;
-    status(Command::new("apt-get").args(["install", "-y", "-q", "iproute2"]))
+    status(Command::new("apt-get").args(["install", "-y", "-q", package]))
 }

@@ -120,7 +120,8 @@ fn preflight() -> Result<()> {
     if !Path::new("/sys/kernel/btf/vmlinux").exists() {
         bail!("this kernel exposes no BTF (/sys/kernel/btf/vmlinux): the kernel programs need it");
     }
-    setup::ensure_iproute2()
+    setup::ensure_iproute2()?;
+    setup::ensure_promtool()
 }
 
 const BPFFS: &str = "/sys/fs/bpf";

@@ -6,7 +6,10 @@
 use std::sync::{Arc, Mutex};
 
 use limiter_client::Outcome;
-use limiter_common::Event;
+use limiter_common::{
+    Event,
+    stats::{Direction, Reason, Verdict},
+};
 use prometheus::{
     IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
     core::{Collector, Desc},
@@ -182,7 +185,11 @@ impl KernelCollector {
     /// that a scrape never stalls the sweeper or an admin call for the whole read.
     fn fill(&self, k: &Kernel) -> Result<(), MapsError> {
         let enforcer = &self.enforcer;
-        for count in enforcer.with_maps(|m| m.packet_counts())? {
+        for count in enforcer
+            .with_maps(|m| m.packet_counts())?
+            .into_iter()
+            .filter(|c| possible(c.direction, c.verdict, c.reason))
+        {
             k.packets
                 .with_label_values(&[
                     count.direction.label(),
@@ -402,6 +409,26 @@ impl Collector for LimiterCollector {
             out.extend(c.collect());
         }
         out
+    }
+}
+
+/// Whether the kernel programs can count a packet under these labels, so only series that
+/// can ever move are exported: egress (TC) only observes, so it passes, and never for a
+/// reason that belongs to a SYN's admission; ingress refuses (drop or rst) only for a refusal
+/// reason, and passes for every other reason, and for a full flow table when failing open.
+fn possible(direction: Direction, verdict: Verdict, reason: Reason) -> bool {
+    let refusal = (reason as usize) < Reason::REFUSAL_COUNT;
+    match (direction, verdict) {
+        (Direction::Egress, Verdict::Pass) => {
+            !refusal
+                && !matches!(
+                    reason,
+                    Reason::Admitted | Reason::Retransmit | Reason::Allowlisted
+                )
+        }
+        (Direction::Egress, _) => false,
+        (Direction::Ingress, Verdict::Pass) => !refusal || reason == Reason::FlowTableFull,
+        (Direction::Ingress, Verdict::Drop | Verdict::Rst) => refusal,
     }
 }
 

@@ -56,6 +56,8 @@ pub fn kernel_status(maps: &impl ReadMaps) -> Result<Status, MapsError> {
         bans_active: maps.read(|m| m.bans())?.len(),
         refused,
         limits: KernelLimits::from_config(&config),
+        pinned: None,
+        restart_required: None,
     })
 }
 

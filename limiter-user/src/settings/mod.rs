@@ -128,6 +128,9 @@ pub struct Settings {
     pub broker: BrokerSettings,
     /// Settings the command line or the environment set, which the file cannot change.
     pub pinned: Vec<String>,
+    /// Settings the file changed since the start that apply only on a restart (reload fills
+    /// it in).
+    pub restart_required: Vec<String>,
 }
 
 /// The settings in force, shared by the services and replaced whole on SIGHUP; services read

@@ -67,6 +67,7 @@ impl Layer {
             allow_private_bpffs: self.allow_private_bpffs.unwrap_or(false),
             broker,
             pinned: Vec::new(),
+            restart_required: Vec::new(),
         })
     }
 
