@@ -23,7 +23,7 @@ use crate::{
     api::{
         BanAnswer, BanRequest, Connections, ListAnswer, ListKind, ListRequest, RateLimits, Status,
     },
-    datapath::keys::{key_address, source_key},
+    datapath::keys::{key_text, source_key},
     services::views::{connections_view, kernel_rate_limits, kernel_status},
     settings::defaults,
 };
@@ -236,12 +236,13 @@ impl BanArgs {
             Ok(answer) => answer,
             Err(AskError::Unreachable(why)) => {
                 let mut maps = open_pinned(&self.pin_dir, self.admin.connect.http, &why)?;
+                let config = maps.config().context("reading the pinned maps")?;
                 let source = maps
                     .ban(self.addr, self.ttl)
                     .context("banning in the pinned maps")?;
                 BanAnswer {
                     addr: self.addr.to_string(),
-                    source: key_address(&source).to_string(),
+                    source: key_text(&source, &config),
                     ttl_ms: Some(self.ttl.as_millis().try_into().unwrap_or(u64::MAX)),
                     lifted: None,
                 }
@@ -279,7 +280,7 @@ impl UnbanArgs {
                     .context("unbanning in the pinned maps")?;
                 BanAnswer {
                     addr,
-                    source: key_address(&source_key(self.addr, &config)).to_string(),
+                    source: key_text(&source_key(self.addr, &config), &config),
                     ttl_ms: None,
                     lifted: Some(lifted),
                 }

@@ -22,7 +22,7 @@ use crate::{
     api::{BanAnswer, BanRequest, ListAnswer, ListKind, ListRequest, millis, parse_ban_ttl},
     datapath::{
         EnforceError, Enforcer,
-        keys::{key_address, source_key},
+        keys::{key_text, source_key},
     },
     settings::parse_cidr,
 };
@@ -86,7 +86,7 @@ pub(super) async fn ban(
 
 fn ban_source(enforcer: &Enforcer, addr: IpAddr) -> Result<String, Problem> {
     let config = enforcer.with_maps(|m| m.config()).map_err(maps_problem)?;
-    Ok(key_address(&source_key(addr, &config)).to_string())
+    Ok(key_text(&source_key(addr, &config), &config))
 }
 
 pub(super) async fn unban(
