@@ -504,7 +504,14 @@ fn a_second_agent_for_the_same_pins_names_the_first_and_leaves_it_alone() {
     first.wait_for("limiter is ready", STARTUP).unwrap();
     let _held = s.connect().unwrap();
     assert!(s.refused());
-    let pid = std::fs::read_to_string(s.pins.0.join("agent.pid")).unwrap();
+    let pid = std::fs::read_dir(&s.pins.0)
+        .unwrap()
+        .filter_map(Result::ok)
+        .find_map(|e| {
+            let name = e.file_name().into_string().unwrap();
+            name.strip_prefix("agent-").map(str::to_owned)
+        })
+        .expect("the first agent's pid record");
     let other_socket = s.sockets.path().join("second.sock");
     let mut second = AgentProcess::start(
         &s.pair.server,
@@ -563,7 +570,7 @@ fn a_private_mount_namespace_is_refused_with_an_explanation() {
             Ok(())
         });
     }
-    let out = command
+    let mut child = command
         .args([
             "run",
             "--iface",
@@ -573,10 +580,34 @@ fn a_private_mount_namespace_is_refused_with_an_explanation() {
         ])
         .arg("--socket")
         .arg(s.socket())
-        .output()
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
         .unwrap();
-    let log = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{log}");
+    // Bounded: an agent that did not refuse would run until killed.
+    let deadline = std::time::Instant::now() + STARTUP;
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break Some(status);
+        }
+        if std::time::Instant::now() > deadline {
+            child.kill().unwrap();
+            child.wait().unwrap();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut log = String::new();
+    {
+        use std::io::Read;
+        child
+            .stderr
+            .take()
+            .unwrap()
+            .read_to_string(&mut log)
+            .unwrap();
+    }
+    assert_eq!(status.and_then(|s| s.code()), Some(2), "{log}");
     assert!(log.contains("nsenter --net="), "{log}");
     assert!(!s.pins.0.exists());
     assert!(!s.socket().exists());

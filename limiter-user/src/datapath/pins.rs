@@ -1,5 +1,5 @@
 //! The pin layout and its lifecycle: `maps/<MAP>` shared by every interface,
-//! `links/<iface>/{xdp,tc}` holding one interface's links and `agent.pid` naming the agent
+//! `links/<iface>/{xdp,tc}` holding one interface's links and `agent-<pid>` naming the agent
 //! that enforces through them, on a BPF filesystem this module mounts when needed, and
 //! `limiter detach`, which removes them.
 
@@ -50,36 +50,54 @@ pub fn tc_link(pin_dir: &Path, iface: &str) -> PathBuf {
 }
 
 /// The running agent's pid, so that a second agent for the same pins says whose they are
-/// instead of swapping its programs into a live agent's links.
-pub fn pid_file(pin_dir: &Path) -> PathBuf {
-    pin_dir.join("agent.pid")
+/// instead of swapping its programs into a live agent's links. The BPF filesystem holds no
+/// regular files, so the pid is the name of an empty directory: `<pin-dir>/agent-<pid>`.
+fn pid_dir(pin_dir: &Path, pid: u32) -> PathBuf {
+    pin_dir.join(format!("agent-{pid}"))
 }
 
-/// Another live agent enforcing through `pin_dir`, by its pid file.
+/// Another live agent enforcing through `pin_dir`; records of dead ones are removed.
 pub fn live_agent(pin_dir: &Path) -> Option<u32> {
-    let pid: u32 = std::fs::read_to_string(pid_file(pin_dir))
-        .ok()?
-        .trim()
-        .parse()
-        .ok()?;
-    let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).ok()?;
-    (pid != std::process::id() && comm.trim() == "limiter").then_some(pid)
+    let entries = std::fs::read_dir(pin_dir).ok()?;
+    let mut live = None;
+    for entry in entries.filter_map(Result::ok) {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix("agent-"))
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let alive = std::fs::read_to_string(format!("/proc/{pid}/comm"))
+            .is_ok_and(|comm| comm.trim() == "limiter");
+        if alive && pid != std::process::id() {
+            live = Some(pid);
+        } else if !alive {
+            let _ = std::fs::remove_dir(entry.path());
+        }
+    }
+    live
 }
 
 /// Records this process as the agent enforcing through `pin_dir`.
 pub fn write_pid_file(pin_dir: &Path) -> Result<(), LoadError> {
-    let path = pid_file(pin_dir);
-    std::fs::write(&path, format!("{}\n", std::process::id()))
-        .map_err(|source| LoadError::Pin { path, source })
+    let path = pid_dir(pin_dir, std::process::id());
+    match std::fs::create_dir(&path) {
+        Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => {
+            Err(LoadError::Pin { path, source: e })
+        }
+        _ => Ok(()),
+    }
 }
 
-/// Removes the pid file if it is still this process's (a successor may have taken over).
+/// Removes this process's record.
 pub fn remove_pid_file(pin_dir: &Path) {
-    let path = pid_file(pin_dir);
-    let ours = std::fs::read_to_string(&path)
-        .is_ok_and(|text| text.trim() == std::process::id().to_string());
-    if ours && let Err(error) = std::fs::remove_file(&path) {
-        tracing::warn!(%error, path = %path.display(), "removing the pid file");
+    let path = pid_dir(pin_dir, std::process::id());
+    if let Err(error) = std::fs::remove_dir(&path)
+        && error.kind() != std::io::ErrorKind::NotFound
+    {
+        tracing::warn!(%error, path = %path.display(), "removing the pid record");
     }
 }
 
@@ -103,10 +121,12 @@ pub struct PrivateBpffs;
 pub fn refuse_private_bpffs(pin_dir: &Path) -> Result<(), PrivateBpffs> {
     let would_mount = pin_dir.starts_with(BPFFS) && !on_bpffs(Path::new(BPFFS));
     let ns = |pid: &str| std::fs::read_link(format!("/proc/{pid}/ns/mnt")).ok();
-    let private = match (ns("self"), ns("1")) {
-        (Some(ours), Some(init)) => ours != init,
-        // Without a view of init's namespace (a container's pid namespace hides it), nothing
-        // says the mount would be private.
+    // Init's namespace; where init is hidden (a container may not let us read it), the
+    // parent's: `ip netns exec` unshares in place and execs the agent, so its parent, the
+    // shell, is still in the namespace the agent left.
+    let reference = ns("1").or_else(|| ns(&std::os::unix::process::parent_id().to_string()));
+    let private = match (ns("self"), reference) {
+        (Some(ours), Some(shared)) => ours != shared,
         _ => false,
     };
     if would_mount && private {
