@@ -377,13 +377,16 @@ async fn serve(
                 }
             });
         }
+        // The handlers are in place before anyone is told the agent is ready: a SIGHUP or
+        // SIGTERM sent on that word must not meet the default action.
+        let signals = Signals::install()?;
         tracing::info!("limiter is ready");
         let agent = Agent {
             args,
             settings: live,
             enforcer,
         };
-        wait_for_signals(&agent).await?;
+        signals.wait(&agent).await;
         tracing::info!("stopping; the programs stay attached (limiter detach removes them)");
         stop.cancel();
         while tasks.join_next().await.is_some() {}
@@ -408,19 +411,33 @@ fn warn_of_stale_links(pin_dir: &std::path::Path, ifaces: &[String]) {
     }
 }
 
-/// Reloads on SIGHUP; returns on SIGTERM or SIGINT.
-async fn wait_for_signals(agent: &Agent) -> anyhow::Result<()> {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut term = signal(SignalKind::terminate())?;
-    let mut int = signal(SignalKind::interrupt())?;
-    let mut hup = signal(SignalKind::hangup())?;
-    loop {
-        tokio::select! {
-            _ = term.recv() => return Ok(()),
-            _ = int.recv() => return Ok(()),
-            _ = hup.recv() => {
-                if let Err(error) = agent.reload() {
-                    tracing::error!("reload refused, the old settings stay: {error}");
+/// The signals the agent handles, registered once.
+struct Signals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+    hup: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn install() -> anyhow::Result<Self> {
+        use tokio::signal::unix::{SignalKind, signal};
+        Ok(Self {
+            term: signal(SignalKind::terminate()).context("handling SIGTERM")?,
+            int: signal(SignalKind::interrupt()).context("handling SIGINT")?,
+            hup: signal(SignalKind::hangup()).context("handling SIGHUP")?,
+        })
+    }
+
+    /// Reloads on SIGHUP; returns on SIGTERM or SIGINT.
+    async fn wait(mut self, agent: &Agent) {
+        loop {
+            tokio::select! {
+                _ = self.term.recv() => return,
+                _ = self.int.recv() => return,
+                _ = self.hup.recv() => {
+                    if let Err(error) = agent.reload() {
+                        tracing::error!("reload refused, the old settings stay: {error}");
+                    }
                 }
             }
         }
