@@ -189,10 +189,10 @@ impl Client {
         }
     }
 
-    /// Lifts a ban on `addr` and clears its escalation count.
-    pub async fn unban(&self, addr: IpAddr) -> Result<(), ClientError> {
+    /// Lifts a ban on `addr` and clears its escalation count; `true` if a ban was in force.
+    pub async fn unban(&self, addr: IpAddr) -> Result<bool, ClientError> {
         match self.call(Request::Unban { addr }).await? {
-            Response::Done { .. } => Ok(()),
+            Response::Done { changed } => Ok(changed),
             other => Err(unexpected("unban", &other)),
         }
     }

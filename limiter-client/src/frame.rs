@@ -136,8 +136,12 @@ pub enum ErrorCode {
     /// The frame's length exceeds the maximum; the agent closes the connection after this,
     /// since skipping the frame would mean reading what a misbehaving client chose.
     FrameTooLarge = 6,
-    /// A ban or unban could not be written to the kernel.
+    /// A ban or unban could not be written to the kernel, or its TTL is out of range.
     BanFailed = 7,
+    /// The request changes state (ban, unban, reset) and this client may not: over the Unix
+    /// socket its uid and gid are not in the agent's admin lists, and over TCP such requests
+    /// are never accepted.
+    NotPermitted = 8,
 }
 
 impl ErrorCode {
@@ -151,6 +155,7 @@ impl ErrorCode {
             5 => ErrorCode::InvalidCost,
             6 => ErrorCode::FrameTooLarge,
             7 => ErrorCode::BanFailed,
+            8 => ErrorCode::NotPermitted,
             _ => return None,
         })
     }

@@ -3,8 +3,8 @@
 //!
 //! Layers, each importing only from those below it:
 //! - `errors` and `api`: shared error types, and the HTTP API's documents (server and CLI).
-//! - `datapath` and `buckets`, side by side: the kernel programs and maps, and the broker's
-//!   token buckets. Neither knows the other.
+//! - `datapath`, `buckets` and `admission`, side by side: the kernel programs and maps, the
+//!   broker's token buckets, and the listeners' connection slots. None knows the others.
 //! - `settings`: flags, file and defaults, resolved into what the two layers below take.
 //! - `protocol` and `services`: the broker socket, HTTP, metrics and the sweeper, each given
 //!   the narrow handles it uses.
@@ -19,6 +19,7 @@ compile_error!(
      shares its maps byte for byte with the agent"
 );
 
+pub mod admission;
 pub mod api;
 pub mod buckets;
 pub mod cli;

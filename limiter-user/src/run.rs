@@ -2,13 +2,19 @@
 //! loads or adopts the datapath, builds the broker limiter, binds the listeners, attaches, and
 //! serves until SIGTERM or SIGINT; SIGHUP reloads through the same resolve as the start.
 
-use std::{net::IpAddr, process::ExitCode, sync::Arc, time::Duration};
+use std::{
+    net::IpAddr,
+    path::{Path, PathBuf},
+    process::ExitCode,
+    sync::Arc,
+    time::Duration,
+};
 
 use anyhow::Context;
 
 use crate::{
     buckets::{BanError, Banner, Limiter, MonotonicClock},
-    datapath::{Datapath, Enforcer, KernelLogger, LoadOptions, default_route_interface},
+    datapath::{Datapath, Enforcer, KernelLogger, LoadOptions, default_route_interface, pins},
     protocol::Server,
     services::{
         http::HttpServer,
@@ -31,8 +37,8 @@ impl Banner for KernelBans {
         })
     }
 
-    fn unban(&self, addr: IpAddr) -> Result<(), BanError> {
-        self.0.unban(addr).map(drop).map_err(|e| BanError::Failed {
+    fn unban(&self, addr: IpAddr) -> Result<bool, BanError> {
+        self.0.unban(addr).map_err(|e| BanError::Failed {
             addr,
             reason: e.to_string(),
         })
@@ -48,12 +54,17 @@ struct Agent {
 
 impl Agent {
     /// Re-reads the configuration (SIGHUP) through the start's own resolve, and applies what
-    /// can change live: limits, lists, refusal modes, ports, timeouts and the admin token. A
-    /// bad file changes nothing.
+    /// can change live: limits, lists, refusal modes, ports, the sweeper's timeouts and the
+    /// admin and check tokens. Everything else the file changed is named, in the log and in
+    /// `/v1/status`, as waiting for a restart, and so are the settings flags or environment
+    /// pin. A bad file changes nothing.
     fn reload(&self) -> Result<(), ConfigError> {
         let new = self.args.resolve()?;
+        // The live settings keep the start's values of everything below, so each comparison
+        // is with what the agent runs: a file changed back needs no restart.
         let old = self.settings.get();
-        for (what, changed) in [
+        let (new_broker, old_broker) = (&new.broker, &old.broker);
+        let mut restart: Vec<String> = [
             ("iface", new.ifaces != old.ifaces),
             ("pin-dir", new.pin_dir != old.pin_dir),
             ("http", new.http != old.http),
@@ -67,13 +78,63 @@ impl Agent {
             ),
             ("xdp-mode", new.xdp_mode != old.xdp_mode),
             ("kernel-debug", new.kernel_debug != old.kernel_debug),
-        ] {
-            if changed {
-                tracing::warn!(
-                    setting = what,
-                    "changed in the file; takes effect on restart"
-                );
+            ("max-clients", new.clients.max != old.clients.max),
+            (
+                "header-timeout",
+                new.clients.header_timeout != old.clients.header_timeout,
+            ),
+            (
+                "client-idle-timeout",
+                new.clients.idle_timeout != old.clients.idle_timeout,
+            ),
+            (
+                "allow-private-bpffs",
+                new.allow_private_bpffs != old.allow_private_bpffs,
+            ),
+            (
+                "broker.socket",
+                new_broker.serve.socket != old_broker.serve.socket,
+            ),
+            (
+                "broker.listen",
+                new_broker.serve.listen != old_broker.serve.listen,
+            ),
+            (
+                "broker.admin-uids / admin-gids",
+                new_broker.serve.admin != old_broker.serve.admin,
+            ),
+            (
+                "broker.escalate-*",
+                new_broker.limiter.escalation != old_broker.limiter.escalation,
+            ),
+        ]
+        .into_iter()
+        .filter(|(_, changed)| *changed)
+        .map(|(what, _)| what.to_owned())
+        .collect();
+        for spec in &new_broker.limiter.actions {
+            if !old_broker.limiter.actions.contains(spec) {
+                restart.push(format!("actions.{}", spec.name));
             }
+        }
+        for spec in &old_broker.limiter.actions {
+            if !new_broker
+                .limiter
+                .actions
+                .iter()
+                .any(|s| s.name == spec.name)
+            {
+                restart.push(format!("actions.{}", spec.name));
+            }
+        }
+        for what in &restart {
+            tracing::warn!(setting = %what, "changed in the file; takes effect on restart");
+        }
+        if !new.pinned.is_empty() {
+            tracing::info!(
+                pinned = ?new.pinned,
+                "set by flags or the environment, which the file cannot change"
+            );
         }
         self.enforcer
             .set_policy(new.policy.clone())
@@ -86,11 +147,27 @@ impl Agent {
             half_open_table_size: old.half_open_table_size,
             xdp_mode: old.xdp_mode,
             kernel_debug: old.kernel_debug,
+            clients: old.clients,
+            allow_private_bpffs: old.allow_private_bpffs,
+            broker: old.broker,
+            restart_required: restart,
             ..new
         });
         tracing::info!("configuration reloaded");
         Ok(())
     }
+}
+
+/// Raises the soft limit on open files to the hard limit: the listeners' caps are sized so the
+/// agent never runs out of descriptors, and the default soft limit (1024) is below them.
+/// Returns the limit now in force.
+pub fn raise_fd_limit() -> nix::Result<u64> {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE)?;
+    if soft < hard {
+        setrlimit(Resource::RLIMIT_NOFILE, hard, hard)?;
+    }
+    Ok(hard)
 }
 
 /// Checks every setting before touching the kernel (exit 2 on a bad one), loads or adopts the
@@ -104,14 +181,141 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
             return Ok(ExitCode::from(EXIT_CONFIG));
         }
     };
+    match raise_fd_limit() {
+        Ok(limit) => {
+            let needed = 3 * u64::from(settings.clients.max) + 256;
+            if limit < needed {
+                tracing::warn!(
+                    limit,
+                    needed,
+                    "the open-file limit is below what three full listeners need; lower max-clients or raise the hard limit"
+                );
+            }
+        }
+        Err(error) => tracing::warn!(%error, "could not raise the open-file limit"),
+    }
     let ifaces = if settings.ifaces.is_empty() {
         vec![default_route_interface()?]
     } else {
         settings.ifaces.clone()
     };
+    // Checked before anything is created, so a typo leaves nothing behind.
+    for iface in &ifaces {
+        if nix::net::if_::if_nametoindex(iface.as_str()).is_err() {
+            tracing::error!(
+                "{}",
+                ConfigError::new("iface", format!("no interface is named {iface:?}"))
+            );
+            return Ok(ExitCode::from(EXIT_CONFIG));
+        }
+    }
+    if !settings.allow_private_bpffs
+        && let Err(error) = pins::refuse_private_bpffs(&settings.pin_dir)
+    {
+        tracing::error!("{error}");
+        return Ok(ExitCode::from(EXIT_CONFIG));
+    }
+    if let Some(pid) = pins::live_agent(&settings.pin_dir) {
+        tracing::error!(
+            pid,
+            pin_dir = %settings.pin_dir.display(),
+            "another agent (pid {pid}) enforces through {}; this one leaves it alone and exits \
+             (stop that agent first, or give this one its own --pin-dir and interfaces)",
+            settings.pin_dir.display()
+        );
+        return Ok(ExitCode::FAILURE);
+    }
+    let mut leftovers = Leftovers::before_start(&settings, &ifaces);
     let runtime = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
-    runtime.block_on(async move {
-        let signals = Signals::install().context("installing the signal handlers")?;
+    let result = runtime.block_on(serve(args, settings, ifaces, &mut leftovers));
+    leftovers.clean_up();
+    result
+}
+
+/// What a start creates (the pin directory with its maps, links, the socket file, the pid
+/// file), so that a start that fails removes it again and leaves the host as it found it.
+struct Leftovers {
+    pin_dir: PathBuf,
+    /// The pin directory did not exist: everything in it is this start's.
+    new_pins: bool,
+    /// Interfaces without pinned links before this start.
+    new_links: Vec<String>,
+    socket: Option<PathBuf>,
+    /// Set once the agent is up: from then on a stop leaves the enforcement in place.
+    started: bool,
+}
+
+impl Leftovers {
+    fn before_start(settings: &Settings, ifaces: &[String]) -> Self {
+        let pin_dir = settings.pin_dir.clone();
+        Self {
+            new_pins: !pins::maps(&pin_dir).exists(),
+            new_links: ifaces
+                .iter()
+                .filter(|i| !pins::links(&pin_dir, i).exists())
+                .cloned()
+                .collect(),
+            pin_dir,
+            socket: None,
+            started: false,
+        }
+    }
+
+    fn clean_up(&self) {
+        if self.started {
+            pins::remove_pid_file(&self.pin_dir);
+            return;
+        }
+        if let Some(socket) = &self.socket {
+            let _ = std::fs::remove_file(socket);
+        }
+        let removed = if self.new_pins {
+            pins::detach(&self.pin_dir, None).map(drop)
+        } else {
+            self.new_links
+                .iter()
+                .try_for_each(|iface| pins::unpin_links(&self.pin_dir, iface).map(drop))
+        };
+        match removed {
+            Ok(()) => tracing::info!("the failed start left nothing behind"),
+            Err(error) => {
+                let error = anyhow::Error::from(error);
+                tracing::warn!("removing what the failed start created: {error:#}");
+            }
+        }
+    }
+}
+
+/// Attaching fails with `EEXIST` when a program is attached that this agent's pins do not
+/// hold: another agent with its own pin directory, or another tool.
+fn explain_attach(error: crate::datapath::LoadError, iface: &str, pin_dir: &Path) -> anyhow::Error {
+    let error = anyhow::Error::from(error);
+    let taken = error.chain().any(|e| {
+        e.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.raw_os_error() == Some(libc::EEXIST))
+    });
+    if taken {
+        error.context(format!(
+            "{iface} is already enforced by a program this agent's pins ({}) do not hold: another \
+             agent with its own --pin-dir, or another tool; nothing was changed on {iface}",
+            pin_dir.display()
+        ))
+    } else {
+        error.context(format!("attaching to {iface}"))
+    }
+}
+
+async fn serve(
+    args: RunArgs,
+    settings: Settings,
+    ifaces: Vec<String>,
+    leftovers: &mut Leftovers,
+) -> anyhow::Result<ExitCode> {
+    {
+        // The handlers are in place before anything is attached: a SIGTERM sent while the
+        // agent starts, or on the word that it is ready, stops it cleanly rather than killing
+        // it with the default action.
+        let signals = Signals::install()?;
         let mut datapath = Datapath::load(LoadOptions {
             flow_table_size: settings.flow_table_size,
             half_open_size: settings.half_open_table_size,
@@ -141,6 +345,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         let protocol = Server::bind(&serve, Arc::clone(&limiter))
             .await
             .context("binding the broker protocol socket")?;
+        leftovers.socket = Some(serve.socket.clone());
         let http = HttpServer::bind(
             Arc::clone(&enforcer),
             Arc::clone(&limiter),
@@ -153,9 +358,11 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
             let how = enforcer
                 .datapath()
                 .attach(iface, mode)
-                .with_context(|| format!("attaching to {iface}"))?;
+                .map_err(|e| explain_attach(e, iface, &pin_dir))?;
             tracing::info!(iface, ?how, "enforcing");
         }
+        pins::write_pid_file(&pin_dir).context("writing the pid file")?;
+        leftovers.started = true;
         enforcer.set_ready();
         warn_of_stale_links(&pin_dir, &ifaces);
 
@@ -191,7 +398,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         stop.cancel();
         while tasks.join_next().await.is_some() {}
         Ok(ExitCode::SUCCESS)
-    })
+    }
 }
 
 /// Links an earlier agent pinned for interfaces this one was not given keep enforcing (with
@@ -211,9 +418,7 @@ fn warn_of_stale_links(pin_dir: &std::path::Path, ifaces: &[String]) {
     }
 }
 
-/// The signals the agent handles, installed before anything is attached: a SIGTERM sent while
-/// it starts, or the moment it reports ready, must stop it cleanly (once started), not kill it
-/// by the default action.
+/// The signals the agent handles, registered once.
 struct Signals {
     term: tokio::signal::unix::Signal,
     int: tokio::signal::unix::Signal,
@@ -221,12 +426,12 @@ struct Signals {
 }
 
 impl Signals {
-    fn install() -> std::io::Result<Self> {
+    fn install() -> anyhow::Result<Self> {
         use tokio::signal::unix::{SignalKind, signal};
         Ok(Self {
-            term: signal(SignalKind::terminate())?,
-            int: signal(SignalKind::interrupt())?,
-            hup: signal(SignalKind::hangup())?,
+            term: signal(SignalKind::terminate()).context("handling SIGTERM")?,
+            int: signal(SignalKind::interrupt()).context("handling SIGINT")?,
+            hup: signal(SignalKind::hangup()).context("handling SIGHUP")?,
         })
     }
 

@@ -16,7 +16,7 @@ use limiter::{
         resolve_actions,
     },
     protocol::Server,
-    settings::ServeConfig,
+    settings::{AdminPeers, ServeConfig},
 };
 use limiter_client::{Client, ClientError, ErrorCode, Escalation, Outcome};
 use tokio::{
@@ -43,9 +43,11 @@ impl Banner for RecordingBanner {
             .push(format!("ban {addr} {}s", ttl.as_secs()));
         Ok(())
     }
-    fn unban(&self, addr: IpAddr) -> Result<(), BanError> {
-        self.calls.lock().unwrap().push(format!("unban {addr}"));
-        Ok(())
+    fn unban(&self, addr: IpAddr) -> Result<bool, BanError> {
+        let mut calls = self.calls.lock().unwrap();
+        let banned = calls.iter().any(|c| c.starts_with(&format!("ban {addr} ")));
+        calls.push(format!("unban {addr}"));
+        Ok(banned)
     }
 }
 
@@ -76,6 +78,18 @@ limit = 3
 "#;
 
 async fn start_with(listen: bool, escalation: Option<EscalationConfig>) -> Running {
+    start_configured(escalation, |config| {
+        if listen {
+            config.listen = Some("127.0.0.1:0".parse().unwrap());
+        }
+    })
+    .await
+}
+
+async fn start_configured(
+    escalation: Option<EscalationConfig>,
+    configure: impl FnOnce(&mut ServeConfig),
+) -> Running {
     #[derive(serde::Deserialize)]
     struct File {
         actions: BTreeMap<String, ActionConfig>,
@@ -95,9 +109,7 @@ async fn start_with(listen: bool, escalation: Option<EscalationConfig>) -> Runni
     // A directory that does not exist yet: the server creates it.
     let socket = dir.path().join("run").join("limiter.sock");
     let mut config = ServeConfig::unix(&socket);
-    if listen {
-        config.listen = Some("127.0.0.1:0".parse().unwrap());
-    }
+    configure(&mut config);
     let server = Server::bind(&config, limiter).await.unwrap();
     let tcp = server.tcp_addr();
     let (stop, stopped) = oneshot::channel();
@@ -162,13 +174,18 @@ async fn every_request_round_trips() {
         .ban("2001:db8::5".parse().unwrap(), Duration::from_secs(30))
         .await
         .unwrap();
-    client.unban(addr).await.unwrap();
+    assert!(client.unban(addr).await.unwrap(), "a ban was in force");
+    assert!(
+        !client.unban("192.0.2.200".parse().unwrap()).await.unwrap(),
+        "unbanning a never-banned address changes nothing"
+    );
     assert_eq!(
         *server.banner.calls.lock().unwrap(),
         [
             "ban 203.0.113.9 600s",
             "ban 2001:db8::5 30s",
-            "unban 203.0.113.9"
+            "unban 203.0.113.9",
+            "unban 192.0.2.200"
         ]
     );
     server.stop().await;
@@ -496,4 +513,187 @@ async fn the_socket_is_0660_a_live_one_is_not_stolen_and_it_is_removed_at_shutdo
     assert!(client.check("auth", "192.0.2.1", 1).await.unwrap().allowed);
     stop.send(()).unwrap();
     timeout(PATIENCE, task).await.unwrap().unwrap();
+}
+
+fn server_code<T: std::fmt::Debug>(result: Result<T, ClientError>) -> ErrorCode {
+    match result {
+        Err(ClientError::Server { code, .. }) => code,
+        other => panic!("expected an error reply, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn admin_requests_are_refused_to_untrusted_peers_and_over_tcp() {
+    // Neither this process's uid nor its gid is on the lists.
+    let server = start_configured(None, |config| {
+        config.listen = Some("127.0.0.1:0".parse().unwrap());
+        config.admin = AdminPeers {
+            uids: vec![u32::MAX - 1],
+            gids: Some(vec![u32::MAX - 1]),
+        };
+    })
+    .await;
+    let addr: IpAddr = "192.0.2.9".parse().unwrap();
+    for client in [
+        Client::connect_unix(&server.socket).await.unwrap(),
+        Client::connect_tcp(server.tcp.unwrap()).await.unwrap(),
+    ] {
+        assert_eq!(
+            server_code(client.ban(addr, Duration::from_secs(60)).await),
+            ErrorCode::NotPermitted
+        );
+        assert_eq!(
+            server_code(client.unban(addr).await),
+            ErrorCode::NotPermitted
+        );
+        assert_eq!(
+            server_code(client.reset("export", "alice").await),
+            ErrorCode::NotPermitted
+        );
+        // Checks stay open to every client.
+        assert!(client.check("export", "alice", 1).await.unwrap().allowed);
+    }
+    assert!(server.banner.calls.lock().unwrap().is_empty());
+    server.stop().await;
+
+    // Over TCP even the default lists (root, the socket's group) grant nothing.
+    let server = start_with(true, None).await;
+    let client = Client::connect_tcp(server.tcp.unwrap()).await.unwrap();
+    assert_eq!(
+        server_code(client.ban(addr, Duration::from_secs(60)).await),
+        ErrorCode::NotPermitted
+    );
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn one_ttl_rule_and_no_silent_trimming() {
+    let server = start().await;
+    let client = Client::connect_unix(&server.socket).await.unwrap();
+    let addr: IpAddr = "192.0.2.10".parse().unwrap();
+    for ttl in [
+        Duration::ZERO,
+        Duration::from_nanos(1),
+        Duration::from_millis(999),
+    ] {
+        assert_eq!(
+            server_code(client.ban(addr, ttl).await),
+            ErrorCode::BanFailed,
+            "{ttl:?}"
+        );
+    }
+    assert!(server.banner.calls.lock().unwrap().is_empty());
+    assert_eq!(
+        server_code(client.check("auth", " 192.0.2.10", 1).await),
+        ErrorCode::InvalidKey
+    );
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn id_zero_is_reserved_for_the_agent() {
+    let server = start().await;
+    let mut stream = raw(&server).await;
+    stream
+        .write_all(&check_frame(0, "export", "alice", 1))
+        .await
+        .unwrap();
+    let reply = read_reply(&mut stream).await;
+    assert_eq!(error_code(&reply), ErrorCode::Malformed as u8);
+    assert!(String::from_utf8_lossy(&reply.2).contains("reserved"));
+    server.stop().await;
+}
+
+/// A Unix connect fails with `EAGAIN` while the listener's backlog is full; an attacker
+/// retries, a bounded number of times, until the agent has accepted enough to make room.
+async fn connect_through_a_full_backlog(socket: &std::path::Path) -> UnixStream {
+    for _ in 0..10_000 {
+        match UnixStream::connect(socket).await {
+            Ok(stream) => return stream,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            Err(e) => panic!("connecting: {e}"),
+        }
+    }
+    panic!("the backlog never drained");
+}
+
+/// Waits until the peer closes `stream`: true if it did within `within`.
+async fn closed_by_peer(stream: &mut UnixStream, within: Duration) -> bool {
+    let mut byte = [0u8; 1];
+    matches!(
+        timeout(within, stream.read(&mut byte)).await,
+        Ok(Ok(0) | Err(_))
+    )
+}
+
+#[tokio::test]
+async fn silent_and_trickling_connections_are_closed_after_the_header_timeout() {
+    let server = start_configured(None, |config| {
+        config.clients.header_timeout = Duration::from_millis(200);
+        config.clients.idle_timeout = Duration::from_millis(400);
+    })
+    .await;
+    let mut silent = raw(&server).await;
+    let mut trickling = raw(&server).await;
+    // One byte of a length prefix, and nothing more.
+    trickling.write_all(&[0]).await.unwrap();
+    let mut idle = raw(&server).await;
+    idle.write_all(&check_frame(1, "export", "alice", 1))
+        .await
+        .unwrap();
+    read_reply(&mut idle).await;
+    assert!(closed_by_peer(&mut silent, PATIENCE).await);
+    assert!(closed_by_peer(&mut trickling, PATIENCE).await);
+    assert!(closed_by_peer(&mut idle, PATIENCE).await, "idle timeout");
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ten_thousand_idle_connections_cannot_blind_the_socket() {
+    const MAX: u32 = 64;
+    // The issue's 10,000, or as many as this process may open.
+    let limit = limiter::run::raise_fd_limit().unwrap();
+    let idle = 10_000.min(usize::try_from(limit).unwrap().saturating_sub(1024));
+    assert!(
+        idle >= 2_000,
+        "the open-file hard limit ({limit}) is too low"
+    );
+    let server = start_configured(None, |config| {
+        config.clients.max = MAX;
+        // Long enough that only the cap, not the timeout, can save the socket.
+        config.clients.header_timeout = Duration::from_secs(3600);
+    })
+    .await;
+    // The broker's connection, established before the flood, and proven by a check.
+    let broker = Client::connect_unix(&server.socket).await.unwrap();
+    assert!(broker.check("export", "broker", 1).await.unwrap().allowed);
+    let mut attackers = Vec::with_capacity(idle);
+    for _ in 0..idle {
+        attackers.push(connect_through_a_full_backlog(&server.socket).await);
+    }
+    // The agent holds at most MAX of them: every other one has been closed.
+    let mut closed = 0;
+    for stream in &mut attackers[..idle - MAX as usize] {
+        closed += usize::from(closed_by_peer(stream, PATIENCE).await);
+    }
+    assert_eq!(closed, idle - MAX as usize);
+    // The broker's connection and a newcomer are both answered at once.
+    let started = std::time::Instant::now();
+    assert!(broker.check("export", "broker", 1).await.unwrap().allowed);
+    let newcomer = timeout(PATIENCE, Client::connect_unix(&server.socket))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        timeout(PATIENCE, newcomer.check("export", "new", 1))
+            .await
+            .unwrap()
+            .unwrap()
+            .allowed
+    );
+    assert!(started.elapsed() < Duration::from_secs(2));
+    drop(attackers);
+    server.stop().await;
 }

@@ -307,10 +307,9 @@ impl limiter::buckets::Banner for Bans {
             })
     }
 
-    fn unban(&self, addr: std::net::IpAddr) -> Result<(), limiter::buckets::BanError> {
+    fn unban(&self, addr: std::net::IpAddr) -> Result<bool, limiter::buckets::BanError> {
         self.0
             .unban(addr)
-            .map(drop)
             .map_err(|e| limiter::buckets::BanError::Failed {
                 addr,
                 reason: e.to_string(),

@@ -144,6 +144,37 @@ fn sighup_lowers_a_cap_live_and_a_bad_file_changes_nothing() {
 }
 
 #[test]
+fn sighup_names_what_waits_for_a_restart_and_what_flags_pin() {
+    let s = Setup::new();
+    let file = s.sockets.path().join("limiter.toml");
+    std::fs::write(&file, "max-conn-total = 10\n[actions.auth]\nlimit = 5\n").unwrap();
+    let agent = s.agent(&["--config", file.to_str().unwrap(), "--max-conn-total", "50"]);
+    agent.wait_for("limiter is ready", STARTUP).unwrap();
+    std::fs::write(
+        &file,
+        "max-conn-total = 20\n[broker]\nescalate-after = 3\n[actions.auth]\nlimit = 7\n",
+    )
+    .unwrap();
+    agent.signal(Signal::SIGHUP);
+    for needle in ["actions.auth", "broker.escalate"] {
+        let line = agent.wait_for(needle, Duration::from_secs(10)).unwrap();
+        assert!(line.contains("takes effect on restart"), "{line}");
+    }
+    let line = agent
+        .wait_for("cannot change", Duration::from_secs(10))
+        .unwrap();
+    assert!(line.contains("max-conn-total"), "{line}");
+    agent
+        .wait_for("configuration reloaded", Duration::from_secs(10))
+        .unwrap();
+    assert_eq!(
+        s.pins.maps().config().unwrap().max_conn_total,
+        50,
+        "the flag still wins"
+    );
+}
+
+#[test]
 fn a_half_open_client_holds_no_slot() {
     let s = Setup::new();
     let agent = s.agent(&["--max-conn-per-ip", "1", "--max-conn-total", "1"]);
@@ -201,6 +232,8 @@ fn bad_configuration_exits_2_and_attaches_nothing() {
         (vec!["--allow", "10.0.0.0/33"], "allow"),
         (vec!["--ipv6-prefix", "129"], "ipv6-prefix"),
         (vec!["--config", file.to_str().unwrap()], "max-conn-per-ipp"),
+        (vec!["--flow-table-size", "4294967295"], "flow-table-size"),
+        (vec!["--iface", "missing0"], "iface"),
     ] {
         let mut agent = s.agent(&args);
         let status = agent.wait_exit(STARTUP).unwrap();
@@ -211,6 +244,7 @@ fn bad_configuration_exits_2_and_attaches_nothing() {
             agent.log()
         );
         assert!(!s.pins.0.exists(), "nothing pinned");
+        assert!(!s.socket().exists(), "no socket left");
     }
     let links = std::process::Command::new("ip")
         .args([
@@ -417,4 +451,157 @@ fn metrics_move_with_traffic_and_admin_calls_need_the_token() {
     assert_eq!(s.pins.maps().bans().unwrap().len(), 1);
     let (_, text) = http(&s, reqwest::Method::GET, "/metrics", None, None);
     assert_eq!(sample(&text, "limiter_bans_active"), 1.0);
+}
+
+#[test]
+fn a_failed_attach_leaves_no_pins_links_or_socket() {
+    let s = Setup::new();
+    // The interface exists, so the start gets as far as creating its pins before the attach
+    // fails: another agent, with its own pin directory, enforces there.
+    let other_pins = PinDir::new();
+    let other_socket = s.sockets.path().join("other.sock");
+    let first = AgentProcess::start(
+        &s.pair.server,
+        &[
+            "--iface",
+            &s.pair.server_if,
+            "--pin-dir",
+            other_pins.arg(),
+            "--socket",
+            other_socket.to_str().unwrap(),
+            "--http",
+            "127.0.0.1:0",
+        ],
+    )
+    .unwrap();
+    first.wait_for("limiter is ready", STARTUP).unwrap();
+    let mut second = s.agent(&["--http", "127.0.0.1:0"]);
+    let status = second.wait_exit(STARTUP).unwrap();
+    assert!(!status.success(), "{}", second.log());
+    let log = second.log();
+    assert!(log.contains("already enforced"), "{log}");
+    assert!(!s.pins.0.exists(), "the failed start left its pins: {log}");
+    assert!(!s.socket().exists(), "the failed start left its socket");
+    drop(first);
+    let out = std::process::Command::new(limiter_tests::agent::binary())
+        .args(["detach", "--pin-dir", other_pins.arg()])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+}
+
+#[test]
+fn a_second_agent_for_the_same_pins_names_the_first_and_leaves_it_alone() {
+    let s = Setup::new();
+    let first = s.agent(&["--max-conn-per-ip", "1", "--http", "127.0.0.1:0"]);
+    first.wait_for("limiter is ready", STARTUP).unwrap();
+    let _held = s.connect().unwrap();
+    assert!(s.refused());
+    let pid = std::fs::read_dir(&s.pins.0)
+        .unwrap()
+        .filter_map(Result::ok)
+        .find_map(|e| {
+            let name = e.file_name().into_string().unwrap();
+            name.strip_prefix("agent-").map(str::to_owned)
+        })
+        .expect("the first agent's pid record");
+    let other_socket = s.sockets.path().join("second.sock");
+    let mut second = AgentProcess::start(
+        &s.pair.server,
+        &[
+            "--iface",
+            &s.pair.server_if,
+            "--pin-dir",
+            s.pins.arg(),
+            "--socket",
+            other_socket.to_str().unwrap(),
+            "--http",
+            "127.0.0.1:0",
+            "--max-conn-per-ip",
+            "50",
+        ],
+    )
+    .unwrap();
+    let status = second.wait_exit(STARTUP).unwrap();
+    assert_eq!(status.code(), Some(1), "{}", second.log());
+    let log = second.log();
+    assert!(log.contains(&format!("pid {}", pid.trim())), "{log}");
+    assert!(!log.contains("File exists"), "{log}");
+    assert!(!other_socket.exists());
+    assert!(s.refused(), "the first agent's limits still hold");
+    drop(first);
+}
+
+#[test]
+fn a_private_mount_namespace_is_refused_with_an_explanation() {
+    use std::os::unix::process::CommandExt;
+    let s = Setup::new();
+    let netns = std::fs::File::open(format!("/run/netns/{}", s.pair.server.name())).unwrap();
+    let mut command = std::process::Command::new(limiter_tests::agent::binary());
+    // SAFETY: between fork and exec only syscalls: what `ip netns exec` does (the network
+    // namespace, then a private mount namespace with a fresh /sys).
+    unsafe {
+        command.pre_exec(move || {
+            use nix::mount::{MsFlags, mount};
+            nix::sched::setns(&netns, nix::sched::CloneFlags::CLONE_NEWNET)?;
+            nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNS)?;
+            mount(
+                None::<&str>,
+                "/",
+                None::<&str>,
+                MsFlags::MS_REC | MsFlags::MS_SLAVE,
+                None::<&str>,
+            )?;
+            nix::mount::umount2("/sys", nix::mount::MntFlags::MNT_DETACH)?;
+            mount(
+                Some("sysfs"),
+                "/sys",
+                Some("sysfs"),
+                MsFlags::empty(),
+                None::<&str>,
+            )?;
+            Ok(())
+        });
+    }
+    let mut child = command
+        .args([
+            "run",
+            "--iface",
+            &s.pair.server_if,
+            "--pin-dir",
+            s.pins.arg(),
+        ])
+        .arg("--socket")
+        .arg(s.socket())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Bounded: an agent that did not refuse would run until killed.
+    let deadline = std::time::Instant::now() + STARTUP;
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break Some(status);
+        }
+        if std::time::Instant::now() > deadline {
+            child.kill().unwrap();
+            child.wait().unwrap();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut log = String::new();
+    {
+        use std::io::Read;
+        child
+            .stderr
+            .take()
+            .unwrap()
+            .read_to_string(&mut log)
+            .unwrap();
+    }
+    assert_eq!(status.and_then(|s| s.code()), Some(2), "{log}");
+    assert!(log.contains("nsenter --net="), "{log}");
+    assert!(!s.pins.0.exists());
+    assert!(!s.socket().exists());
 }

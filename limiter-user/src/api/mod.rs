@@ -6,7 +6,9 @@ mod admin;
 mod check;
 mod views;
 
-pub use admin::{BanAnswer, BanRequest, ListAnswer, ListKind, ListRequest};
+pub use admin::{
+    BanAnswer, BanRequest, BanTtlError, ListAnswer, ListKind, ListRequest, ban_ttl, parse_ban_ttl,
+};
 pub use check::{CheckAnswer, CheckRequest};
 pub use views::{
     ActionView, BanEntry, BlockedKey, BlockedSource, BrokerRateLimits, Connections, EscalationView,

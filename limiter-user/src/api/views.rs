@@ -22,6 +22,13 @@ pub struct Status {
     /// Refused SYNs and packets by refusal reason, since the maps were created.
     pub refused: BTreeMap<String, u64>,
     pub limits: KernelLimits,
+    /// Settings a flag or `LIMITER_*` variable sets, which the file cannot change; `None`
+    /// when read from pinned maps.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pinned: Option<Vec<String>>,
+    /// Settings the file changed since the start that apply only on a restart.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restart_required: Option<Vec<String>>,
 }
 
 /// The kernel's limits as the programs read them (the `CONFIG` map).

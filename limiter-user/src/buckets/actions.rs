@@ -35,8 +35,8 @@ impl KeyKind {
     }
 }
 
-/// Tracked keys per action when the config does not say: about 100 bytes each, so a full
-/// action costs some 25 MB.
+/// Tracked keys per action when the config does not say: at most 130 bytes each
+/// (`store::BYTES_PER_KEY`), so a full action costs under 33 MB.
 pub const DEFAULT_MAX_KEYS: usize = 250_000;
 
 /// One `[actions.NAME]` table. Every field is optional so that a table for a built-in action

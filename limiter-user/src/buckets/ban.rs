@@ -14,7 +14,8 @@ pub enum BanError {
 /// Enforces bans. Called from the check path, so implementations must not block for long.
 pub trait Banner: Send + Sync {
     fn ban(&self, addr: IpAddr, ttl: Duration) -> Result<(), BanError>;
-    fn unban(&self, addr: IpAddr) -> Result<(), BanError>;
+    /// Lifts a ban; `true` if one was in force.
+    fn unban(&self, addr: IpAddr) -> Result<bool, BanError>;
 }
 
 /// For a limiter running without the kernel programs (unprivileged tools, benchmarks): every
@@ -27,7 +28,7 @@ impl Banner for NoBans {
         Err(BanError::Unavailable("no kernel ban map is attached"))
     }
 
-    fn unban(&self, _: IpAddr) -> Result<(), BanError> {
+    fn unban(&self, _: IpAddr) -> Result<bool, BanError> {
         Err(BanError::Unavailable("no kernel ban map is attached"))
     }
 }

@@ -198,9 +198,11 @@ pub(crate) mod tests {
             self.calls.lock().unwrap().push((addr, Some(ttl)));
             Ok(())
         }
-        fn unban(&self, addr: IpAddr) -> Result<(), BanError> {
-            self.calls.lock().unwrap().push((addr, None));
-            Ok(())
+        fn unban(&self, addr: IpAddr) -> Result<bool, BanError> {
+            let mut calls = self.calls.lock().unwrap();
+            let banned = calls.iter().any(|(a, ttl)| *a == addr && ttl.is_some());
+            calls.push((addr, None));
+            Ok(banned)
         }
     }
 

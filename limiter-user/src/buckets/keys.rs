@@ -18,28 +18,59 @@ pub enum KeyError {
     NotAnAddress(String),
 }
 
-/// A stored key without a heap allocation for the common cases, so a check on a key that is
-/// already tracked allocates nothing.
-pub enum StoredKey<'a> {
-    Inline { bytes: [u8; 32], len: u8 },
-    Borrowed(&'a [u8]),
+/// A key as a bucket is stored under: fixed-size, so a tracked key costs the same memory
+/// however long the broker's key was, and no check allocates. Addresses are kept as their
+/// octets, session tokens always as a SHA-256 digest (a token is a credential), other keys as
+/// given up to 32 bytes and as a SHA-256 digest beyond (the length byte tells them apart, so
+/// a short key never collides with a digest).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct StoredKey {
+    /// 0..=32: that many bytes of `bytes` are the key; [`DIGEST`]: `bytes` is a SHA-256.
+    len: u8,
+    bytes: [u8; 32],
 }
 
-impl StoredKey<'_> {
-    pub fn as_bytes(&self) -> &[u8] {
-        match self {
-            StoredKey::Inline { bytes, len } => &bytes[..usize::from(*len)],
-            StoredKey::Borrowed(bytes) => bytes,
+/// The length byte of a digested key.
+const DIGEST: u8 = u8::MAX;
+
+impl StoredKey {
+    fn raw(raw: &[u8]) -> Self {
+        let mut bytes = [0u8; 32];
+        bytes[..raw.len()].copy_from_slice(raw);
+        Self {
+            len: raw.len() as u8,
+            bytes,
         }
+    }
+
+    fn digest(raw: &[u8]) -> Self {
+        Self {
+            len: DIGEST,
+            bytes: Sha256::digest(raw).into(),
+        }
+    }
+
+    pub fn as_bytes(&self) -> &[u8] {
+        match self.len {
+            DIGEST => &self.bytes,
+            len => &self.bytes[..usize::from(len)],
+        }
+    }
+
+    pub fn is_digest(&self) -> bool {
+        self.len == DIGEST
     }
 
     /// The address an ip-kind key stands for.
     pub fn address(&self) -> Option<IpAddr> {
+        if self.is_digest() {
+            return None;
+        }
         address_of(self.as_bytes())
     }
 }
 
-pub fn store(kind: KeyKind, raw: &[u8]) -> Result<StoredKey<'_>, KeyError> {
+pub fn store(kind: KeyKind, raw: &[u8]) -> Result<StoredKey, KeyError> {
     if raw.is_empty() {
         return Err(KeyError::Empty);
     }
@@ -50,34 +81,24 @@ pub fn store(kind: KeyKind, raw: &[u8]) -> Result<StoredKey<'_>, KeyError> {
         KeyKind::Ip => {
             let text = std::str::from_utf8(raw)
                 .map_err(|_| KeyError::NotAnAddress(String::from_utf8_lossy(raw).into_owned()))?;
+            // No trimming: " 10.0.0.1" is refused rather than silently read as another key.
             let addr: IpAddr = text
-                .trim()
                 .parse()
                 .map_err(|_| KeyError::NotAnAddress(text.to_owned()))?;
             Ok(address_key(addr))
         }
-        KeyKind::Session => {
-            // Only the digest is kept: a token in memory or in /rate_limits is a credential.
-            let mut bytes = [0u8; 32];
-            bytes.copy_from_slice(&Sha256::digest(raw));
-            Ok(StoredKey::Inline { bytes, len: 32 })
-        }
-        KeyKind::User | KeyKind::Other => Ok(StoredKey::Borrowed(raw)),
+        // Only the digest is kept: a token in memory or in /rate_limits is a credential.
+        KeyKind::Session => Ok(StoredKey::digest(raw)),
+        KeyKind::User | KeyKind::Other if raw.len() <= 32 => Ok(StoredKey::raw(raw)),
+        KeyKind::User | KeyKind::Other => Ok(StoredKey::digest(raw)),
     }
 }
 
 /// Canonical form: an IPv4-mapped IPv6 address is the IPv4 address it maps.
-pub fn address_key(addr: IpAddr) -> StoredKey<'static> {
-    let mut bytes = [0u8; 32];
+pub fn address_key(addr: IpAddr) -> StoredKey {
     match addr.to_canonical() {
-        IpAddr::V4(v4) => {
-            bytes[..4].copy_from_slice(&v4.octets());
-            StoredKey::Inline { bytes, len: 4 }
-        }
-        IpAddr::V6(v6) => {
-            bytes[..16].copy_from_slice(&v6.octets());
-            StoredKey::Inline { bytes, len: 16 }
-        }
+        IpAddr::V4(v4) => StoredKey::raw(&v4.octets()),
+        IpAddr::V6(v6) => StoredKey::raw(&v6.octets()),
     }
 }
 
@@ -94,11 +115,17 @@ fn address_of(bytes: &[u8]) -> Option<IpAddr> {
 }
 
 /// How a stored key is shown: the address, `sha256:` and the digest in hex, or the text.
-pub fn display(kind: KeyKind, stored: &[u8]) -> String {
+pub fn display(kind: KeyKind, stored: &StoredKey) -> String {
+    if stored.is_digest() {
+        return format!("sha256:{}", hex(stored.as_bytes()));
+    }
     match kind {
-        KeyKind::Ip => address_of(stored).map_or_else(|| hex(stored), |a| a.to_string()),
-        KeyKind::Session => format!("sha256:{}", hex(stored)),
-        KeyKind::User | KeyKind::Other => String::from_utf8_lossy(stored).into_owned(),
+        KeyKind::Ip => stored
+            .address()
+            .map_or_else(|| hex(stored.as_bytes()), |a| a.to_string()),
+        KeyKind::Session | KeyKind::User | KeyKind::Other => {
+            String::from_utf8_lossy(stored.as_bytes()).into_owned()
+        }
     }
 }
 
@@ -115,19 +142,23 @@ mod tests {
         let mapped = store(KeyKind::Ip, b"::ffff:10.0.0.1").unwrap();
         let plain = store(KeyKind::Ip, b"10.0.0.1").unwrap();
         assert_eq!(mapped.as_bytes(), plain.as_bytes());
-        assert_eq!(display(KeyKind::Ip, plain.as_bytes()), "10.0.0.1");
+        assert_eq!(display(KeyKind::Ip, &plain), "10.0.0.1");
         let v6 = store(KeyKind::Ip, b"2001:DB8::1").unwrap();
-        assert_eq!(display(KeyKind::Ip, v6.as_bytes()), "2001:db8::1");
+        assert_eq!(display(KeyKind::Ip, &v6), "2001:db8::1");
         assert_eq!(
             store(KeyKind::Ip, b"10.0.0").err(),
             Some(KeyError::NotAnAddress("10.0.0".into()))
+        );
+        assert_eq!(
+            store(KeyKind::Ip, b" 10.0.0.1\n").err(),
+            Some(KeyError::NotAnAddress(" 10.0.0.1\n".into()))
         );
     }
 
     #[test]
     fn session_tokens_are_never_kept_in_clear() {
         let stored = store(KeyKind::Session, b"secret-token").unwrap();
-        let shown = display(KeyKind::Session, stored.as_bytes());
+        let shown = display(KeyKind::Session, &stored);
         assert!(!shown.contains("secret"));
         assert_eq!(
             shown,
@@ -137,6 +168,19 @@ mod tests {
             stored.as_bytes(),
             store(KeyKind::Session, b"secret-tokem").unwrap().as_bytes()
         );
+    }
+
+    #[test]
+    fn every_key_takes_the_same_fixed_memory() {
+        assert_eq!(std::mem::size_of::<StoredKey>(), 33);
+        let short = store(KeyKind::User, b"alice").unwrap();
+        assert_eq!(display(KeyKind::User, &short), "alice");
+        let long = vec![b'k'; 1024];
+        let digested = store(KeyKind::User, &long).unwrap();
+        assert!(display(KeyKind::User, &digested).starts_with("sha256:"));
+        // A 32-byte key that happens to equal a digest is still another key.
+        let lookalike = store(KeyKind::User, digested.as_bytes()).unwrap();
+        assert_ne!(lookalike, digested);
     }
 
     #[test]

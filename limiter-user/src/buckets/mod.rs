@@ -15,7 +15,7 @@ pub use ban::{BanError, Banner, NoBans};
 pub use clock::{Clock, ManualClock, MonotonicClock};
 pub use escalation::{EscalationConfig, EscalationStats};
 pub use stats::ActionStats;
-pub use store::{CheckError, Limiter, LimiterConfig};
+pub use store::{ActionId, BYTES_PER_KEY, CheckError, Limiter, LimiterConfig};
 
 #[cfg(test)]
 mod tests;

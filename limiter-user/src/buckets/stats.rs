@@ -64,7 +64,9 @@ pub struct ActionStats {
     /// Every refusal: limited + cost_exceeds_burst + closed.
     pub blocked: u64,
     pub tracked_keys: usize,
-    /// Checks for new keys made while the action was at its key cap, which shared the
-    /// overflow bucket.
+    /// Checks for new keys made while the action was at its key cap with every bucket still
+    /// spending (the degraded mode): answered as a fresh bucket, untracked.
     pub overflow_checks: u64,
+    /// Memory the action's key table holds (entries and the table's slack).
+    pub key_memory_bytes: usize,
 }

@@ -4,7 +4,15 @@
 //! Buckets live in a sharded map per action. A check on a tracked key takes a shared lock on
 //! one shard and a compare-and-swap on the key's TAT, so checks on different keys, and even on
 //! the same key, run in parallel on every core; only a key's first check takes a shard's write
-//! lock.
+//! lock. Keys are fixed-size ([`StoredKey`]) and hashed with a per-map random seed, so a check
+//! allocates nothing and a flood of chosen keys cannot aim at one hash chain.
+//!
+//! **Key-cap pressure.** When an action tracks `max_keys` keys, a new key first makes room:
+//! buckets that are full again hold nothing a fresh one would not, so they are evicted (one
+//! pass at most every [`CAP_SWEEP_EVERY`]). When every tracked bucket is still spending (the
+//! degraded mode), the new key is answered as the fresh bucket it would get, without being
+//! tracked, and counted in `overflow_checks`: a key that has not itself gone over its limit is
+//! never refused, and such a verdict never escalates into a ban.
 
 use std::{
     net::IpAddr,
@@ -16,6 +24,7 @@ use std::{
 };
 
 use dashmap::{DashMap, mapref::entry::Entry};
+use foldhash::quality::RandomState;
 use limiter_client::{Escalation, NEVER_MS, Outcome, Verdict};
 
 use crate::api::BlockedKey;
@@ -51,22 +60,38 @@ pub enum CheckError {
     ZeroCost,
 }
 
+/// The least time between two cap sweeps of one action: a flood of new keys into a full
+/// action of hot buckets costs one pass over the map per interval, not one per check.
+pub const CAP_SWEEP_EVERY: Duration = Duration::from_millis(100);
+
+/// What one slot of a key table costs: the entry (key and bucket) and its control byte.
+const SLOT_BYTES: usize = std::mem::size_of::<(StoredKey, Bucket)>() + 1;
+
+/// What one tracked key costs at most: a table holds 7 keys per 8 slots when it grows, and
+/// doubles, so it is never less than 7/16 used (and shrinks when sweeping leaves it less
+/// than half used).
+pub const BYTES_PER_KEY: usize = SLOT_BYTES * 16 / 7;
+
 #[derive(Default)]
-struct Bucket {
+pub struct Bucket {
     cell: Cell,
     /// Refusals since the bucket was created; reaped with it.
     blocked: AtomicU64,
 }
 
+/// An action resolved once by name, for callers that check the same action many times.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ActionId(usize);
+
 struct Action {
     spec: ActionSpec,
     mode: Mode,
-    buckets: DashMap<Box<[u8]>, Bucket>,
-    /// Shared by every new key that arrives while `buckets` holds `max_keys`.
-    overflow: Bucket,
+    buckets: DashMap<StoredKey, Bucket, RandomState>,
     tracked: AtomicUsize,
     outcomes: OutcomeCounters,
     overflow_checks: AtomicU64,
+    /// When the last cap sweep ran (clock ns + 1; 0 = never).
+    cap_swept: AtomicU64,
 }
 
 pub struct Limiter {
@@ -85,11 +110,11 @@ impl Limiter {
             .map(|spec| Action {
                 mode: spec.mode(),
                 spec,
-                buckets: DashMap::new(),
-                overflow: Bucket::default(),
+                buckets: DashMap::with_hasher(RandomState::default()),
                 tracked: AtomicUsize::new(0),
                 outcomes: OutcomeCounters::default(),
                 overflow_checks: AtomicU64::new(0),
+                cap_swept: AtomicU64::new(0),
             })
             .collect();
         let escalator = config
@@ -107,8 +132,22 @@ impl Limiter {
         self.actions.iter().map(|a| &a.spec)
     }
 
+    /// The action named `name`, resolved once for [`Limiter::check_id`].
+    pub fn action_id(&self, name: &str) -> Result<ActionId, CheckError> {
+        self.actions
+            .iter()
+            .position(|a| a.spec.name == name)
+            .map(ActionId)
+            .ok_or_else(|| CheckError::UnknownAction(name.to_owned()))
+    }
+
     /// Spends `cost` tokens of `key`'s bucket if it holds them; a refusal spends nothing.
     pub fn check(&self, action: &str, key: &[u8], cost: u32) -> Result<Verdict, CheckError> {
+        self.decide(self.action_id(action)?, key, cost, true, true)
+    }
+
+    /// `check` for an action resolved with [`Limiter::action_id`].
+    pub fn check_id(&self, action: ActionId, key: &[u8], cost: u32) -> Result<Verdict, CheckError> {
         self.decide(action, key, cost, true, true)
     }
 
@@ -121,18 +160,18 @@ impl Limiter {
         key: &[u8],
         cost: u32,
     ) -> Result<Verdict, CheckError> {
-        self.decide(action, key, cost, true, false)
+        self.decide(self.action_id(action)?, key, cost, true, false)
     }
 
     /// What `check` would answer, spending nothing and counting nothing.
     pub fn peek(&self, action: &str, key: &[u8], cost: u32) -> Result<Verdict, CheckError> {
-        self.decide(action, key, cost, false, false)
+        self.decide(self.action_id(action)?, key, cost, false, false)
     }
 
     /// Forgets a key's bucket, so its next check finds it full. `Ok(false)` if it had none.
     pub fn reset(&self, action: &str, key: &[u8]) -> Result<bool, CheckError> {
-        let (action, stored) = self.resolve(action, key)?;
-        let removed = action.buckets.remove(stored.as_bytes()).is_some();
+        let (action, stored) = self.resolve(self.action_id(action)?, key)?;
+        let removed = action.buckets.remove(&stored).is_some();
         if removed {
             action.tracked.fetch_sub(1, Ordering::AcqRel);
         }
@@ -151,7 +190,7 @@ impl Limiter {
     }
 
     /// Lifts a ban and forgets the address's failures, so it starts again from a clean slate.
-    pub fn unban(&self, addr: IpAddr) -> Result<(), BanError> {
+    pub fn unban(&self, addr: IpAddr) -> Result<bool, BanError> {
         if let Some(escalator) = &self.escalator {
             escalator.forget(addr);
         }
@@ -164,14 +203,7 @@ impl Limiter {
         let now = self.clock.now_ns();
         let mut removed = 0;
         for action in &self.actions {
-            let mut gone = 0;
-            action.buckets.retain(|_, bucket| {
-                let keep = !Rate::is_full(bucket.cell.tat(), now);
-                gone += usize::from(!keep);
-                keep
-            });
-            action.tracked.fetch_sub(gone, Ordering::AcqRel);
-            removed += gone;
+            removed += action.evict_full(now);
         }
         removed + self.escalator.as_ref().map_or(0, Escalator::sweep)
     }
@@ -193,6 +225,8 @@ impl Limiter {
                         + count(Outcome::Closed),
                     tracked_keys: a.tracked.load(Ordering::Acquire),
                     overflow_checks: a.overflow_checks.load(Ordering::Relaxed),
+                    // `capacity` counts usable slots, 7 of every 8.
+                    key_memory_bytes: a.buckets.capacity() * SLOT_BYTES * 8 / 7,
                 }
             })
             .collect()
@@ -209,12 +243,12 @@ impl Limiter {
     /// The `n` keys of `action` refused most often while their buckets were live.
     pub fn top_blocked(&self, action: &str, n: usize) -> Result<Vec<BlockedKey>, CheckError> {
         let action = self.action(action)?;
-        let mut blocked: Vec<(u64, Box<[u8]>)> = action
+        let mut blocked: Vec<(u64, StoredKey)> = action
             .buckets
             .iter()
             .filter_map(|entry| {
                 let count = entry.value().blocked.load(Ordering::Relaxed);
-                (count > 0).then(|| (count, entry.key().clone()))
+                (count > 0).then(|| (count, *entry.key()))
             })
             .collect();
         blocked.sort_unstable_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.cmp(&b.1)));
@@ -229,21 +263,18 @@ impl Limiter {
     }
 
     fn action(&self, name: &str) -> Result<&Action, CheckError> {
-        self.actions
-            .iter()
-            .find(|a| a.spec.name == name)
-            .ok_or_else(|| CheckError::UnknownAction(name.to_owned()))
+        self.action_id(name).map(|ActionId(i)| &self.actions[i])
     }
 
-    fn resolve<'k>(
+    fn resolve(
         &self,
-        name: &str,
-        key: &'k [u8],
-    ) -> Result<(&Action, StoredKey<'k>), CheckError> {
-        let action = self.action(name)?;
+        ActionId(id): ActionId,
+        key: &[u8],
+    ) -> Result<(&Action, StoredKey), CheckError> {
+        let action = &self.actions[id];
         let stored =
             keys::store(action.spec.key, key).map_err(|source| CheckError::InvalidKey {
-                action: name.to_owned(),
+                action: action.spec.name.clone(),
                 source,
             })?;
         Ok((action, stored))
@@ -251,7 +282,7 @@ impl Limiter {
 
     fn decide(
         &self,
-        name: &str,
+        id: ActionId,
         key: &[u8],
         cost: u32,
         consume: bool,
@@ -260,14 +291,17 @@ impl Limiter {
         if cost == 0 {
             return Err(CheckError::ZeroCost);
         }
-        let (action, stored) = self.resolve(name, key)?;
+        let (action, stored) = self.resolve(id, key)?;
+        let mut tracked = true;
         let limit = action.spec.limit;
         let verdict = match action.mode {
             Mode::Unlimited => Verdict::new(Outcome::Unlimited, 0, u32::MAX, 0, 0),
             Mode::Closed => Verdict::new(Outcome::Closed, 0, 0, NEVER_MS, NEVER_MS),
             Mode::Limited(rate) => {
                 let now = self.clock.now_ns();
-                let evaluation = self.evaluate(action, &rate, &stored, now, cost, consume);
+                let (evaluation, in_store) =
+                    self.evaluate(action, &rate, &stored, now, cost, consume);
+                tracked = in_store;
                 let outcome = if evaluation.allowed {
                     Outcome::Allowed
                 } else if cost > rate.burst() {
@@ -292,6 +326,7 @@ impl Limiter {
             action.outcomes.add(verdict.outcome);
             if !verdict.allowed
                 && escalate
+                && tracked
                 && action.spec.escalate
                 && action.spec.key == KeyKind::Ip
                 && let (Some(escalator), Some(addr)) = (&self.escalator, stored.address())
@@ -302,36 +337,38 @@ impl Limiter {
         Ok(verdict)
     }
 
+    /// Settles `key`'s bucket; the flag says whether the key is tracked (false for a peek of
+    /// an unknown key and for the degraded mode of a full action).
     fn evaluate(
         &self,
         action: &Action,
         rate: &Rate,
-        key: &StoredKey<'_>,
+        key: &StoredKey,
         now: u64,
         cost: u32,
         consume: bool,
-    ) -> Evaluation {
+    ) -> (Evaluation, bool) {
         let settle = |bucket: &Bucket| {
             let evaluation = bucket.cell.take(rate, now, cost, consume);
             if consume && !evaluation.allowed {
                 bucket.blocked.fetch_add(1, Ordering::Relaxed);
             }
-            evaluation
+            (evaluation, true)
         };
-        if let Some(bucket) = action.buckets.get(key.as_bytes()) {
+        if let Some(bucket) = action.buckets.get(key) {
             return settle(&bucket);
         }
         if !consume {
             // An untracked key has a full bucket; nothing is created to answer a peek.
-            return rate.evaluate(0, now, cost);
+            return (rate.evaluate(0, now, cost), false);
         }
-        // Claim a slot under the cap before inserting, so the cap holds under races.
-        if action.tracked.fetch_add(1, Ordering::AcqRel) >= action.spec.max_keys {
-            action.tracked.fetch_sub(1, Ordering::AcqRel);
+        if !action.claim_slot(now) {
+            // Degraded mode: answered as the fresh bucket it would get, never refused for
+            // others' spending.
             action.overflow_checks.fetch_add(1, Ordering::Relaxed);
-            return settle(&action.overflow);
+            return (rate.evaluate(0, now, cost), false);
         }
-        match action.buckets.entry(key.as_bytes().into()) {
+        match action.buckets.entry(*key) {
             Entry::Occupied(occupied) => {
                 // Another check inserted it first; give the slot back.
                 action.tracked.fetch_sub(1, Ordering::AcqRel);
@@ -339,5 +376,48 @@ impl Limiter {
             }
             Entry::Vacant(vacant) => settle(&vacant.insert(Bucket::default())),
         }
+    }
+}
+
+impl Action {
+    /// Claims a slot under the cap before inserting, so the cap holds under races; a full
+    /// action first evicts its buckets that are full again (at most once per
+    /// [`CAP_SWEEP_EVERY`]).
+    fn claim_slot(&self, now: u64) -> bool {
+        for attempt in 0..2 {
+            if self.tracked.fetch_add(1, Ordering::AcqRel) < self.spec.max_keys {
+                return true;
+            }
+            self.tracked.fetch_sub(1, Ordering::AcqRel);
+            let last = self.cap_swept.load(Ordering::Acquire);
+            let due =
+                last == 0 || now.saturating_sub(last - 1) >= CAP_SWEEP_EVERY.as_nanos() as u64;
+            let ours = attempt == 0
+                && due
+                && self
+                    .cap_swept
+                    .compare_exchange(last, now + 1, Ordering::AcqRel, Ordering::Acquire)
+                    .is_ok();
+            if !ours || self.evict_full(now) == 0 {
+                return false;
+            }
+        }
+        false
+    }
+
+    /// Evicts the buckets that are full again and gives the table's memory back when it is
+    /// less than half used; returns how many went.
+    fn evict_full(&self, now: u64) -> usize {
+        let mut gone = 0;
+        self.buckets.retain(|_, bucket| {
+            let keep = !Rate::is_full(bucket.cell.tat(), now);
+            gone += usize::from(!keep);
+            keep
+        });
+        self.tracked.fetch_sub(gone, Ordering::AcqRel);
+        if gone > 0 && self.buckets.capacity() > 2 * self.buckets.len() {
+            self.buckets.shrink_to_fit();
+        }
+        gone
     }
 }

@@ -178,22 +178,67 @@ fn sweep_evicts_only_full_buckets() {
 }
 
 #[test]
-fn past_the_key_cap_new_keys_share_one_overflow_bucket() {
-    let (_, _, limiter) = limiter_with("[actions.auth]\nlimit = 3\nmax-keys = 2\n", None);
-    assert!(limiter.check("auth", b"192.0.2.1", 1).unwrap().allowed);
-    assert!(limiter.check("auth", b"192.0.2.2", 1).unwrap().allowed);
-    // A flood of fresh addresses gets the action's limit between them, not each.
-    let admitted = (3..100)
-        .filter(|i| {
-            let key = format!("192.0.2.{i}");
-            limiter.check("auth", key.as_bytes(), 1).unwrap().allowed
-        })
-        .count();
-    assert_eq!(admitted, 3);
+fn a_flood_of_fresh_keys_never_refuses_or_bans_an_innocent_key() {
+    // The attack: unescalated checks (as over HTTP) fill auth's key cap with hot buckets.
+    let (clock, banner, limiter) = limiter_with(
+        "[actions.auth]\nlimit = 10\nwindow = \"60s\"\nmax-keys = 100\n",
+        Some(EscalationConfig {
+            after: 1,
+            window: Duration::from_secs(60),
+            ban: Duration::from_secs(600),
+            max_addresses: 1000,
+        }),
+    );
+    for i in 0..5_000u32 {
+        let key = format!("10.{}.{}.{}", i >> 16, (i >> 8) & 255, i & 255);
+        limiter
+            .check_unescalated("auth", key.as_bytes(), 1)
+            .unwrap();
+    }
+    // Every new address's first auth over the broker socket is still allowed, and nobody
+    // is banned.
+    for i in 0..1_000u32 {
+        let key = format!("192.0.{}.{}", i >> 8, i & 255);
+        let verdict = limiter.check("auth", key.as_bytes(), 1).unwrap();
+        assert!(verdict.allowed, "{key}: {verdict:?}");
+    }
+    assert!(banner.calls.lock().unwrap().is_empty());
     let stats = stats_of(&limiter, "auth");
-    assert_eq!((stats.tracked_keys, stats.overflow_checks), (2, 97));
-    // Tracked keys keep their own buckets.
-    assert!(limiter.check("auth", b"192.0.2.1", 1).unwrap().allowed);
+    assert_eq!(stats.tracked_keys, 100, "the cap holds");
+    assert_eq!(
+        stats.overflow_checks,
+        5_000 - 100 + 1_000,
+        "degraded mode is counted"
+    );
+    // A key that goes over its own limit is refused as ever.
+    let key = b"10.0.0.1";
+    let refused = (0..20)
+        .filter(|_| !limiter.check("auth", key, 1).unwrap().allowed)
+        .count();
+    assert!(refused >= 10);
+    // Once buckets are full again, new keys make room and are tracked again.
+    clock.advance(Duration::from_secs(60));
+    for _ in 0..10 {
+        assert!(limiter.check("auth", b"198.51.100.1", 1).unwrap().allowed);
+    }
+    assert!(!limiter.check("auth", b"198.51.100.1", 1).unwrap().allowed);
+}
+
+#[test]
+fn swept_keys_give_their_memory_back() {
+    let (clock, _, limiter) = limiter_with("[actions.export]\nlimit = 5\nwindow = \"1s\"\n", None);
+    for i in 0..50_000 {
+        limiter
+            .check("export", format!("user-{i}").as_bytes(), 1)
+            .unwrap();
+    }
+    const { assert!(BYTES_PER_KEY <= 130, "the documented figure") };
+    let full = stats_of(&limiter, "export").key_memory_bytes;
+    assert!(full <= 50_000 * BYTES_PER_KEY, "{full} bytes");
+    clock.advance(Duration::from_secs(1));
+    limiter.sweep();
+    let swept = stats_of(&limiter, "export").key_memory_bytes;
+    assert!(swept * 10 < full, "{swept} of {full} bytes kept");
 }
 
 fn concurrent_admitted(limiter: Arc<Limiter>, keys: usize, per_key: usize) -> Vec<usize> {

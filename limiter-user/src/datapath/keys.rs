@@ -35,6 +35,21 @@ pub fn key_address(key: &SourceKey) -> IpAddr {
     }
 }
 
+/// A source key as operators read it: the address, with its prefix length when the key stands
+/// for more than one address (`fd00:77::/64`), so a masked key never reads as one host.
+pub fn key_text(key: &SourceKey, config: &Config) -> String {
+    let addr = key_address(key);
+    let (prefix, full) = match addr {
+        IpAddr::V4(_) => (config.ipv4_prefix, 32),
+        IpAddr::V6(_) => (config.ipv6_prefix, 128),
+    };
+    if prefix >= full {
+        addr.to_string()
+    } else {
+        format!("{addr}/{prefix}")
+    }
+}
+
 /// `CLOCK_BOOTTIME` in nanoseconds, the clock the kernel programs stamp with.
 pub fn boot_time_ns() -> Result<u64, MapsError> {
     let mut ts = libc::timespec {
@@ -66,5 +81,19 @@ mod tests {
         config.ipv6_prefix = 0;
         let k = source_key("2001:db8::1".parse().unwrap(), &config);
         assert_eq!(k.addr, [0; 16]);
+    }
+
+    #[test]
+    fn a_key_wider_than_one_address_shows_its_prefix() {
+        let mut config = Config::UNCONFIGURED;
+        config.ipv4_prefix = 32;
+        config.ipv6_prefix = 64;
+        let k = source_key("fd00:77::5".parse().unwrap(), &config);
+        assert_eq!(key_text(&k, &config), "fd00:77::/64");
+        let k = source_key("10.1.2.3".parse().unwrap(), &config);
+        assert_eq!(key_text(&k, &config), "10.1.2.3");
+        config.ipv4_prefix = 24;
+        let k = source_key("10.1.2.3".parse().unwrap(), &config);
+        assert_eq!(key_text(&k, &config), "10.1.2.0/24");
     }
 }

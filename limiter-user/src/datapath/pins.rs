@@ -1,9 +1,10 @@
-//! The pin layout and its lifecycle: `maps/<MAP>` shared by every interface and
+//! The pin layout and its lifecycle: `maps/<MAP>` shared by every interface,
 //! `links/<iface>/` holding one interface's attachments (`xdp`; `tc` for egress and
 //! `tc-ingress` for ingress, each either a pinned TCX link or, on kernels without TCX, a
 //! `tc-netlink` / `tc-ingress-netlink` filter record, plus `clsact` when limiter created the
-//! qdisc; records are empty directories), on a BPF filesystem this module mounts when needed,
-//! and `limiter detach`, which removes them.
+//! qdisc; records are empty directories), and `agent-<pid>` naming the agent that enforces
+//! through them, on a BPF filesystem this module mounts when needed, and `limiter detach`,
+//! which removes them.
 
 use std::path::{Path, PathBuf};
 
@@ -57,17 +58,102 @@ pub fn tc_attached(pin_dir: &Path, iface: &str, direction: TcAttachType) -> bool
         || tc_legacy::recorded(&links(pin_dir, iface), tc_link_file(direction))
 }
 
+/// The running agent's pid, so that a second agent for the same pins says whose they are
+/// instead of swapping its programs into a live agent's links. The BPF filesystem holds no
+/// regular files, so the pid is the name of an empty directory: `<pin-dir>/agent-<pid>`.
+fn pid_dir(pin_dir: &Path, pid: u32) -> PathBuf {
+    pin_dir.join(format!("agent-{pid}"))
+}
+
+/// Another live agent enforcing through `pin_dir`; records of dead ones are removed.
+pub fn live_agent(pin_dir: &Path) -> Option<u32> {
+    let entries = std::fs::read_dir(pin_dir).ok()?;
+    let mut live = None;
+    for entry in entries.filter_map(Result::ok) {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix("agent-"))
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let alive = std::fs::read_to_string(format!("/proc/{pid}/comm"))
+            .is_ok_and(|comm| comm.trim() == "limiter");
+        if alive && pid != std::process::id() {
+            live = Some(pid);
+        } else if !alive {
+            let _ = std::fs::remove_dir(entry.path());
+        }
+    }
+    live
+}
+
+/// Records this process as the agent enforcing through `pin_dir`.
+pub fn write_pid_file(pin_dir: &Path) -> Result<(), LoadError> {
+    let path = pid_dir(pin_dir, std::process::id());
+    match std::fs::create_dir(&path) {
+        Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => {
+            Err(LoadError::Pin { path, source: e })
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Removes this process's record.
+pub fn remove_pid_file(pin_dir: &Path) {
+    let path = pid_dir(pin_dir, std::process::id());
+    if let Err(error) = std::fs::remove_dir(&path)
+        && error.kind() != std::io::ErrorKind::NotFound
+    {
+        tracing::warn!(%error, path = %path.display(), "removing the pid record");
+    }
+}
+
 /// Where the BPF filesystem is conventionally mounted.
 const BPFFS: &str = "/sys/fs/bpf";
+
+/// Mounting a BPF filesystem in a private mount namespace (`ip netns exec` makes one, with a
+/// fresh /sys) would pin into a filesystem nobody else sees, which dies with the agent: the
+/// kernel would stop enforcing when it exits and no successor could adopt the maps.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "{BPFFS} has no BPF filesystem and this agent runs in a private mount namespace (as under \
+     `ip netns exec`): a BPF filesystem mounted here would die with the agent, and the pins \
+     with it. Enter only the network namespace (`nsenter --net=/run/netns/NAME limiter run ...`), \
+     or set allow-private-bpffs to accept pins that last only as long as this agent"
+)]
+pub struct PrivateBpffs;
+
+/// Refuses to go on when `pin_dir` would need a BPF filesystem mounted and this process's
+/// mount namespace is not init's.
+pub fn refuse_private_bpffs(pin_dir: &Path) -> Result<(), PrivateBpffs> {
+    let would_mount = pin_dir.starts_with(BPFFS) && !on_bpffs(Path::new(BPFFS));
+    let ns = |pid: &str| std::fs::read_link(format!("/proc/{pid}/ns/mnt")).ok();
+    // Init's namespace; where init is hidden (a container may not let us read it), the
+    // parent's: `ip netns exec` unshares in place and execs the agent, so its parent, the
+    // shell, is still in the namespace the agent left.
+    let reference = ns("1").or_else(|| ns(&std::os::unix::process::parent_id().to_string()));
+    let private = match (ns("self"), reference) {
+        (Some(ours), Some(shared)) => ours != shared,
+        _ => false,
+    };
+    if would_mount && private {
+        Err(PrivateBpffs)
+    } else {
+        Ok(())
+    }
+}
+
+fn on_bpffs(path: &Path) -> bool {
+    nix::sys::statfs::statfs(path)
+        .is_ok_and(|fs| fs.filesystem_type() == nix::sys::statfs::BPF_FS_MAGIC)
+}
 
 /// Makes sure `pin_dir` lies on a BPF filesystem, mounting one at /sys/fs/bpf when the pin
 /// directory is under it and nothing is mounted there yet (minimal hosts and containers often
 /// boot without it). Pins anywhere else must already be on a BPF filesystem.
 pub(super) fn ensure_bpffs(pin_dir: &Path) -> Result<(), LoadError> {
-    let on_bpffs = |path: &Path| {
-        nix::sys::statfs::statfs(path)
-            .is_ok_and(|fs| fs.filesystem_type() == nix::sys::statfs::BPF_FS_MAGIC)
-    };
     let mut existing = pin_dir;
     while !existing.exists() {
         match existing.parent() {
@@ -122,13 +208,9 @@ pub fn detach(pin_dir: &Path, iface: Option<&str>) -> Result<Vec<String>, LoadEr
     };
     let mut detached = Vec::new();
     for iface in ifaces {
-        let dir = links(pin_dir, &iface);
-        if !dir.exists() {
-            continue;
+        if unpin_links(pin_dir, &iface)? {
+            detached.push(iface);
         }
-        detach_iface(&iface, &dir)?;
-        std::fs::remove_dir(&dir).map_err(|source| LoadError::Pin { path: dir, source })?;
-        detached.push(iface);
     }
     let remaining = std::fs::read_dir(&all_links)
         .map(|d| d.count())
@@ -137,6 +219,17 @@ pub fn detach(pin_dir: &Path, iface: Option<&str>) -> Result<Vec<String>, LoadEr
         remove_tree(pin_dir)?;
     }
     Ok(detached)
+}
+
+/// Removes `iface`'s attachments, which detaches its programs; false if it had none.
+pub fn unpin_links(pin_dir: &Path, iface: &str) -> Result<bool, LoadError> {
+    let dir = links(pin_dir, iface);
+    if !dir.exists() {
+        return Ok(false);
+    }
+    detach_iface(iface, &dir)?;
+    std::fs::remove_dir(&dir).map_err(|source| LoadError::Pin { path: dir, source })?;
+    Ok(true)
 }
 
 /// Removes everything in one interface's link directory: pinned links are unpinned (dropping

@@ -23,7 +23,7 @@ use crate::{
     api::{
         BanAnswer, BanRequest, Connections, ListAnswer, ListKind, ListRequest, RateLimits, Status,
     },
-    datapath::keys::{key_address, source_key},
+    datapath::keys::{key_text, source_key},
     services::views::{connections_view, kernel_rate_limits, kernel_status},
     settings::defaults,
 };
@@ -83,8 +83,8 @@ pub struct TopArgs {
 pub struct BanArgs {
     /// The address to ban (its source key, masked to the configured prefix, is banned).
     pub addr: IpAddr,
-    /// How long the ban lasts, e.g. `10m` or `2h`.
-    #[arg(long, value_parser = humantime::parse_duration)]
+    /// How long the ban lasts, e.g. `10m` or `2h` (1s to 366d).
+    #[arg(long, value_parser = crate::api::parse_ban_ttl)]
     pub ttl: Duration,
     #[command(flatten)]
     pub admin: AdminConnect,
@@ -236,12 +236,13 @@ impl BanArgs {
             Ok(answer) => answer,
             Err(AskError::Unreachable(why)) => {
                 let mut maps = open_pinned(&self.pin_dir, self.admin.connect.http, &why)?;
+                let config = maps.config().context("reading the pinned maps")?;
                 let source = maps
                     .ban(self.addr, self.ttl)
                     .context("banning in the pinned maps")?;
                 BanAnswer {
                     addr: self.addr.to_string(),
-                    source: key_address(&source).to_string(),
+                    source: key_text(&source, &config),
                     ttl_ms: Some(self.ttl.as_millis().try_into().unwrap_or(u64::MAX)),
                     lifted: None,
                 }
@@ -279,7 +280,7 @@ impl UnbanArgs {
                     .context("unbanning in the pinned maps")?;
                 BanAnswer {
                     addr,
-                    source: key_address(&source_key(self.addr, &config)).to_string(),
+                    source: key_text(&source_key(self.addr, &config), &config),
                     ttl_ms: None,
                     lifted: Some(lifted),
                 }

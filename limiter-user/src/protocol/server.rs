@@ -3,12 +3,17 @@
 //! Each connection is its own task: a client that sends garbage, stalls mid-frame or vanishes
 //! affects nobody else. Replies are written in the order requests arrive and flushed once per
 //! batch of requests already buffered, so a pipelining client gets one write per batch.
+//!
+//! Each listener holds at most `clients.max` connections ([`Admission`]); a connection gets
+//! `header_timeout` for its first whole frame and `idle_timeout` between frames. Requests that
+//! change state (ban, unban, reset) are served only to trusted peers: over the Unix socket, a
+//! peer whose uid or primary gid (`SO_PEERCRED`) is in the admin lists; over TCP, none.
 
 use std::{
     future::Future,
     io,
     net::SocketAddr,
-    os::unix::fs::{FileTypeExt, PermissionsExt},
+    os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt},
     path::{Path, PathBuf},
     sync::Arc,
 };
@@ -23,8 +28,10 @@ use tokio::{
 use tokio_util::codec::Framed;
 
 use crate::{
+    admission::{AcceptBackoff, Admission, Ticket},
+    api::ban_ttl,
     buckets::{CheckError, Limiter},
-    settings::ServeConfig,
+    settings::{ClientLimits, ServeConfig},
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -66,6 +73,18 @@ pub struct Server {
     socket: PathBuf,
     tcp: Option<TcpListener>,
     max_frame: usize,
+    clients: ClientLimits,
+    admin_uids: Vec<u32>,
+    admin_gids: Vec<u32>,
+}
+
+/// What a connection's peer may do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Peer {
+    /// Checks, peeks and auth-failure reports only.
+    Untrusted,
+    /// Also ban, unban and reset.
+    Admin,
 }
 
 /// Binds per `config` and serves until `shutdown` resolves; the agent's entry point.
@@ -105,13 +124,26 @@ impl Server {
             ),
             None => None,
         };
-        tracing::info!(socket = %path.display(), tcp = ?config.listen, "serving the broker protocol");
+        // By default the socket's group is trusted: it is the group brokers are put in.
+        let admin_gids = match &config.admin.gids {
+            Some(gids) => gids.clone(),
+            None => std::fs::metadata(path)
+                .map(|m| vec![m.gid()])
+                .map_err(|source| ServeError::Chmod {
+                    path: path.clone(),
+                    source,
+                })?,
+        };
+        tracing::info!(socket = %path.display(), tcp = ?config.listen, admin_uids = ?config.admin.uids, ?admin_gids, "serving the broker protocol");
         Ok(Self {
             limiter,
             unix,
             socket: path.clone(),
             tcp,
             max_frame: config.max_frame,
+            clients: config.clients,
+            admin_uids: config.admin.uids.clone(),
+            admin_gids,
         })
     }
 
@@ -123,7 +155,17 @@ impl Server {
     /// Accepts until `shutdown` resolves, then drops every connection and removes the socket.
     pub async fn run(self, shutdown: impl Future<Output = ()>) {
         let mut connections = JoinSet::new();
-        let codec = ServerCodec::new(self.max_frame);
+        let served = Served {
+            codec: ServerCodec::new(self.max_frame),
+            limiter: Arc::clone(&self.limiter),
+            clients: self.clients,
+        };
+        let (unix_slots, tcp_slots) = (
+            Admission::new(self.clients.max),
+            Admission::new(self.clients.max),
+        );
+        let (mut unix_backoff, mut tcp_backoff) =
+            (AcceptBackoff::new("unix"), AcceptBackoff::new("tcp"));
         let tcp_accept = async |tcp: &Option<TcpListener>| match tcp {
             Some(listener) => listener.accept().await.map(|(stream, _)| stream),
             None => std::future::pending().await,
@@ -134,16 +176,29 @@ impl Server {
                 () = &mut shutdown => break,
                 accepted = self.unix.accept() => match accepted {
                     Ok((stream, _)) => {
-                        connections.spawn(connection(stream, codec, self.limiter.clone()));
+                        unix_backoff.succeeded();
+                        let peer = match stream.peer_cred() {
+                            Ok(cred)
+                                if self.admin_uids.contains(&cred.uid())
+                                    || self.admin_gids.contains(&cred.gid()) =>
+                            {
+                                Peer::Admin
+                            }
+                            _ => Peer::Untrusted,
+                        };
+                        let ticket = unix_slots.admit().await;
+                        connections.spawn(served.clone().connection(stream, peer, ticket));
                     }
-                    Err(error) => tracing::warn!(%error, "accepting on the Unix socket"),
+                    Err(error) => unix_backoff.failed(&error).await,
                 },
                 accepted = tcp_accept(&self.tcp) => match accepted {
                     Ok(stream) => {
+                        tcp_backoff.succeeded();
                         let _ = stream.set_nodelay(true);
-                        connections.spawn(connection(stream, codec, self.limiter.clone()));
+                        let ticket = tcp_slots.admit().await;
+                        connections.spawn(served.clone().connection(stream, Peer::Untrusted, ticket));
                     }
-                    Err(error) => tracing::warn!(%error, "accepting on TCP"),
+                    Err(error) => tcp_backoff.failed(&error).await,
                 },
                 Some(_) = connections.join_next(), if !connections.is_empty() => {}
             }
@@ -174,18 +229,63 @@ async fn remove_stale_socket(path: &Path) -> Result<(), ServeError> {
     })
 }
 
-/// Serves one client until it closes, breaks framing, or the server stops.
-async fn connection<S>(stream: S, codec: ServerCodec, limiter: Arc<Limiter>)
-where
-    S: AsyncRead + AsyncWrite + Unpin,
-{
-    let mut framed = Framed::new(stream, codec);
-    while let Some(first) = framed.next().await {
+/// What every connection task shares.
+#[derive(Clone)]
+struct Served {
+    codec: ServerCodec,
+    limiter: Arc<Limiter>,
+    clients: ClientLimits,
+}
+
+impl Served {
+    /// Serves one client until it closes, breaks framing, stays silent past its timeout, loses
+    /// its slot to a newer connection, or the server stops.
+    async fn connection<S>(self, stream: S, peer: Peer, ticket: Ticket)
+    where
+        S: AsyncRead + AsyncWrite + Unpin,
+    {
+        let mut framed = Framed::new(stream, self.codec);
+        let evicted = ticket.evicted();
+        tokio::pin!(evicted);
+        let mut wait = self.clients.header_timeout;
+        loop {
+            let first = tokio::select! {
+                () = &mut evicted => {
+                    tracing::debug!("connection closed to make room for a newer one");
+                    return;
+                }
+                next = tokio::time::timeout(wait, framed.next()) => match next {
+                    Ok(Some(first)) => first,
+                    Ok(None) => return,
+                    Err(_) => {
+                        tracing::debug!(?wait, "connection closed: no whole frame in time");
+                        return;
+                    }
+                },
+            };
+            ticket.proven();
+            wait = self.clients.idle_timeout;
+            if !self.answer_buffered(&mut framed, first, peer).await {
+                return;
+            }
+        }
+    }
+
+    /// Answers `first` and everything already buffered behind it, then flushes once; false
+    /// when the connection is over.
+    async fn answer_buffered<S>(
+        &self,
+        framed: &mut Framed<S, ServerCodec>,
+        first: Result<Received<Request>, CodecError>,
+        peer: Peer,
+    ) -> bool
+    where
+        S: AsyncRead + AsyncWrite + Unpin,
+    {
         let mut next = Some(first);
-        // Answer everything already buffered, then flush once.
         while let Some(item) = next.take() {
             let (reply, fatal) = match item {
-                Ok(received) => (answer(&limiter, received), false),
+                Ok(received) => (answer(&self.limiter, received, peer), false),
                 Err(CodecError::TooLarge { len, max }) => (
                     (
                         0,
@@ -200,21 +300,23 @@ where
                     tracing::debug!(%error, "connection ended mid-frame or failed");
                     // Requests that arrived whole before the break are still answered.
                     let _ = framed.flush().await;
-                    return;
+                    return false;
                 }
             };
             if framed.feed(reply).await.is_err() {
-                return;
+                return false;
             }
             if fatal {
                 let _ = framed.flush().await;
-                return;
+                return false;
             }
             next = framed.next().now_or_never().flatten();
         }
-        if framed.flush().await.is_err() {
-            return;
-        }
+        // A reader that never drains its replies cannot hold the connection past the timeout.
+        matches!(
+            tokio::time::timeout(self.clients.idle_timeout, framed.flush()).await,
+            Ok(Ok(()))
+        )
     }
 }
 
@@ -234,12 +336,35 @@ fn check_error(e: CheckError) -> Response {
     error(code, e.to_string())
 }
 
-fn answer(limiter: &Limiter, received: Received<Request>) -> (u32, Response) {
+fn answer(limiter: &Limiter, received: Received<Request>, peer: Peer) -> (u32, Response) {
     let id = received.id;
     let request = match received.message {
         Ok(request) => request,
         Err(ParseError { code, message }) => return (id, error(code, message)),
     };
+    if id == 0 {
+        return (
+            0,
+            error(
+                ErrorCode::Malformed,
+                "id 0 is reserved for the agent's connection-level errors; use another id",
+            ),
+        );
+    }
+    let admin_only = matches!(
+        request,
+        Request::Reset { .. } | Request::Ban { .. } | Request::Unban { .. }
+    );
+    if admin_only && peer != Peer::Admin {
+        return (
+            id,
+            error(
+                ErrorCode::NotPermitted,
+                "ban, unban and reset are served only to the agent's admin users and groups \
+                 over the Unix socket (admin-uids, admin-gids)",
+            ),
+        );
+    }
     let response = match request {
         Request::Check { action, key, cost } => limiter
             .check(&action, &key, cost)
@@ -251,12 +376,15 @@ fn answer(limiter: &Limiter, received: Received<Request>) -> (u32, Response) {
             .reset(&action, &key)
             .map_or_else(check_error, |changed| Response::Done { changed }),
         Request::AuthFailure { addr } => Response::Escalation(limiter.report_auth_failure(addr)),
-        Request::Ban { addr, ttl } => match limiter.ban(addr, ttl) {
-            Ok(()) => Response::Done { changed: true },
+        Request::Ban { addr, ttl } => match ban_ttl(ttl) {
             Err(e) => error(ErrorCode::BanFailed, e.to_string()),
+            Ok(ttl) => match limiter.ban(addr, ttl) {
+                Ok(()) => Response::Done { changed: true },
+                Err(e) => error(ErrorCode::BanFailed, e.to_string()),
+            },
         },
         Request::Unban { addr } => match limiter.unban(addr) {
-            Ok(()) => Response::Done { changed: true },
+            Ok(changed) => Response::Done { changed },
             Err(e) => error(ErrorCode::BanFailed, e.to_string()),
         },
     };

@@ -6,7 +6,10 @@
 use std::sync::{Arc, Mutex};
 
 use limiter_client::Outcome;
-use limiter_common::Event;
+use limiter_common::{
+    Event,
+    stats::{Direction, Reason, Verdict},
+};
 use prometheus::{
     IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
     core::{Collector, Desc},
@@ -182,7 +185,11 @@ impl KernelCollector {
     /// that a scrape never stalls the sweeper or an admin call for the whole read.
     fn fill(&self, k: &Kernel) -> Result<(), MapsError> {
         let enforcer = &self.enforcer;
-        for count in enforcer.with_maps(|m| m.packet_counts())? {
+        for count in enforcer
+            .with_maps(|m| m.packet_counts())?
+            .into_iter()
+            .filter(|c| possible(c.direction, c.verdict, c.reason))
+        {
             k.packets
                 .with_label_values(&[
                     count.direction.label(),
@@ -257,6 +264,7 @@ struct Broker {
     blocked: IntCounterVec,
     keys: IntGaugeVec,
     overflow: IntCounterVec,
+    key_memory: IntGaugeVec,
     escalation_bans: IntCounter,
 }
 
@@ -306,7 +314,15 @@ impl LimiterCollector {
             overflow: IntCounterVec::new(
                 Opts::new(
                     "limiter_rate_limit_overflow_checks_total",
-                    "Checks of new keys that shared the overflow bucket because the action was at its key cap.",
+                    "Checks of new keys answered untracked because the action was at its key cap with every bucket still spending.",
+                ),
+                &["action"],
+            )
+            .map_err(r)?,
+            key_memory: IntGaugeVec::new(
+                Opts::new(
+                    "limiter_rate_limit_key_memory_bytes",
+                    "Memory the action's key table holds.",
                 ),
                 &["action"],
             )
@@ -324,6 +340,7 @@ impl LimiterCollector {
                 &b.blocked,
                 &b.keys,
                 &b.overflow,
+                &b.key_memory,
                 &b.escalation_bans,
             ])
         };
@@ -350,6 +367,7 @@ impl Collector for LimiterCollector {
         b.blocked.reset();
         b.keys.reset();
         b.overflow.reset();
+        b.key_memory.reset();
         b.escalation_bans.reset();
         for stats in self.limiter.stats() {
             let action = stats.action.as_str();
@@ -372,6 +390,9 @@ impl Collector for LimiterCollector {
             b.overflow
                 .with_label_values(&[action])
                 .inc_by(stats.overflow_checks);
+            b.key_memory
+                .with_label_values(&[action])
+                .set(gauge_value(stats.key_memory_bytes as u64));
         }
         if let Some(escalation) = self.limiter.escalation_stats() {
             b.escalation_bans.inc_by(escalation.bans);
@@ -382,11 +403,32 @@ impl Collector for LimiterCollector {
             &b.blocked,
             &b.keys,
             &b.overflow,
+            &b.key_memory,
             &b.escalation_bans,
         ] {
             out.extend(c.collect());
         }
         out
+    }
+}
+
+/// Whether the kernel programs can count a packet under these labels, so only series that
+/// can ever move are exported: egress (TC) only observes, so it passes, and never for a
+/// reason that belongs to a SYN's admission; ingress refuses (drop or rst) only for a refusal
+/// reason, and passes for every other reason, and for a full flow table when failing open.
+fn possible(direction: Direction, verdict: Verdict, reason: Reason) -> bool {
+    let refusal = (reason as usize) < Reason::REFUSAL_COUNT;
+    match (direction, verdict) {
+        (Direction::Egress, Verdict::Pass) => {
+            !refusal
+                && !matches!(
+                    reason,
+                    Reason::Admitted | Reason::Retransmit | Reason::Allowlisted
+                )
+        }
+        (Direction::Egress, _) => false,
+        (Direction::Ingress, Verdict::Pass) => !refusal || reason == Reason::FlowTableFull,
+        (Direction::Ingress, Verdict::Drop | Verdict::Rst) => refusal,
     }
 }
 

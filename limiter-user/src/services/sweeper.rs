@@ -26,9 +26,19 @@ pub struct SweepStats {
     pub duration: Histogram,
 }
 
+/// The `kind` label values of `limiter_evictions_total`, in the order a pass reports them.
+const EVICTION_KINDS: [&str; 6] = [
+    "closed",
+    "half_open",
+    "idle",
+    "syn_bucket",
+    "ban",
+    "app_key",
+];
+
 impl SweepStats {
     pub fn new() -> Self {
-        Self {
+        let stats = Self {
             evictions: IntCounterVec::new(
                 Opts::new(
                     "limiter_evictions_total",
@@ -37,8 +47,9 @@ impl SweepStats {
                 &["kind"],
             )
             .expect("valid metric"),
+            // Not `limiter_counter_...`: a metric name must not name a metric type.
             repairs: IntCounter::new(
-                "limiter_counter_repairs_total",
+                "limiter_drift_repairs_total",
                 "Connection counters the sweeper found drifted from the flow table and repaired.",
             )
             .expect("valid metric"),
@@ -50,7 +61,13 @@ impl SweepStats {
                 .buckets(vec![0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0]),
             )
             .expect("valid metric"),
+        };
+        // Every kind exists from the first scrape, at 0, so a rate() over it never starts
+        // from a missing series.
+        for kind in EVICTION_KINDS {
+            stats.evictions.with_label_values(&[kind]);
         }
+        stats
     }
 }
 
@@ -164,14 +181,15 @@ impl Sweeper {
         report.buckets = enforcer.with_maps(|m| m.sweep_buckets(&mut self.cursor, batch, now))?;
         report.bans = enforcer.with_maps(|m| m.sweep_bans(&mut self.cursor, batch, now))?;
         report.app_keys = limiter.sweep() as u64;
-        for (kind, n) in [
-            ("closed", report.closed),
-            ("half_open", report.half_open),
-            ("idle", report.idle),
-            ("syn_bucket", report.buckets),
-            ("ban", report.bans),
-            ("app_key", report.app_keys),
-        ] {
+        let counts = [
+            report.closed,
+            report.half_open,
+            report.idle,
+            report.buckets,
+            report.bans,
+            report.app_keys,
+        ];
+        for (kind, n) in EVICTION_KINDS.into_iter().zip(counts) {
             stats.evictions.with_label_values(&[kind]).inc_by(n);
         }
         stats.repairs.inc_by(report.repairs);

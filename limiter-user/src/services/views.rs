@@ -11,7 +11,7 @@ use crate::{
         KernelLimits, KernelRateLimits, SourceConnections, Status, millis,
     },
     buckets::{ActionStats, Limiter, actions::Mode},
-    datapath::{Enforcer, Maps, MapsError, keys::key_address},
+    datapath::{Enforcer, Maps, MapsError, keys::key_text},
 };
 
 /// Where views read the kernel maps from: the running datapath (a short lock per read) or
@@ -56,12 +56,15 @@ pub fn kernel_status(maps: &impl ReadMaps) -> Result<Status, MapsError> {
         bans_active: maps.read(|m| m.bans())?.len(),
         refused,
         limits: KernelLimits::from_config(&config),
+        pinned: None,
+        restart_required: None,
     })
 }
 
 /// `GET /connections`: open connections per source, largest first.
 pub fn connections_view(maps: &impl ReadMaps, limit: usize) -> Result<Connections, MapsError> {
     let global = maps.read(|m| m.global_connections())?;
+    let config = maps.read(|m| m.config())?;
     let mut sources: Vec<_> = maps
         .read(|m| m.all_source_connections())?
         .into_iter()
@@ -76,7 +79,7 @@ pub fn connections_view(maps: &impl ReadMaps, limit: usize) -> Result<Connection
             .into_iter()
             .take(limit)
             .map(|(key, connections)| SourceConnections {
-                source: key_address(&key).to_string(),
+                source: key_text(&key, &config),
                 connections,
             })
             .collect(),
@@ -106,7 +109,7 @@ pub fn kernel_rate_limits(
             top.into_iter()
                 .take(limit)
                 .map(|(blocked, key)| BlockedSource {
-                    source: key_address(&key).to_string(),
+                    source: key_text(&key, &config),
                     blocked,
                 })
                 .collect(),
@@ -125,7 +128,7 @@ pub fn kernel_rate_limits(
             .into_iter()
             .take(limit)
             .map(|(key, left)| BanEntry {
-                source: key_address(&key).to_string(),
+                source: key_text(&key, &config),
                 expires_in_ms: millis(left),
             })
             .collect(),

@@ -40,6 +40,16 @@ pub struct BrokerLayer {
     #[arg(long, env = "LIMITER_ESCALATE_BAN", value_parser = humantime::parse_duration)]
     #[serde(default, with = "text_duration")]
     pub escalate_ban: Option<Duration>,
+    /// Users whose processes may send ban, unban and reset over the Unix socket.
+    /// [default: 0 (root)]
+    #[arg(long, env = "LIMITER_ADMIN_UIDS", value_delimiter = ',')]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub admin_uids: Vec<u32>,
+    /// Groups whose processes may send ban, unban and reset over the Unix socket.
+    /// [default: the socket's group]
+    #[arg(long, env = "LIMITER_ADMIN_GIDS", value_delimiter = ',')]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub admin_gids: Vec<u32>,
 }
 
 /// Declares the quick per-action overrides once: each built-in action gets a `--NAME-limit`
@@ -102,6 +112,46 @@ fn parse_listen(text: &str) -> Result<SocketAddr, String> {
         .map_err(|_| format!("{text:?} is neither a port nor ADDR:PORT"))
 }
 
+/// What one listener grants its clients, so that idle or slow connections cannot take every
+/// file descriptor the agent has and blind it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ClientLimits {
+    /// Connections served at once; past it, new ones wait in the kernel's backlog.
+    pub max: u32,
+    /// Time to the first request's headers (HTTP) or first whole frame (broker protocol).
+    pub header_timeout: Duration,
+    /// Time between frames after which a broker connection is closed.
+    pub idle_timeout: Duration,
+}
+
+impl Default for ClientLimits {
+    fn default() -> Self {
+        Self {
+            max: defaults::MAX_CLIENTS,
+            header_timeout: defaults::HEADER_TIMEOUT,
+            idle_timeout: defaults::CLIENT_IDLE_TIMEOUT,
+        }
+    }
+}
+
+/// Who may change bans and buckets over the Unix socket: a peer whose uid or gid (from the
+/// kernel's `SO_PEERCRED`, which a client cannot forge) is listed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AdminPeers {
+    pub uids: Vec<u32>,
+    /// `None`: the socket file's group, the group brokers are put in to reach it.
+    pub gids: Option<Vec<u32>>,
+}
+
+impl Default for AdminPeers {
+    fn default() -> Self {
+        Self {
+            uids: vec![0],
+            gids: None,
+        }
+    }
+}
+
 /// Where and how the protocol is served.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ServeConfig {
@@ -109,6 +159,8 @@ pub struct ServeConfig {
     pub listen: Option<SocketAddr>,
     pub socket_mode: u32,
     pub max_frame: usize,
+    pub clients: ClientLimits,
+    pub admin: AdminPeers,
 }
 
 impl ServeConfig {
@@ -118,6 +170,8 @@ impl ServeConfig {
             listen: None,
             socket_mode: 0o660,
             max_frame: DEFAULT_MAX_FRAME,
+            clients: ClientLimits::default(),
+            admin: AdminPeers::default(),
         }
     }
 }
@@ -147,11 +201,13 @@ impl BrokerLayer {
             Some(after) => {
                 let window = self.escalate_window.unwrap_or(defaults::ESCALATE_WINDOW);
                 let ban = self.escalate_ban.unwrap_or(defaults::ESCALATE_BAN);
-                for (flag, value) in [("escalate-window", window), ("escalate-ban", ban)] {
-                    if value.is_zero() {
-                        return Err(ConfigError::new(flag, "must be longer than zero"));
-                    }
+                if window.is_zero() {
+                    return Err(ConfigError::new(
+                        "escalate-window",
+                        "must be longer than zero",
+                    ));
                 }
+                crate::api::ban_ttl(ban).map_err(|e| ConfigError::new("escalate-ban", e))?;
                 Some(EscalationConfig {
                     after,
                     window,
@@ -163,6 +219,14 @@ impl BrokerLayer {
         Ok(BrokerSettings {
             serve: ServeConfig {
                 listen: self.listen,
+                admin: AdminPeers {
+                    uids: if self.admin_uids.is_empty() {
+                        AdminPeers::default().uids
+                    } else {
+                        self.admin_uids.clone()
+                    },
+                    gids: (!self.admin_gids.is_empty()).then(|| self.admin_gids.clone()),
+                },
                 ..ServeConfig::unix(
                     self.socket
                         .clone()

@@ -152,6 +152,27 @@ pub struct Layer {
     /// Bearer token the admin endpoints require; without one they are off.
     #[arg(long, env = "LIMITER_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
+    /// Bearer token `POST /v1/check` requires; without one it is open to local users.
+    #[arg(long, env = "LIMITER_CHECK_TOKEN", hide_env_values = true)]
+    pub check_token: Option<String>,
+    /// Connections each listener (HTTP, Unix socket, TCP) holds at once; more wait in the
+    /// kernel's backlog until one closes. [default: 512]
+    #[arg(long, env = "LIMITER_MAX_CLIENTS")]
+    pub max_clients: Option<u32>,
+    /// Time a new connection has to send its first request's headers (HTTP) or its first
+    /// whole frame (broker protocol); an HTTP keep-alive connection gets as long for each next
+    /// request's headers. [default: 10s]
+    #[arg(long, env = "LIMITER_HEADER_TIMEOUT", value_parser = humantime::parse_duration)]
+    #[serde(default, with = "text_duration")]
+    pub header_timeout: Option<Duration>,
+    /// A broker connection without a whole frame for this long is closed. [default: 5m]
+    #[arg(long, env = "LIMITER_CLIENT_IDLE_TIMEOUT", value_parser = humantime::parse_duration)]
+    #[serde(default, with = "text_duration")]
+    pub client_idle_timeout: Option<Duration>,
+    /// Mount the BPF filesystem even in a private mount namespace (`ip netns exec`), where
+    /// the pins die with the agent.
+    #[arg(long, env = "LIMITER_ALLOW_PRIVATE_BPFFS", num_args = 0..=1, default_missing_value = "true")]
+    pub allow_private_bpffs: Option<bool>,
 }
 
 /// Durations as text ("30s", "1h") in the file, and in the merged layers.

@@ -16,7 +16,7 @@ use std::{
     time::Duration,
 };
 
-pub use broker::{ActionFlags, BrokerLayer, BrokerSettings, ServeConfig};
+pub use broker::{ActionFlags, AdminPeers, BrokerLayer, BrokerSettings, ClientLimits, ServeConfig};
 pub use file::FileConfig;
 pub use flags::{Layer, RefusalArg, XdpModeArg};
 pub use resolve::{parse_cidr, parse_cidrs};
@@ -46,6 +46,12 @@ pub mod defaults {
     pub const SWEEP_BATCH: u32 = 65_536;
     pub const ESCALATE_WINDOW: Duration = Duration::from_secs(60);
     pub const ESCALATE_BAN: Duration = Duration::from_secs(600);
+    pub const MAX_CLIENTS: u32 = 512;
+    pub const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
+    pub const CLIENT_IDLE_TIMEOUT: Duration = Duration::from_secs(300);
+    /// The largest flow table the kernel programs are built for: 2^24 slots (some 1.5 GB of
+    /// maps), far beyond the default.
+    pub const MAX_FLOW_TABLE_SIZE: u32 = 1 << 24;
 }
 
 /// Where `limiter run` takes its settings from.
@@ -74,6 +80,7 @@ impl RunArgs {
         let broker = file::merge(&self.broker, &file.broker)?;
         let broker = broker.resolve(&file.actions, &self.actions.overrides())?;
         let mut settings = layer.resolve(broker)?;
+        settings.broker.serve.clients = settings.clients;
         settings.pinned = file::keys(&self.layer)?
             .into_iter()
             .chain(
@@ -119,9 +126,16 @@ pub struct Settings {
     pub sweep: SweepSettings,
     pub http: SocketAddr,
     pub admin_token: Option<String>,
+    pub check_token: Option<String>,
+    /// Connection cap and timeouts of every listener.
+    pub clients: ClientLimits,
+    pub allow_private_bpffs: bool,
     pub broker: BrokerSettings,
     /// Settings the command line or the environment set, which the file cannot change.
     pub pinned: Vec<String>,
+    /// Settings the file changed since the start that apply only on a restart (reload fills
+    /// it in).
+    pub restart_required: Vec<String>,
 }
 
 /// The settings in force, shared by the services and replaced whole on SIGHUP; services read

@@ -7,7 +7,7 @@ use ipnet::IpNet;
 use limiter_common::{Config, Refusal};
 
 use super::{
-    BrokerSettings, ConfigError, Settings, SweepSettings, defaults,
+    BrokerSettings, ClientLimits, ConfigError, Settings, SweepSettings, defaults,
     flags::{Layer, RefusalArg, XdpModeArg},
 };
 use crate::datapath::Policy;
@@ -33,15 +33,16 @@ impl Layer {
         if sweep.batch == 0 {
             return Err(ConfigError::new("sweep-batch", "must be at least 1"));
         }
-        if self
-            .admin_token
-            .as_deref()
-            .is_some_and(|t| t.trim().is_empty())
-        {
-            return Err(ConfigError::new(
-                "admin-token",
-                "is empty (leave it out to turn the admin endpoints off)",
-            ));
+        for (setting, token) in [
+            ("admin-token", &self.admin_token),
+            ("check-token", &self.check_token),
+        ] {
+            if token.as_deref().is_some_and(|t| t.trim().is_empty()) {
+                return Err(ConfigError::new(
+                    setting,
+                    "is empty (leave it out to turn the token off)",
+                ));
+            }
         }
         Ok(Settings {
             ifaces: self
@@ -56,11 +57,11 @@ impl Layer {
                 .clone()
                 .unwrap_or_else(|| PathBuf::from(defaults::PIN_DIR)),
             policy: self.policy()?,
-            flow_table_size: positive(
+            flow_table_size: table_size(
                 "flow-table-size",
                 self.flow_table_size.unwrap_or(defaults::FLOW_TABLE_SIZE),
             )?,
-            half_open_table_size: positive(
+            half_open_table_size: table_size(
                 "half-open-table-size",
                 self.half_open_table_size
                     .unwrap_or(defaults::HALF_OPEN_TABLE_SIZE),
@@ -69,8 +70,12 @@ impl Layer {
             sweep,
             http: self.http.unwrap_or(defaults::HTTP),
             admin_token: self.admin_token.clone(),
+            check_token: self.check_token.clone(),
+            clients: self.clients()?,
+            allow_private_bpffs: self.allow_private_bpffs.unwrap_or(false),
             broker,
             pinned: Vec::new(),
+            restart_required: Vec::new(),
         })
     }
 
@@ -134,13 +139,27 @@ impl Layer {
             deny,
         })
     }
-}
 
-/// A table size: at least one entry.
-fn positive(setting: &'static str, size: u32) -> Result<u32, ConfigError> {
-    match size {
-        0 => Err(ConfigError::new(setting, "must be at least 1")),
-        size => Ok(size),
+    fn clients(&self) -> Result<ClientLimits, ConfigError> {
+        let limits = ClientLimits {
+            max: self.max_clients.unwrap_or(defaults::MAX_CLIENTS),
+            header_timeout: self.header_timeout.unwrap_or(defaults::HEADER_TIMEOUT),
+            idle_timeout: self
+                .client_idle_timeout
+                .unwrap_or(defaults::CLIENT_IDLE_TIMEOUT),
+        };
+        if limits.max == 0 {
+            return Err(ConfigError::new("max-clients", "must be at least 1"));
+        }
+        for (setting, value) in [
+            ("header-timeout", limits.header_timeout),
+            ("client-idle-timeout", limits.idle_timeout),
+        ] {
+            if value.is_zero() {
+                return Err(ConfigError::new(setting, "must be longer than zero"));
+            }
+        }
+        Ok(limits)
     }
 }
 
@@ -191,4 +210,20 @@ pub fn parse_cidr(setting: &'static str, text: &str) -> Result<IpNet, ConfigErro
         ));
     }
     Ok(net)
+}
+
+/// A table size, checked here, before the kernel is asked for the maps, so a size it would
+/// refuse is reported as this setting rather than as a map.
+fn table_size(setting: &'static str, size: u32) -> Result<u32, ConfigError> {
+    match size {
+        0 => Err(ConfigError::new(setting, "must be at least 1")),
+        size if size > defaults::MAX_FLOW_TABLE_SIZE => Err(ConfigError::new(
+            setting,
+            format!(
+                "{size} is more than the {} slots the agent supports",
+                defaults::MAX_FLOW_TABLE_SIZE
+            ),
+        )),
+        size => Ok(size),
+    }
 }

@@ -8,22 +8,21 @@ use axum::{
         Path, Query, Request, State,
         rejection::{JsonRejection, QueryRejection},
     },
-    http::{HeaderValue, StatusCode, header},
+    http::StatusCode,
     middleware::Next,
     response::{IntoResponse, Response},
 };
-use sha2::{Digest, Sha256};
-use subtle::ConstantTimeEq;
 
 use super::{
     AppState,
+    auth::require_bearer,
     problem::{Problem, blocking, json_rejection, maps_problem, query_rejection},
 };
 use crate::{
-    api::{BanAnswer, BanRequest, ListAnswer, ListKind, ListRequest, millis},
+    api::{BanAnswer, BanRequest, ListAnswer, ListKind, ListRequest, millis, parse_ban_ttl},
     datapath::{
         EnforceError, Enforcer,
-        keys::{key_address, source_key},
+        keys::{key_text, source_key},
     },
     settings::parse_cidr,
 };
@@ -41,34 +40,8 @@ pub(super) async fn require_admin(
             "the admin endpoints are disabled: no admin token is configured (--admin-token)",
         ));
     };
-    let presented = request
-        .headers()
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| {
-            let (scheme, token) = v.split_once(' ')?;
-            scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
-        });
-    if !presented.is_some_and(|token| token_matches(token, &expected)) {
-        let mut problem = Problem::new(
-            StatusCode::UNAUTHORIZED,
-            "a valid bearer token is required (Authorization: Bearer <admin token>)",
-        );
-        problem
-            .0
-            .headers
-            .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-        return Err(problem);
-    }
+    require_bearer(&request, &expected, "admin token")?;
     Ok(next.run(request).await)
-}
-
-/// Compares digests in constant time: neither the content nor the length of the configured
-/// token leaks through response timing.
-fn token_matches(presented: &str, expected: &str) -> bool {
-    let a = Sha256::digest(presented.as_bytes());
-    let b = Sha256::digest(expected.as_bytes());
-    a.ct_eq(&b).into()
 }
 
 fn parse_addr(text: &str) -> Result<IpAddr, Problem> {
@@ -96,12 +69,7 @@ pub(super) async fn ban(
 ) -> Result<Json<BanAnswer>, Problem> {
     let Json(request) = body.map_err(json_rejection)?;
     let addr = parse_addr(&request.addr)?;
-    let ttl = humantime::parse_duration(request.ttl.trim()).map_err(|e| {
-        Problem::bad_request("ttl", format!("`{}` is not a duration: {e}", request.ttl))
-    })?;
-    if ttl.is_zero() {
-        return Err(Problem::bad_request("ttl", "must be longer than zero"));
-    }
+    let ttl = parse_ban_ttl(&request.ttl).map_err(|e| Problem::bad_request("ttl", e))?;
     let answer = blocking(move || {
         state.enforcer.ban(addr, ttl).map_err(enforce_problem)?;
         let source = ban_source(&state.enforcer, addr)?;
@@ -118,7 +86,7 @@ pub(super) async fn ban(
 
 fn ban_source(enforcer: &Enforcer, addr: IpAddr) -> Result<String, Problem> {
     let config = enforcer.with_maps(|m| m.config()).map_err(maps_problem)?;
-    Ok(key_address(&source_key(addr, &config)).to_string())
+    Ok(key_text(&source_key(addr, &config), &config))
 }
 
 pub(super) async fn unban(
@@ -208,14 +176,6 @@ pub(super) async fn deny_del(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn tokens_match_only_exactly() {
-        assert!(token_matches("s3cret", "s3cret"));
-        assert!(!token_matches("s3cret ", "s3cret"));
-        assert!(!token_matches("s3cre", "s3cret"));
-        assert!(!token_matches("", "s3cret"));
-    }
 
     #[test]
     fn addresses_are_canonical_and_errors_name_the_field() {

@@ -1,10 +1,12 @@
 //! `POST /v1/check`: a broker verdict for dashboards and scripts. It never escalates into a
-//! ban, since any local user can reach the listener.
+//! ban, since any local user can reach the listener; with `check-token` set, only callers
+//! holding the token reach it at all.
 
 use axum::{
     Json,
-    extract::{State, rejection::JsonRejection},
+    extract::{Request, State, rejection::JsonRejection},
     http::{HeaderMap, HeaderName, StatusCode, header},
+    middleware::Next,
     response::{IntoResponse, Response},
 };
 
@@ -12,6 +14,7 @@ use limiter_client::{NEVER_MS, Outcome};
 
 use super::{
     AppState,
+    auth::require_bearer,
     problem::{Problem, json_rejection},
 };
 use crate::{
@@ -22,6 +25,19 @@ use crate::{
 const RATE_LIMIT_LIMIT: HeaderName = HeaderName::from_static("x-ratelimit-limit");
 const RATE_LIMIT_REMAINING: HeaderName = HeaderName::from_static("x-ratelimit-remaining");
 const RATE_LIMIT_RESET: HeaderName = HeaderName::from_static("x-ratelimit-reset");
+
+/// Open without a configured check token; 401 without the right one. Read per request, so a
+/// reload applies at once.
+pub(super) async fn require_check_token(
+    State(state): State<AppState>,
+    request: Request,
+    next: Next,
+) -> Result<Response, Problem> {
+    if let Some(expected) = state.settings.get().check_token {
+        require_bearer(&request, &expected, "check token")?;
+    }
+    Ok(next.run(request).await)
+}
 
 /// 200 when allowed; 429 when limited (with `Retry-After`) or closed; 422 when the cost is
 /// more than the bucket can ever hold, since no wait will help.

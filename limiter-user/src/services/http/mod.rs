@@ -1,19 +1,28 @@
 //! The agent's HTTP listener: Prometheus metrics, health, the JSON views, the dashboards'
 //! rate-limit check, and token-protected admin changes. Each group of routes has its module;
 //! this one binds, routes and serves.
+//!
+//! Connections are served one task each by hyper, within the `clients` limits: at most `max`
+//! at once ([`Admission`]: a newcomer takes the slot of the oldest connection that has not yet
+//! sent a whole request), and `header_timeout` for each request's headers, which also closes
+//! a keep-alive connection idle that long.
 
 mod admin;
+mod auth;
 mod check;
 mod problem;
 mod read;
 
-use std::{future::Future, io, net::SocketAddr, sync::Arc};
+use std::{future::Future, io, net::SocketAddr, sync::Arc, time::Duration};
 
 use axum::{
     Router, middleware,
     routing::{delete, get, post},
 };
+use hyper_util::rt::{TokioIo, TokioTimer};
 use thiserror::Error;
+use tokio::task::JoinSet;
+use tower::ServiceExt;
 
 pub use problem::{PROBLEM_JSON, Problem};
 
@@ -21,7 +30,15 @@ use super::{
     metrics::{Metrics, MetricsError},
     sweeper::SweepStats,
 };
-use crate::{buckets::Limiter, datapath::Enforcer, settings::Live};
+use crate::{
+    admission::{AcceptBackoff, Admission},
+    buckets::Limiter,
+    datapath::Enforcer,
+    settings::{ClientLimits, Live},
+};
+
+/// How long requests in flight get to finish once the agent stops.
+const DRAIN: Duration = Duration::from_secs(5);
 
 #[derive(Debug, Error)]
 pub enum HttpError {
@@ -52,6 +69,7 @@ struct AppState {
 pub struct HttpServer {
     listener: tokio::net::TcpListener,
     app: Router,
+    clients: ClientLimits,
 }
 
 impl HttpServer {
@@ -62,7 +80,10 @@ impl HttpServer {
         settings: Live,
         sweep: &SweepStats,
     ) -> Result<Self, HttpError> {
-        let addr = settings.get().http;
+        let (addr, clients) = {
+            let settings = settings.get();
+            (settings.http, settings.clients)
+        };
         let listener = tokio::net::TcpListener::bind(addr)
             .await
             .map_err(|source| HttpError::Bind { addr, source })?;
@@ -75,6 +96,7 @@ impl HttpServer {
         Ok(Self {
             listener,
             app: router(state),
+            clients,
         })
     }
 
@@ -82,7 +104,8 @@ impl HttpServer {
         self.listener.local_addr().map_err(HttpError::Serve)
     }
 
-    /// Serves until `shutdown` resolves, then lets requests in flight finish.
+    /// Serves until `shutdown` resolves, then lets requests in flight finish (for up to
+    /// five seconds).
     pub async fn run(
         self,
         shutdown: impl Future<Output = ()> + Send + 'static,
@@ -90,10 +113,52 @@ impl HttpServer {
         if let Ok(addr) = self.listener.local_addr() {
             tracing::info!(%addr, "HTTP listener up");
         }
-        axum::serve(self.listener, self.app)
-            .with_graceful_shutdown(shutdown)
-            .await
-            .map_err(HttpError::Serve)
+        let slots = Admission::new(self.clients.max);
+        let mut backoff = AcceptBackoff::new("http");
+        let stop = tokio_util::sync::CancellationToken::new();
+        let mut connections = JoinSet::new();
+        tokio::pin!(shutdown);
+        loop {
+            tokio::select! {
+                () = &mut shutdown => break,
+                accepted = self.listener.accept() => match accepted {
+                    Ok((stream, _)) => {
+                        backoff.succeeded();
+                        let ticket = slots.admit().await;
+                        let app = self.app.clone();
+                        let stop = stop.clone();
+                        let header_timeout = self.clients.header_timeout;
+                        connections.spawn(async move {
+                            let evicted = ticket.evicted();
+                            let ticket = Arc::new(ticket);
+                            let service = hyper::service::service_fn(move |request| {
+                                ticket.proven();
+                                app.clone().oneshot(request)
+                            });
+                            let mut builder = hyper::server::conn::http1::Builder::new();
+                            builder
+                                .timer(TokioTimer::new())
+                                .header_read_timeout(header_timeout);
+                            let connection =
+                                builder.serve_connection(TokioIo::new(stream), service);
+                            tokio::pin!(connection);
+                            tokio::select! {
+                                _ = connection.as_mut() => return,
+                                () = evicted => return,
+                                () = stop.cancelled() => {}
+                            }
+                            connection.as_mut().graceful_shutdown();
+                            let _ = tokio::time::timeout(DRAIN, connection).await;
+                        });
+                    }
+                    Err(error) => backoff.failed(&error).await,
+                },
+                Some(_) = connections.join_next(), if !connections.is_empty() => {}
+            }
+        }
+        stop.cancel();
+        while connections.join_next().await.is_some() {}
+        Ok(())
     }
 }
 
@@ -117,7 +182,14 @@ fn router(state: AppState) -> Router {
         .route("/connections", get(read::connections))
         .route("/rate_limits", get(read::rate_limits))
         .route("/v1/status", get(read::status))
-        .route("/v1/check", post(check::check))
+        .merge(
+            Router::new()
+                .route("/v1/check", post(check::check))
+                .route_layer(middleware::from_fn_with_state(
+                    state.clone(),
+                    check::require_check_token,
+                )),
+        )
         .merge(admin)
         .fallback(problem::not_found)
         .with_state(state)

@@ -110,6 +110,9 @@ pub(super) async fn status(State(state): State<AppState>) -> Result<Json<Status>
         let mut status = kernel_status(&*state.enforcer).map_err(maps_problem)?;
         status.version = Some(env!("CARGO_PKG_VERSION").to_owned());
         status.ready = Some(state.enforcer.ready());
+        let settings = state.settings.get();
+        status.pinned = Some(settings.pinned);
+        status.restart_required = Some(settings.restart_required);
         Ok(status)
     })
     .await?;
