@@ -143,23 +143,29 @@ pub fn ensure_test_tools() -> Result<()> {
 /// Installs, through the package manager, the Debian package of each `(command, package)`
 /// whose command is not on `PATH`; nothing when all are there.
 pub fn ensure_tools(tools: &[(&str, &str)]) -> Result<()> {
-    let missing: Vec<&str> = tools
-        .iter()
-        .filter(|(command, _)| !on_path(command))
-        .map(|(_, package)| *package)
-        .collect();
-    if missing.is_empty() {
+    install(
+        tools
+            .iter()
+            .filter(|(command, _)| !on_path(command))
+            .map(|(_, package)| *package)
+            .collect(),
+    )
+}
+
+/// Installs `packages` with apt-get; does nothing (and touches no package index) when there
+/// are none. Waits for the package database rather than failing when another install holds it.
+fn install(packages: Vec<&str>) -> Result<()> {
+    if packages.is_empty() {
         return Ok(());
     }
-    println!("setup: installing {}", missing.join(", "));
-    // Waits for the package database rather than failing when another install holds it.
+    println!("setup: installing {}", packages.join(", "));
     let lock = ["-o", "DPkg::Lock::Timeout=600"];
     status(Command::new("apt-get").args(lock).args(["update", "-q"]))?;
     status(
         Command::new("apt-get")
             .args(lock)
             .args(["install", "-y", "-q", "--no-install-recommends"])
-            .args(&missing)
+            .args(&packages)
             .env("DEBIAN_FRONTEND", "noninteractive"),
     )
 }
@@ -195,25 +201,14 @@ pub fn ensure_iproute2() -> Result<()> {
     ensure_tools(&[("ip", "iproute2")])
 }
 
-/// Installs through apt-get each package whose marker file is missing; does nothing (and
-/// touches no package index) when every marker is present.
+/// Installs through apt-get each package whose marker file is missing (for packages that put
+/// nothing on `PATH`, such as kernels and cross libraries).
 pub fn ensure_packages(packages: &[(&str, &str)]) -> Result<()> {
-    let missing: Vec<&str> = packages
-        .iter()
-        .filter(|(marker, _)| !Path::new(marker).exists())
-        .map(|(_, package)| *package)
-        .collect();
-    if missing.is_empty() {
-        return Ok(());
-    }
-    println!("setup: installing {}", missing.join(" "));
-    let lock = ["-o", "DPkg::Lock::Timeout=600"];
-    status(Command::new("apt-get").args(lock).args(["update", "-q"]))?;
-    status(
-        Command::new("apt-get")
-            .args(lock)
-            .args(["install", "-y", "-q", "--no-install-recommends"])
-            .args(&missing)
-            .env("DEBIAN_FRONTEND", "noninteractive"),
+    install(
+        packages
+            .iter()
+            .filter(|(marker, _)| !Path::new(marker).exists())
+            .map(|(_, package)| *package)
+            .collect(),
     )
 }
