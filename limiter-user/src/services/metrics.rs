@@ -51,8 +51,8 @@ impl Metrics {
             Box::new(sweep.repairs.clone()),
             Box::new(sweep.duration.clone()),
             Box::new(build_info()?),
-            Box::new(KernelCollector::new(Arc::clone(enforcer))?),
-            Box::new(LimiterCollector::new(Arc::clone(limiter))?),
+            Box::new(AtScrape::new(KernelMetrics::new(Arc::clone(enforcer))?)),
+            Box::new(AtScrape::new(BrokerMetrics::new(Arc::clone(limiter))?)),
         ];
         for collector in collectors {
             registry
@@ -83,11 +83,50 @@ fn build_info() -> Result<IntGaugeVec, MetricsError> {
     Ok(info)
 }
 
-/// Metric families rebuilt from scratch on every scrape. The lock serialises scrapes, since
-/// each one resets and refills the same families.
-struct Families<T> {
+/// Metric families rebuilt from their source at every scrape.
+trait Scraped: Send + Sync {
+    /// Every family, for the registry's descriptions.
+    fn families(&self) -> Vec<&dyn Collector>;
+    /// Resets and refills the families from the source; returns those to expose.
+    fn refill(&self) -> Vec<&dyn Collector>;
+}
+
+/// A [`Scraped`] source as a registered collector. The lock serialises scrapes, since each one
+/// resets and refills the same families.
+struct AtScrape<T> {
     lock: Mutex<()>,
-    families: T,
+    source: T,
+    descs: Vec<Desc>,
+}
+
+impl<T: Scraped> AtScrape<T> {
+    fn new(source: T) -> Self {
+        let descs = source
+            .families()
+            .iter()
+            .flat_map(|c| c.desc().into_iter().cloned())
+            .collect();
+        Self {
+            lock: Mutex::new(()),
+            source,
+            descs,
+        }
+    }
+}
+
+impl<T: Scraped> Collector for AtScrape<T> {
+    fn desc(&self) -> Vec<&Desc> {
+        self.descs.iter().collect()
+    }
+
+    fn collect(&self) -> Vec<MetricFamily> {
+        let _serial = self.lock.lock().unwrap_or_else(|e| e.into_inner());
+        self.source
+            .refill()
+            .into_iter()
+            .flat_map(|c| c.collect())
+            .collect()
+    }
 }
 
 struct Kernel {
@@ -102,20 +141,12 @@ struct Kernel {
 }
 
 /// Reads the kernel maps at scrape time.
-struct KernelCollector {
+struct KernelMetrics {
     enforcer: Arc<Enforcer>,
-    inner: Families<Kernel>,
-    descs: Vec<Desc>,
+    families: Kernel,
 }
 
-fn descs_of(collectors: &[&dyn Collector]) -> Vec<Desc> {
-    collectors
-        .iter()
-        .flat_map(|c| c.desc().into_iter().cloned())
-        .collect()
-}
-
-impl KernelCollector {
+impl KernelMetrics {
     fn new(enforcer: Arc<Enforcer>) -> Result<Self, MetricsError> {
         let r = MetricsError::Register;
         let gauge = |name: &str, help: &str| IntGauge::new(name, help).map_err(r);
@@ -158,27 +189,7 @@ impl KernelCollector {
                 "1 when every kernel map read of this scrape succeeded; 0 when the kernel metrics are missing or partial.",
             )?,
         };
-        let descs = {
-            let k = &families;
-            descs_of(&[
-                &k.packets,
-                &k.events,
-                &k.connections,
-                &k.tracked_sources,
-                &k.flow_entries,
-                &k.flow_capacity,
-                &k.bans,
-                &k.readable,
-            ])
-        };
-        Ok(Self {
-            enforcer,
-            inner: Families {
-                lock: Mutex::new(()),
-                families,
-            },
-            descs,
-        })
+        Ok(Self { enforcer, families })
     }
 
     /// Fills the families; each map is read under its own short hold of the datapath lock so
@@ -222,14 +233,23 @@ fn gauge_value(n: u64) -> i64 {
     i64::try_from(n).unwrap_or(i64::MAX)
 }
 
-impl Collector for KernelCollector {
-    fn desc(&self) -> Vec<&Desc> {
-        self.descs.iter().collect()
+impl Scraped for KernelMetrics {
+    fn families(&self) -> Vec<&dyn Collector> {
+        let k = &self.families;
+        vec![
+            &k.packets,
+            &k.events,
+            &k.connections,
+            &k.tracked_sources,
+            &k.flow_entries,
+            &k.flow_capacity,
+            &k.bans,
+            &k.readable,
+        ]
     }
 
-    fn collect(&self) -> Vec<MetricFamily> {
-        let _serial = self.inner.lock.lock().unwrap_or_else(|e| e.into_inner());
-        let k = &self.inner.families;
+    fn refill(&self) -> Vec<&dyn Collector> {
+        let k = &self.families;
         k.packets.reset();
         k.events.reset();
         let readable = match self.fill(k) {
@@ -240,22 +260,12 @@ impl Collector for KernelCollector {
             }
         };
         k.readable.set(readable.into());
-        let mut out = Vec::new();
-        out.extend(k.readable.collect());
         if readable {
-            for c in [
-                &k.packets as &dyn Collector,
-                &k.events,
-                &k.connections,
-                &k.tracked_sources,
-                &k.flow_entries,
-                &k.flow_capacity,
-                &k.bans,
-            ] {
-                out.extend(c.collect());
-            }
+            self.families()
+        } else {
+            // A failed read leaves the other families partial: only the flag is exposed.
+            vec![&k.readable]
         }
-        out
     }
 }
 
@@ -269,10 +279,9 @@ struct Broker {
 }
 
 /// Reads the broker limiter's counters at scrape time.
-struct LimiterCollector {
+struct BrokerMetrics {
     limiter: Arc<Limiter>,
-    inner: Families<Broker>,
-    descs: Vec<Desc>,
+    families: Broker,
 }
 
 const OUTCOMES: [Outcome; 5] = [
@@ -283,7 +292,7 @@ const OUTCOMES: [Outcome; 5] = [
     Outcome::Closed,
 ];
 
-impl LimiterCollector {
+impl BrokerMetrics {
     fn new(limiter: Arc<Limiter>) -> Result<Self, MetricsError> {
         let r = MetricsError::Register;
         let families = Broker {
@@ -333,36 +342,25 @@ impl LimiterCollector {
             )
             .map_err(r)?,
         };
-        let descs = {
-            let b = &families;
-            descs_of(&[
-                &b.checks,
-                &b.blocked,
-                &b.keys,
-                &b.overflow,
-                &b.key_memory,
-                &b.escalation_bans,
-            ])
-        };
-        Ok(Self {
-            limiter,
-            inner: Families {
-                lock: Mutex::new(()),
-                families,
-            },
-            descs,
-        })
+        Ok(Self { limiter, families })
     }
 }
 
-impl Collector for LimiterCollector {
-    fn desc(&self) -> Vec<&Desc> {
-        self.descs.iter().collect()
+impl Scraped for BrokerMetrics {
+    fn families(&self) -> Vec<&dyn Collector> {
+        let b = &self.families;
+        vec![
+            &b.checks,
+            &b.blocked,
+            &b.keys,
+            &b.overflow,
+            &b.key_memory,
+            &b.escalation_bans,
+        ]
     }
 
-    fn collect(&self) -> Vec<MetricFamily> {
-        let _serial = self.inner.lock.lock().unwrap_or_else(|e| e.into_inner());
-        let b = &self.inner.families;
+    fn refill(&self) -> Vec<&dyn Collector> {
+        let b = &self.families;
         b.checks.reset();
         b.blocked.reset();
         b.keys.reset();
@@ -397,18 +395,7 @@ impl Collector for LimiterCollector {
         if let Some(escalation) = self.limiter.escalation_stats() {
             b.escalation_bans.inc_by(escalation.bans);
         }
-        let mut out = Vec::new();
-        for c in [
-            &b.checks as &dyn Collector,
-            &b.blocked,
-            &b.keys,
-            &b.overflow,
-            &b.key_memory,
-            &b.escalation_bans,
-        ] {
-            out.extend(c.collect());
-        }
-        out
+        self.families()
     }
 }
 
@@ -463,9 +450,9 @@ mod tests {
         ));
         let registry = Registry::new();
         registry
-            .register(Box::new(
-                LimiterCollector::new(Arc::clone(&limiter)).unwrap(),
-            ))
+            .register(Box::new(AtScrape::new(
+                BrokerMetrics::new(Arc::clone(&limiter)).unwrap(),
+            )))
             .unwrap();
         let scrape = || {
             TextEncoder::new()
