@@ -141,36 +141,37 @@ async fn list_change(
     Ok((status, Json(answer)).into_response())
 }
 
-pub(super) async fn allow_add(
+/// Which list a route changes, as a type, so that one handler serves both lists.
+pub(super) trait Listed {
+    const KIND: ListKind;
+}
+
+pub(super) struct Allow;
+
+impl Listed for Allow {
+    const KIND: ListKind = ListKind::Allow;
+}
+
+pub(super) struct Deny;
+
+impl Listed for Deny {
+    const KIND: ListKind = ListKind::Deny;
+}
+
+pub(super) async fn list_add<L: Listed>(
     State(state): State<AppState>,
     body: Result<Json<ListRequest>, JsonRejection>,
 ) -> Result<Response, Problem> {
     let Json(request) = body.map_err(json_rejection)?;
-    list_change(state, ListKind::Allow, &request.cidr, true).await
+    list_change(state, L::KIND, &request.cidr, true).await
 }
 
-pub(super) async fn deny_add(
-    State(state): State<AppState>,
-    body: Result<Json<ListRequest>, JsonRejection>,
-) -> Result<Response, Problem> {
-    let Json(request) = body.map_err(json_rejection)?;
-    list_change(state, ListKind::Deny, &request.cidr, true).await
-}
-
-pub(super) async fn allow_del(
+pub(super) async fn list_del<L: Listed>(
     State(state): State<AppState>,
     query: Result<Query<ListRequest>, QueryRejection>,
 ) -> Result<Response, Problem> {
     let Query(request) = query.map_err(query_rejection)?;
-    list_change(state, ListKind::Allow, &request.cidr, false).await
-}
-
-pub(super) async fn deny_del(
-    State(state): State<AppState>,
-    query: Result<Query<ListRequest>, QueryRejection>,
-) -> Result<Response, Problem> {
-    let Query(request) = query.map_err(query_rejection)?;
-    list_change(state, ListKind::Deny, &request.cidr, false).await
+    list_change(state, L::KIND, &request.cidr, false).await
 }
 
 #[cfg(test)]

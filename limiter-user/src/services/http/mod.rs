@@ -167,8 +167,14 @@ fn router(state: AppState) -> Router {
     let admin = Router::new()
         .route("/v1/bans", post(admin::ban))
         .route("/v1/bans/{addr}", delete(admin::unban))
-        .route("/v1/allow", post(admin::allow_add).delete(admin::allow_del))
-        .route("/v1/deny", post(admin::deny_add).delete(admin::deny_del))
+        .route(
+            "/v1/allow",
+            post(admin::list_add::<admin::Allow>).delete(admin::list_del::<admin::Allow>),
+        )
+        .route(
+            "/v1/deny",
+            post(admin::list_add::<admin::Deny>).delete(admin::list_del::<admin::Deny>),
+        )
         // A route layer runs before the handler's extractors: an unauthorised request is
         // refused before its body is even read.
         .route_layer(middleware::from_fn_with_state(
