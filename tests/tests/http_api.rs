@@ -1114,18 +1114,28 @@ fn the_first_scrape_passes_promtool_and_has_every_documented_series_and_no_impos
         );
     }
     let s = samples(text);
-    for kind in ["half_open", "idle", "syn_bucket", "ban", "app_key"] {
+    for kind in [
+        "closed",
+        "half_open",
+        "idle",
+        "syn_bucket",
+        "ban",
+        "app_key",
+    ] {
         assert_eq!(value(&s, "limiter_evictions_total", &[("kind", kind)]), 0.0);
     }
     let packets: Vec<&String> = s
         .keys()
         .filter(|k| k.starts_with("limiter_packets_total{"))
         .collect();
-    assert!(packets.len() <= 30, "{} series: {packets:?}", packets.len());
+    // 10 egress passes, 11 ingress passes, 10 ingress drops, 6 ingress RSTs.
+    assert_eq!(packets.len(), 37, "{packets:?}");
     for impossible in [
         r#"direction="egress",reason="tracked",verdict="rst""#,
         r#"direction="ingress",reason="admitted",verdict="drop""#,
         r#"direction="egress",reason="conn_per_ip",verdict="pass""#,
+        r#"direction="ingress",reason="fragment",verdict="pass""#,
+        r#"direction="egress",reason="half_open",verdict="pass""#,
     ] {
         assert!(
             !packets.iter().any(|k| k.contains(impossible)),

@@ -400,22 +400,36 @@ impl Scraped for BrokerMetrics {
 }
 
 /// Whether the kernel programs can count a packet under these labels, so only series that
-/// can ever move are exported: egress (TC) only observes, so it passes, and never for a
-/// reason that belongs to a SYN's admission; ingress refuses (drop or rst) only for a refusal
-/// reason, and passes for every other reason, and for a full flow table when failing open.
+/// can ever move are exported. Egress (TC) only observes: it passes, for parse failures and
+/// for the segments of connections. Ingress refuses (drop, or rst for a refused SYN or a
+/// handshake refused at its last ACK) for a refusal reason, drops what it cannot read when it
+/// could reach a protected port, and passes for every other reason, and for a full flow table
+/// when failing open.
 fn possible(direction: Direction, verdict: Verdict, reason: Reason) -> bool {
     let refusal = (reason as usize) < Reason::REFUSAL_COUNT;
+    let unreadable = matches!(
+        reason,
+        Reason::Fragment | Reason::Truncated | Reason::HeaderChain | Reason::Malformed
+    );
     match (direction, verdict) {
         (Direction::Egress, Verdict::Pass) => {
-            !refusal
-                && !matches!(
+            unreadable
+                || matches!(
                     reason,
-                    Reason::Admitted | Reason::Retransmit | Reason::Allowlisted
+                    Reason::NonIp
+                        | Reason::NonTcp
+                        | Reason::UnprotectedPort
+                        | Reason::Segment
+                        | Reason::Tracked
+                        | Reason::Untracked
                 )
         }
         (Direction::Egress, _) => false,
-        (Direction::Ingress, Verdict::Pass) => !refusal || reason == Reason::FlowTableFull,
-        (Direction::Ingress, Verdict::Drop | Verdict::Rst) => refusal,
+        (Direction::Ingress, Verdict::Pass) => {
+            (!refusal && !unreadable) || reason == Reason::FlowTableFull
+        }
+        (Direction::Ingress, Verdict::Drop) => refusal || unreadable,
+        (Direction::Ingress, Verdict::Rst) => refusal,
     }
 }
 
