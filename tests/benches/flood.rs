@@ -116,15 +116,10 @@ fn install(filter: Filter, pair: &Pair) -> Result<Installed> {
             Ok(None)
         }
         Filter::Iptables => {
+            // Both rules judge new connections to the protected port.
+            let new_syn = ["-A", "INPUT", "-p", "tcp", "--dport", &port, "--syn"];
             for rule in [
-                vec![
-                    "-A",
-                    "INPUT",
-                    "-p",
-                    "tcp",
-                    "--dport",
-                    &port,
-                    "--syn",
+                &[
                     "-m",
                     "hashlimit",
                     "--hashlimit-above",
@@ -137,15 +132,8 @@ fn install(filter: Filter, pair: &Pair) -> Result<Installed> {
                     "syn_rate",
                     "-j",
                     "DROP",
-                ],
-                vec![
-                    "-A",
-                    "INPUT",
-                    "-p",
-                    "tcp",
-                    "--dport",
-                    &port,
-                    "--syn",
+                ][..],
+                &[
                     "-m",
                     "connlimit",
                     "--connlimit-above",
@@ -156,10 +144,11 @@ fn install(filter: Filter, pair: &Pair) -> Result<Installed> {
                     "REJECT",
                     "--reject-with",
                     "tcp-reset",
-                ],
+                ][..],
             ] {
                 let mut cmd = vec!["iptables"];
-                cmd.extend(rule);
+                cmd.extend_from_slice(&new_syn);
+                cmd.extend_from_slice(rule);
                 pair.server.exec(&cmd)?;
             }
             Ok(None)
