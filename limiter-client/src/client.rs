@@ -197,6 +197,19 @@ impl Client {
         }
     }
 
+    /// Presents the agent's broker admin token (`[broker] admin-token`), after which this
+    /// connection may reset, ban and unban: the way a client over TCP, or a Unix-socket client
+    /// outside the admin users and groups, becomes trusted. A wrong token is
+    /// [`ErrorCode::BadToken`](crate::ErrorCode::BadToken) and changes nothing; an agent
+    /// without a token answers [`ErrorCode::NotPermitted`](crate::ErrorCode::NotPermitted).
+    pub async fn authenticate(&self, token: impl AsRef<[u8]>) -> Result<(), ClientError> {
+        let token = Bytes::copy_from_slice(token.as_ref());
+        match self.call(Request::Authenticate { token }).await? {
+            Response::Done { .. } => Ok(()),
+            other => Err(unexpected("authenticate", &other)),
+        }
+    }
+
     /// Sends one request and waits for its reply; error replies become [`ClientError::Server`].
     pub async fn call(&self, request: Request) -> Result<Response, ClientError> {
         validate_request(&request).map_err(|e| ClientError::Invalid(e.message))?;

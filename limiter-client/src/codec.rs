@@ -216,6 +216,9 @@ mod tests {
             ttl: Duration::from_secs(600),
         });
         round_trip_request(Request::Unban { addr });
+        round_trip_request(Request::Authenticate {
+            token: Bytes::from_static(b"s3cret"),
+        });
     }
 
     #[test]

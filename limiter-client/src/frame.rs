@@ -30,6 +30,8 @@ pub mod op {
     pub const BAN: u8 = 0x05;
     /// Lift a ban: [`Request::Unban`](crate::Request::Unban).
     pub const UNBAN: u8 = 0x06;
+    /// Present the admin token: [`Request::Authenticate`](crate::Request::Authenticate).
+    pub const AUTHENTICATE: u8 = 0x07;
     /// The reply to a check or peek: [`Response::Verdict`](crate::Response::Verdict).
     pub const VERDICT: u8 = 0x81;
     /// The reply to reset, ban and unban: [`Response::Done`](crate::Response::Done).
@@ -39,6 +41,9 @@ pub mod op {
     /// The reply to anything that failed: [`Response::Error`](crate::Response::Error).
     pub const ERROR: u8 = 0xFF;
 }
+
+/// Longest admin token a client may present.
+pub const MAX_TOKEN_LEN: usize = 1024;
 
 /// Bytes in a frame before its payload: opcode and correlation id.
 pub(crate) const HEADER_LEN: usize = 5;
@@ -94,6 +99,13 @@ pub enum Request {
         /// The address to unban.
         addr: IpAddr,
     },
+    /// Present the agent's broker admin token, so that this connection may reset, ban and
+    /// unban (the way a TCP client becomes trusted). Answered with [`Response::Done`], or
+    /// [`ErrorCode::BadToken`].
+    Authenticate {
+        /// The token, 1 to [`MAX_TOKEN_LEN`] bytes.
+        token: Bytes,
+    },
 }
 
 /// What the agent answers. Each request has one expected reply kind, or
@@ -139,9 +151,13 @@ pub enum ErrorCode {
     /// A ban or unban could not be written to the kernel, or its TTL is out of range.
     BanFailed = 7,
     /// The request changes state (ban, unban, reset) and this client may not: over the Unix
-    /// socket its uid and gid are not in the agent's admin lists, and over TCP such requests
-    /// are never accepted.
+    /// socket its uid and gid are not in the agent's admin lists, and it has not presented
+    /// the admin token on this connection (the only way over TCP). Also the answer to
+    /// [`Request::Authenticate`] when the agent has no admin token configured.
     NotPermitted = 8,
+    /// [`Request::Authenticate`] with a token that is not the agent's; the connection stays
+    /// as trusted as it was.
+    BadToken = 9,
 }
 
 impl ErrorCode {
@@ -156,6 +172,7 @@ impl ErrorCode {
             6 => ErrorCode::FrameTooLarge,
             7 => ErrorCode::BanFailed,
             8 => ErrorCode::NotPermitted,
+            9 => ErrorCode::BadToken,
             _ => return None,
         })
     }
@@ -287,6 +304,7 @@ pub(crate) fn parse_request(opcode: u8, body: Bytes) -> Result<Request, ParseErr
         op::AUTH_FAILURE => "auth-failure",
         op::BAN => "ban",
         op::UNBAN => "unban",
+        op::AUTHENTICATE => "authenticate",
         other => {
             return Err(ParseError {
                 code: ErrorCode::UnknownOpcode,
@@ -321,6 +339,17 @@ pub(crate) fn parse_request(opcode: u8, body: Bytes) -> Result<Request, ParseErr
             addr: f.addr()?,
             ttl: Duration::from_millis(f.u64("the ban's ttl")?),
         },
+        op::AUTHENTICATE => {
+            let len = usize::from(f.u16("the token length")?);
+            if len == 0 || len > MAX_TOKEN_LEN {
+                return Err(ParseError::malformed(format!(
+                    "a token is 1 to {MAX_TOKEN_LEN} bytes, not {len}"
+                )));
+            }
+            Request::Authenticate {
+                token: f.bytes("the token", len)?,
+            }
+        }
         _ => Request::Unban { addr: f.addr()? },
     };
     f.end()?;
@@ -375,6 +404,11 @@ pub(crate) fn put_request(dst: &mut BytesMut, request: &Request) -> u8 {
             put_addr(dst, *addr);
             op::UNBAN
         }
+        Request::Authenticate { token } => {
+            dst.put_u16(token.len() as u16);
+            dst.put_slice(token);
+            op::AUTHENTICATE
+        }
     }
 }
 
@@ -391,6 +425,12 @@ pub(crate) fn validate_request(request: &Request) -> Result<(), ParseError> {
             Some((action, key))
         }
         Request::Reset { action, key } => Some((action, key)),
+        Request::Authenticate { token } if token.is_empty() || token.len() > MAX_TOKEN_LEN => {
+            return Err(ParseError::malformed(format!(
+                "a token is 1 to {MAX_TOKEN_LEN} bytes, not {}",
+                token.len()
+            )));
+        }
         _ => None,
     };
     if let Some((action, key)) = target {

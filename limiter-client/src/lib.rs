@@ -51,5 +51,7 @@ mod verdict;
 
 pub use client::{Client, ClientError};
 pub use codec::{ClientCodec, CodecError, DEFAULT_MAX_FRAME, Received, ServerCodec};
-pub use frame::{ErrorCode, MAX_ACTION_NAME, MAX_KEY_LEN, ParseError, Request, Response, op};
+pub use frame::{
+    ErrorCode, MAX_ACTION_NAME, MAX_KEY_LEN, MAX_TOKEN_LEN, ParseError, Request, Response, op,
+};
 pub use verdict::{Escalation, NEVER_MS, Outcome, Verdict};

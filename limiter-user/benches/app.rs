@@ -95,7 +95,7 @@ fn in_process() {
         let hot = b"hot".to_vec();
         let ours_rate = rate(threads, HOT_CHECKS, |_, range| {
             for _ in range {
-                black_box(ours.check_id(bench, &hot, 1).unwrap());
+                black_box(ours.check_id(&bench, &hot, 1).unwrap());
             }
         });
         let theirs_rate = rate(threads, HOT_CHECKS, |_, range| {
@@ -115,7 +115,7 @@ fn in_process() {
         let theirs = governor();
         let first = rate(threads, DISTINCT_KEYS, |_, range| {
             for i in range {
-                black_box(ours.check_id(bench, &keys[i], 1).unwrap());
+                black_box(ours.check_id(&bench, &keys[i], 1).unwrap());
             }
         });
         let theirs_first = rate(threads, DISTINCT_KEYS, |_, range| {
@@ -131,7 +131,7 @@ fn in_process() {
         );
         let again = rate(threads, DISTINCT_KEYS, |_, range| {
             for i in range {
-                black_box(ours.check_id(bench, &keys[i], 1).unwrap());
+                black_box(ours.check_id(&bench, &keys[i], 1).unwrap());
             }
         });
         let theirs_again = rate(threads, DISTINCT_KEYS, |_, range| {

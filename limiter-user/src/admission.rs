@@ -26,6 +26,9 @@ pub struct Admission {
     unproven: Mutex<VecDeque<(u64, CancellationToken)>>,
     next_id: AtomicU64,
     evicted: AtomicU64,
+    /// The cap in force, and the slots a lowered cap still has to take back: they are taken
+    /// as connections close, none is closed for it.
+    resizing: Mutex<(u32, u32)>,
 }
 
 impl Admission {
@@ -35,7 +38,34 @@ impl Admission {
             unproven: Mutex::new(VecDeque::new()),
             next_id: AtomicU64::new(0),
             evicted: AtomicU64::new(0),
+            resizing: Mutex::new((max, 0)),
         })
+    }
+
+    /// Changes the cap (a reload): a raised cap admits waiting connections at once; a lowered
+    /// one takes free slots now and the others as their connections close.
+    pub fn resize(&self, max: u32) {
+        let mut resizing = self.resizing.lock().expect("admission lock");
+        let (current, owed) = &mut *resizing;
+        if max > *current {
+            let grown = max - *current;
+            let repaid = grown.min(*owed);
+            *owed -= repaid;
+            self.permits.add_permits((grown - repaid) as usize);
+        } else {
+            let shrunk = *current - max;
+            let taken = self.permits.forget_permits(shrunk as usize) as u32;
+            *owed += shrunk - taken;
+        }
+        *current = max;
+    }
+
+    /// Whether a slot given back goes to a lowered cap rather than to the next connection.
+    fn repay(&self) -> bool {
+        let mut resizing = self.resizing.lock().expect("admission lock");
+        let repaid = resizing.1 > 0;
+        resizing.1 -= u32::from(repaid);
+        repaid
     }
 
     /// A slot for a connection just accepted: a free one, else the oldest unproven
@@ -62,7 +92,7 @@ impl Admission {
             .expect("admission lock")
             .push_back((id, cancel.clone()));
         Ticket {
-            _permit: permit,
+            permit: Some(permit),
             id,
             cancel,
             admission: Arc::clone(self),
@@ -84,7 +114,7 @@ impl Admission {
 
 /// A connection's slot, given back when dropped.
 pub struct Ticket {
-    _permit: OwnedSemaphorePermit,
+    permit: Option<OwnedSemaphorePermit>,
     id: u64,
     cancel: CancellationToken,
     admission: Arc<Admission>,
@@ -105,6 +135,11 @@ impl Ticket {
 impl Drop for Ticket {
     fn drop(&mut self) {
         self.admission.forget(self.id);
+        if self.admission.repay()
+            && let Some(permit) = self.permit.take()
+        {
+            permit.forget();
+        }
     }
 }
 
@@ -193,5 +228,29 @@ mod tests {
         );
         drop(second);
         drop(third);
+    }
+
+    #[tokio::test]
+    async fn a_resized_cap_admits_at_once_or_takes_slots_back_as_they_close() {
+        let admission = Admission::new(1);
+        let first = admission.admit().await;
+        first.proven();
+        let waiting = tokio::spawn({
+            let admission = Arc::clone(&admission);
+            async move { admission.admit().await }
+        });
+        admission.resize(2);
+        let second = tokio::time::timeout(Duration::from_secs(5), waiting)
+            .await
+            .expect("a raised cap admits the waiting connection")
+            .unwrap();
+        second.proven();
+        admission.resize(1);
+        drop(first);
+        let full = tokio::time::timeout(Duration::from_millis(50), admission.admit()).await;
+        assert!(full.is_err(), "the closed slot went to the lowered cap");
+        drop(second);
+        let third = tokio::time::timeout(Duration::from_secs(5), admission.admit()).await;
+        assert!(third.is_ok(), "one slot remains");
     }
 }

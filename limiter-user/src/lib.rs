@@ -2,7 +2,8 @@
 //! privileged tests drive the same code.
 //!
 //! Layers, each importing only from those below it:
-//! - `errors` and `api`: shared error types, and the HTTP API's documents (server and CLI).
+//! - `errors`, `api` and `secret`: shared error types, the HTTP API's documents (server and
+//!   CLI), and the one constant-time token comparison.
 //! - `datapath`, `buckets` and `admission`, side by side: the kernel programs and maps, the
 //!   broker's token buckets, and the listeners' connection slots. None knows the others.
 //! - `settings`: flags, file and defaults, resolved into what the two layers below take.
@@ -28,5 +29,6 @@ pub mod errors;
 pub mod ops;
 pub mod protocol;
 pub mod run;
+pub mod secret;
 pub mod services;
 pub mod settings;

@@ -13,9 +13,10 @@ use std::{
 use anyhow::Context;
 
 use crate::{
+    admission::Admission,
     buckets::{BanError, Banner, Limiter, MonotonicClock},
     datapath::{Datapath, Enforcer, KernelLogger, LoadOptions, default_route_interface, pins},
-    protocol::Server,
+    protocol::{ServeControl, Server},
     services::{
         http::HttpServer,
         sweeper::{self, SweepStats, SweepTargets},
@@ -50,12 +51,19 @@ struct Agent {
     args: RunArgs,
     settings: Live,
     enforcer: Arc<Enforcer>,
+    limiter: Arc<Limiter>,
+    protocol: ServeControl,
+    http_slots: Arc<Admission>,
 }
 
 impl Agent {
-    /// Re-reads the configuration (SIGHUP) through the start's own resolve, and applies what
-    /// can change live: limits, lists, refusal modes, ports, the sweeper's timeouts and the
-    /// admin and check tokens. Everything else the file changed is named, in the log and in
+    /// Re-reads the configuration (SIGHUP) through the start's own resolve, and applies
+    /// everything that can change live: the kernel limits, lists, refusal modes and ports, the
+    /// sweeper's timeouts, the admin and check tokens, the actions (limits, windows, bursts,
+    /// key caps; see [`Limiter::reconfigure`] for keys and new, removed or re-keyed actions),
+    /// escalation, the listeners' caps and timeouts (timeouts for new connections) and who
+    /// is trusted with admin requests. What only a restart can change (interfaces, the pin
+    /// directory, table sizes, the listeners' addresses, ...) is named, in the log and in
     /// `/v1/status`, as waiting for a restart, and so are the settings flags or environment
     /// pin. A bad file changes nothing.
     fn reload(&self) -> Result<(), ConfigError> {
@@ -63,8 +71,7 @@ impl Agent {
         // The live settings keep the start's values of everything below, so each comparison
         // is with what the agent runs: a file changed back needs no restart.
         let old = self.settings.get();
-        let (new_broker, old_broker) = (&new.broker, &old.broker);
-        let mut restart: Vec<String> = [
+        let restart: Vec<String> = [
             ("iface", new.ifaces != old.ifaces),
             ("pin-dir", new.pin_dir != old.pin_dir),
             ("http", new.http != old.http),
@@ -78,55 +85,23 @@ impl Agent {
             ),
             ("xdp-mode", new.xdp_mode != old.xdp_mode),
             ("kernel-debug", new.kernel_debug != old.kernel_debug),
-            ("max-clients", new.clients.max != old.clients.max),
-            (
-                "header-timeout",
-                new.clients.header_timeout != old.clients.header_timeout,
-            ),
-            (
-                "client-idle-timeout",
-                new.clients.idle_timeout != old.clients.idle_timeout,
-            ),
             (
                 "allow-private-bpffs",
                 new.allow_private_bpffs != old.allow_private_bpffs,
             ),
             (
                 "broker.socket",
-                new_broker.serve.socket != old_broker.serve.socket,
+                new.broker.serve.socket != old.broker.serve.socket,
             ),
             (
                 "broker.listen",
-                new_broker.serve.listen != old_broker.serve.listen,
-            ),
-            (
-                "broker.admin-uids / admin-gids",
-                new_broker.serve.admin != old_broker.serve.admin,
-            ),
-            (
-                "broker.escalate-*",
-                new_broker.limiter.escalation != old_broker.limiter.escalation,
+                new.broker.serve.listen != old.broker.serve.listen,
             ),
         ]
         .into_iter()
         .filter(|(_, changed)| *changed)
         .map(|(what, _)| what.to_owned())
         .collect();
-        for spec in &new_broker.limiter.actions {
-            if !old_broker.limiter.actions.contains(spec) {
-                restart.push(format!("actions.{}", spec.name));
-            }
-        }
-        for spec in &old_broker.limiter.actions {
-            if !new_broker
-                .limiter
-                .actions
-                .iter()
-                .any(|s| s.name == spec.name)
-            {
-                restart.push(format!("actions.{}", spec.name));
-            }
-        }
         for what in &restart {
             tracing::warn!(setting = %what, "changed in the file; takes effect on restart");
         }
@@ -139,6 +114,26 @@ impl Agent {
         self.enforcer
             .set_policy(new.policy.clone())
             .map_err(|e| ConfigError::new("config", e))?;
+        let changes = self.limiter.reconfigure(new.broker.limiter.clone());
+        if !changes.is_empty() {
+            tracing::info!(
+                changed = ?changes.changed,
+                added = ?changes.added,
+                removed = ?changes.removed,
+                "actions reloaded; their keys keep their buckets"
+            );
+        }
+        if !changes.rekeyed.is_empty() {
+            tracing::warn!(
+                actions = ?changes.rekeyed,
+                "key kind changed: these actions' buckets start empty"
+            );
+        }
+        let mut serve = new.broker.serve.clone();
+        serve.socket = old.broker.serve.socket.clone();
+        serve.listen = old.broker.serve.listen;
+        self.protocol.apply(&serve);
+        self.http_slots.resize(new.clients.max);
         self.settings.replace(Settings {
             ifaces: old.ifaces,
             pin_dir: old.pin_dir,
@@ -147,9 +142,11 @@ impl Agent {
             half_open_table_size: old.half_open_table_size,
             xdp_mode: old.xdp_mode,
             kernel_debug: old.kernel_debug,
-            clients: old.clients,
             allow_private_bpffs: old.allow_private_bpffs,
-            broker: old.broker,
+            broker: crate::settings::BrokerSettings {
+                serve,
+                limiter: new.broker.limiter.clone(),
+            },
             restart_required: restart,
             ..new
         });
@@ -346,6 +343,7 @@ async fn serve(
             .await
             .context("binding the broker protocol socket")?;
         leftovers.socket = Some(serve.socket.clone());
+        let protocol_control = protocol.control();
         let http = HttpServer::bind(
             Arc::clone(&enforcer),
             Arc::clone(&limiter),
@@ -366,12 +364,13 @@ async fn serve(
         enforcer.set_ready();
         warn_of_stale_links(&pin_dir, &ifaces);
 
+        let http_slots = http.slots();
         let stop = tokio_util::sync::CancellationToken::new();
         let mut tasks = tokio::task::JoinSet::new();
         tasks.spawn(sweeper::run(
             SweepTargets {
                 enforcer: Arc::clone(&enforcer),
-                limiter,
+                limiter: Arc::clone(&limiter),
                 stats: sweep,
                 settings: live.clone(),
             },
@@ -392,6 +391,9 @@ async fn serve(
             args,
             settings: live,
             enforcer,
+            limiter,
+            protocol: protocol_control,
+            http_slots,
         };
         signals.wait(&agent).await;
         tracing::info!("stopping; the programs stay attached (limiter detach removes them)");

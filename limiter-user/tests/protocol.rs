@@ -530,6 +530,7 @@ async fn admin_requests_are_refused_to_untrusted_peers_and_over_tcp() {
         config.admin = AdminPeers {
             uids: vec![u32::MAX - 1],
             gids: Some(vec![u32::MAX - 1]),
+            token: None,
         };
     })
     .await;
@@ -563,6 +564,54 @@ async fn admin_requests_are_refused_to_untrusted_peers_and_over_tcp() {
         server_code(client.ban(addr, Duration::from_secs(60)).await),
         ErrorCode::NotPermitted
     );
+    assert_eq!(
+        server_code(client.authenticate("anything").await),
+        ErrorCode::NotPermitted,
+        "no token is configured"
+    );
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn the_admin_token_makes_one_connection_trusted() {
+    let server = start_configured(None, |config| {
+        config.listen = Some("127.0.0.1:0".parse().unwrap());
+        config.admin.uids = vec![u32::MAX - 1];
+        config.admin.gids = Some(vec![u32::MAX - 1]);
+        config.admin.token = Some("s3cret".into());
+    })
+    .await;
+    let addr: IpAddr = "192.0.2.9".parse().unwrap();
+    for client in [
+        Client::connect_unix(&server.socket).await.unwrap(),
+        Client::connect_tcp(server.tcp.unwrap()).await.unwrap(),
+    ] {
+        assert_eq!(
+            server_code(client.authenticate("s3cre").await),
+            ErrorCode::BadToken
+        );
+        assert_eq!(
+            server_code(client.ban(addr, Duration::from_secs(60)).await),
+            ErrorCode::NotPermitted,
+            "a wrong token changes nothing"
+        );
+        client.authenticate("s3cret").await.unwrap();
+        client.ban(addr, Duration::from_secs(60)).await.unwrap();
+        assert!(client.unban(addr).await.unwrap());
+        // A wrong token later does not take the trust back either.
+        assert_eq!(
+            server_code(client.authenticate("nope").await),
+            ErrorCode::BadToken
+        );
+        assert!(!client.reset("export", "alice").await.unwrap());
+    }
+    // Another connection is as untrusted as ever.
+    let other = Client::connect_tcp(server.tcp.unwrap()).await.unwrap();
+    assert_eq!(
+        server_code(other.unban(addr).await),
+        ErrorCode::NotPermitted
+    );
+    assert_eq!(server.banner.calls.lock().unwrap().len(), 4);
     server.stop().await;
 }
 
@@ -620,7 +669,10 @@ async fn connect_through_a_full_backlog(socket: &std::path::Path) -> UnixStream 
 }
 
 /// Waits until the peer closes `stream`: true if it did within `within`.
-async fn closed_by_peer(stream: &mut UnixStream, within: Duration) -> bool {
+async fn closed_by_peer(
+    stream: &mut (impl tokio::io::AsyncRead + Unpin),
+    within: Duration,
+) -> bool {
     let mut byte = [0u8; 1];
     matches!(
         timeout(within, stream.read(&mut byte)).await,
@@ -650,42 +702,58 @@ async fn silent_and_trickling_connections_are_closed_after_the_header_timeout() 
     server.stop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn ten_thousand_idle_connections_cannot_blind_the_socket() {
-    const MAX: u32 = 64;
-    // The 10,000, or as many as this process may open.
-    let limit = limiter::run::raise_fd_limit().unwrap();
-    let idle = 10_000.min(usize::try_from(limit).unwrap().saturating_sub(1024));
-    assert!(
-        idle >= 2_000,
-        "the open-file hard limit ({limit}) is too low"
-    );
-    let server = start_configured(None, |config| {
-        config.clients.max = MAX;
-        // Long enough that only the cap, not the timeout, can save the socket.
-        config.clients.header_timeout = Duration::from_secs(3600);
+/// The figure: idle or trickling connections held open against each listener.
+const IDLE: usize = 10_000;
+
+/// Opens `n` connections with `connect`, many at once, so that connects held back by a full
+/// backlog (a TCP SYN waits a second for its retry) overlap rather than add up.
+async fn hold<S, F, C>(n: usize, connect: C) -> Vec<S>
+where
+    F: std::future::Future<Output = S>,
+    C: Fn(usize) -> F,
+{
+    use futures::StreamExt;
+    let mut held: Vec<(usize, S)> = futures::stream::iter(0..n)
+        .map(|i| {
+            let connecting = connect(i);
+            async move { (i, connecting.await) }
+        })
+        .buffer_unordered(256)
+        .collect()
+        .await;
+    // Oldest first, as the agent accepted them (near enough).
+    held.sort_by_key(|(i, _)| *i);
+    held.into_iter().map(|(_, s)| s).collect()
+}
+
+/// Holds [`IDLE`] connections (every other one trickling the first byte of a frame) against
+/// one listener of a server capped at 64, then asks a broker connection made before and a
+/// newcomer for checks: both answer within seconds, and every attacker but the 62 the
+/// brokers leave room for has been closed.
+async fn idle_connections_cannot_blind<S, F, C, B>(connect: C, broker: B, in_the_kernel: usize)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+    F: std::future::Future<Output = S>,
+    C: Fn() -> F,
+    B: Fn() -> std::pin::Pin<Box<dyn std::future::Future<Output = Client>>>,
+{
+    const MAX: usize = 64;
+    let early = broker().await;
+    assert!(early.check("export", "broker", 1).await.unwrap().allowed);
+    let connect = &connect;
+    let mut attackers = hold(IDLE, |i| async move {
+        let mut stream = connect().await;
+        if i % 2 == 1 {
+            // One byte of a length prefix, and nothing more (the agent may have closed
+            // the connection already, to make room).
+            let _ = stream.write_all(&[0]).await;
+        }
+        stream
     })
     .await;
-    // The broker's connection, established before the flood, and proven by a check.
-    let broker = Client::connect_unix(&server.socket).await.unwrap();
-    assert!(broker.check("export", "broker", 1).await.unwrap().allowed);
-    let mut attackers = Vec::with_capacity(idle);
-    for _ in 0..idle {
-        attackers.push(connect_through_a_full_backlog(&server.socket).await);
-    }
-    // The agent holds at most MAX of them: every other one has been closed.
-    let mut closed = 0;
-    for stream in &mut attackers[..idle - MAX as usize] {
-        closed += usize::from(closed_by_peer(stream, PATIENCE).await);
-    }
-    assert_eq!(closed, idle - MAX as usize);
-    // The broker's connection and a newcomer are both answered at once.
     let started = std::time::Instant::now();
-    assert!(broker.check("export", "broker", 1).await.unwrap().allowed);
-    let newcomer = timeout(PATIENCE, Client::connect_unix(&server.socket))
-        .await
-        .unwrap()
-        .unwrap();
+    assert!(early.check("export", "broker", 1).await.unwrap().allowed);
+    let newcomer = timeout(PATIENCE, broker()).await.unwrap();
     assert!(
         timeout(PATIENCE, newcomer.check("export", "new", 1))
             .await
@@ -693,7 +761,78 @@ async fn ten_thousand_idle_connections_cannot_blind_the_socket() {
             .unwrap()
             .allowed
     );
-    assert!(started.elapsed() < Duration::from_secs(2));
-    drop(attackers);
+    // Promptly: the bound leaves room for a loaded two-core machine and a newcomer's SYN that
+    // finds the accept queue still draining (its retry comes after a second), not for a
+    // blinded listener, whose newcomer never gets in.
+    let answered = started.elapsed();
+    assert!(answered < Duration::from_secs(5), "{answered:?}");
+    // The agent holds MAX of them: every other one has been closed. (Connected many at a
+    // time, they were accepted in about, not exactly, their order, so all are waited for, at
+    // once.)
+    let closed = futures::future::join_all(
+        attackers
+            .iter_mut()
+            .map(|stream| closed_by_peer(stream, PATIENCE)),
+    )
+    .await;
+    // The two broker connections hold two of the slots; connections the kernel still holds
+    // for the agent to accept are not closed yet.
+    let closed = closed.iter().filter(|c| **c).count();
+    let held = IDLE - closed;
+    assert!(
+        (MAX - 2..=MAX - 2 + in_the_kernel).contains(&held),
+        "{held} of {IDLE} still open"
+    );
+}
+
+async fn capped_server() -> Running {
+    let limit = limiter::run::raise_fd_limit().unwrap();
+    assert!(
+        limit >= IDLE as u64 + 1024,
+        "the open-file hard limit ({limit}) is below the {IDLE} connections and some room"
+    );
+    start_configured(None, |config| {
+        config.listen = Some("127.0.0.1:0".parse().unwrap());
+        config.clients.max = 64;
+        // Long enough that only the cap, not the timeout, can save the listener.
+        config.clients.header_timeout = Duration::from_secs(3600);
+    })
+    .await
+}
+
+/// One test for both listeners, one after the other: together they would need twice the
+/// open files.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ten_thousand_idle_connections_cannot_blind_the_socket_or_the_tcp_listener() {
+    let server = capped_server().await;
+    let socket = server.socket.clone();
+    // A Unix connect is refused while the backlog is full, so every one made is accepted.
+    idle_connections_cannot_blind(
+        || connect_through_a_full_backlog(&server.socket),
+        move || {
+            let socket = socket.clone();
+            Box::pin(async move { Client::connect_unix(&socket).await.unwrap() })
+        },
+        0,
+    )
+    .await;
+    server.stop().await;
+
+    let server = capped_server().await;
+    let addr = server.tcp.unwrap();
+    // A TCP handshake whose last ACK found the accept queue full is complete for the client
+    // but reaches the queue only when the kernel resends its SYN-ACK, seconds later: up to a
+    // queue's worth of connections may not have reached the agent yet.
+    idle_connections_cannot_blind(
+        || async move {
+            timeout(PATIENCE, tokio::net::TcpStream::connect(addr))
+                .await
+                .expect("connecting within the patience")
+                .unwrap()
+        },
+        move || Box::pin(async move { Client::connect_tcp(addr).await.unwrap() }),
+        256,
+    )
+    .await;
     server.stop().await;
 }

@@ -144,33 +144,121 @@ fn sighup_lowers_a_cap_live_and_a_bad_file_changes_nothing() {
 }
 
 #[test]
-fn sighup_names_what_waits_for_a_restart_and_what_flags_pin() {
+fn sighup_applies_actions_escalation_and_tokens_live_and_names_what_waits_for_a_restart() {
     let s = Setup::new();
     let file = s.sockets.path().join("limiter.toml");
-    std::fs::write(&file, "max-conn-total = 10\n[actions.auth]\nlimit = 5\n").unwrap();
+    std::fs::write(&file, "max-conn-total = 10\n[actions.auth]\nlimit = 2\n").unwrap();
     let agent = s.agent(&["--config", file.to_str().unwrap(), "--max-conn-total", "50"]);
     agent.wait_for("limiter is ready", STARTUP).unwrap();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let client = runtime
+        .block_on(limiter_client::Client::connect_unix(s.socket()))
+        .unwrap();
+    let allowed = |key: &str, n: usize| {
+        runtime.block_on(async {
+            let mut allowed = 0;
+            for _ in 0..n {
+                let verdict = client.check("auth", key.as_bytes(), 1).await.unwrap();
+                allowed += usize::from(verdict.allowed);
+            }
+            allowed
+        })
+    };
+    assert_eq!(allowed("192.0.2.1", 5), 2, "the file's limit of 2");
+    let (status, _) = http(
+        &s,
+        reqwest::Method::POST,
+        "/v1/check",
+        None,
+        Some(serde_json::json!({"action": "export", "key": "a"})),
+    );
+    assert_eq!(status, 404, "no such action yet");
+
     std::fs::write(
         &file,
-        "max-conn-total = 20\n[broker]\nescalate-after = 3\n[actions.auth]\nlimit = 7\n",
+        "max-conn-total = 20\nhttp = \"127.0.0.1:9191\"\n\
+         [broker]\nescalate-after = 2\nescalate-ban = \"5m\"\n\
+         [actions.auth]\nlimit = 6\n\
+         [actions.export]\nlimit = 1\nwindow = \"1m\"\nkey = \"user\"\n",
     )
     .unwrap();
     agent.signal(Signal::SIGHUP);
     agent
         .wait_for("configuration reloaded", Duration::from_secs(10))
         .unwrap();
+
+    // Over the broker socket: the new limit, on the connection opened before the reload.
+    let verdict = runtime
+        .block_on(client.peek("auth", "192.0.2.9", 1))
+        .unwrap();
+    assert_eq!(verdict.limit, 6);
+    assert_eq!(allowed("192.0.2.9", 8), 6, "the reloaded limit of 6");
+    // Over HTTP: the action the reload added.
+    let check = |key: &str| {
+        http(
+            &s,
+            reqwest::Method::POST,
+            "/v1/check",
+            None,
+            Some(serde_json::json!({"action": "export", "key": key})),
+        )
+        .0
+    };
+    assert_eq!(check("a"), 200);
+    assert_eq!(check("a"), 429, "one per minute");
+    // Escalation, off at the start, bans the third reported failure.
+    let escalations = runtime.block_on(async {
+        let mut out = Vec::new();
+        for _ in 0..3 {
+            out.push(
+                client
+                    .report_auth_failure(IpAddr::V4(CLIENT_V4))
+                    .await
+                    .unwrap(),
+            );
+        }
+        out
+    });
+    assert_eq!(
+        escalations[2],
+        limiter_client::Escalation::Banned,
+        "{escalations:?}"
+    );
+    assert_eq!(s.pins.maps().bans().unwrap().len(), 1, "a kernel ban");
+
+    // What needs a restart is named in the log and in /v1/status, with what flags pin.
     let log = agent.log();
+    assert!(
+        log.lines()
+            .any(|l| l.contains("http") && l.contains("takes effect on restart")),
+        "{log}"
+    );
     for needle in ["actions.auth", "broker.escalate"] {
         assert!(
-            log.lines()
+            !log.lines()
                 .any(|l| l.contains(needle) && l.contains("takes effect on restart")),
-            "{needle}: {log}"
+            "{needle} applies live: {log}"
         );
     }
     assert!(
         log.lines()
             .any(|l| l.contains("cannot change") && l.contains("max-conn-total")),
         "{log}"
+    );
+    let (_, status) = http(&s, reqwest::Method::GET, "/v1/status", None, None);
+    let status: serde_json::Value = serde_json::from_str(&status).unwrap();
+    assert_eq!(
+        status["restart_required"],
+        serde_json::json!(["http"]),
+        "{status}"
+    );
+    let pinned = status["pinned"].as_array().unwrap();
+    assert!(
+        pinned.contains(&serde_json::json!("max-conn-total")),
+        "{status}"
     );
     assert_eq!(
         s.pins.maps().config().unwrap().max_conn_total,
@@ -609,4 +697,81 @@ fn a_private_mount_namespace_is_refused_with_an_explanation() {
     assert!(log.contains("nsenter --net="), "{log}");
     assert!(!s.pins.0.exists());
     assert!(!s.socket().exists());
+}
+
+#[test]
+fn admin_requests_over_tcp_need_the_broker_admin_token() {
+    let s = Setup::new();
+    let file = s.sockets.path().join("limiter.toml");
+    std::fs::write(&file, "[broker]\nlisten = \"127.0.0.1:7171\"\n").unwrap();
+    let agent = s.agent(&["--config", file.to_str().unwrap()]);
+    agent.wait_for("limiter is ready", STARTUP).unwrap();
+    let addr = IpAddr::V4(CLIENT_V4);
+    let code = |result: Result<(), limiter_client::ClientError>| match result {
+        Err(limiter_client::ClientError::Server { code, .. }) => Some(code),
+        Ok(()) => None,
+        Err(other) => panic!("{other}"),
+    };
+    // Every TCP client of the agent runs in the server's namespace, where it listens.
+    let over_tcp = |token: Option<&'static str>| {
+        s.pair
+            .server
+            .run(move || {
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap();
+                runtime.block_on(async move {
+                    let client =
+                        limiter_client::Client::connect_tcp("127.0.0.1:7171".parse().unwrap())
+                            .await
+                            .unwrap();
+                    let authenticated = match token {
+                        Some(token) => code(client.authenticate(token).await),
+                        None => None,
+                    };
+                    let banned = code(client.ban(addr, Duration::from_secs(600)).await);
+                    (authenticated, banned)
+                })
+            })
+            .unwrap()
+    };
+    use limiter_client::ErrorCode::{BadToken, NotPermitted};
+    assert_eq!(
+        over_tcp(None),
+        (None, Some(NotPermitted)),
+        "no token, no ban"
+    );
+    assert_eq!(
+        over_tcp(Some("s3cret")),
+        (Some(NotPermitted), Some(NotPermitted)),
+        "an agent without a token accepts none"
+    );
+    assert!(s.pins.maps().bans().unwrap().is_empty());
+
+    // The token arrives with a reload.
+    std::fs::write(
+        &file,
+        "[broker]\nlisten = \"127.0.0.1:7171\"\nadmin-token = \"s3cret\"\n",
+    )
+    .unwrap();
+    agent.signal(Signal::SIGHUP);
+    agent
+        .wait_for("configuration reloaded", Duration::from_secs(10))
+        .unwrap();
+    assert_eq!(
+        over_tcp(Some("s3cre")),
+        (Some(BadToken), Some(NotPermitted)),
+        "a wrong token changes nothing"
+    );
+    assert!(s.pins.maps().bans().unwrap().is_empty());
+    assert_eq!(over_tcp(None), (None, Some(NotPermitted)));
+    assert_eq!(
+        over_tcp(Some("s3cret")),
+        (None, None),
+        "authenticated, banned"
+    );
+    let bans = s.pins.maps().bans().unwrap();
+    assert_eq!(bans.len(), 1, "a kernel ban");
+    assert_eq!(limiter::datapath::keys::key_address(&bans[0].0), addr);
 }

@@ -8,7 +8,7 @@ use std::{
     collections::VecDeque,
     net::IpAddr,
     sync::{
-        Arc,
+        Arc, RwLock,
         atomic::{AtomicU64, AtomicUsize, Ordering},
     },
     time::Duration,
@@ -52,7 +52,8 @@ pub struct EscalationStats {
 }
 
 pub struct Escalator {
-    config: EscalationConfig,
+    /// `None`: escalation is off. A reload replaces it.
+    config: RwLock<Option<EscalationConfig>>,
     clock: Arc<dyn Clock>,
     banner: Arc<dyn Banner>,
     records: DashMap<IpAddr, Record>,
@@ -63,9 +64,13 @@ pub struct Escalator {
 }
 
 impl Escalator {
-    pub fn new(config: EscalationConfig, clock: Arc<dyn Clock>, banner: Arc<dyn Banner>) -> Self {
+    pub fn new(
+        config: Option<EscalationConfig>,
+        clock: Arc<dyn Clock>,
+        banner: Arc<dyn Banner>,
+    ) -> Self {
         Self {
-            config,
+            config: RwLock::new(config),
             clock,
             banner,
             records: DashMap::new(),
@@ -76,19 +81,32 @@ impl Escalator {
         }
     }
 
-    pub fn config(&self) -> EscalationConfig {
-        self.config
+    pub fn config(&self) -> Option<EscalationConfig> {
+        *self.config.read().expect("escalation lock")
+    }
+
+    /// Takes new settings (a reload). Failures counted so far count towards the new threshold
+    /// within the new window; turning escalation off forgets them.
+    pub fn reconfigure(&self, config: Option<EscalationConfig>) {
+        *self.config.write().expect("escalation lock") = config;
+        if config.is_none() {
+            self.records.clear();
+            self.tracked.store(0, Ordering::Release);
+        }
     }
 
     pub fn record_failure(&self, addr: IpAddr) -> Escalation {
+        let Some(config) = self.config() else {
+            return Escalation::Off;
+        };
         let addr = addr.to_canonical();
         let now = self.clock.now_ns();
-        let window = duration_ns(self.config.window);
+        let window = duration_ns(config.window);
         {
             let mut record = match self.records.entry(addr) {
                 Entry::Occupied(occupied) => occupied.into_ref(),
                 Entry::Vacant(vacant) => {
-                    if self.tracked.fetch_add(1, Ordering::AcqRel) >= self.config.max_addresses {
+                    if self.tracked.fetch_add(1, Ordering::AcqRel) >= config.max_addresses {
                         self.tracked.fetch_sub(1, Ordering::AcqRel);
                         self.untracked.fetch_add(1, Ordering::Relaxed);
                         return Escalation::Untracked;
@@ -110,9 +128,9 @@ impl Escalator {
             }
             record.failures.push_back(now);
             let count = record.failures.len();
-            if count > self.config.after as usize {
+            if count > config.after as usize {
                 record.failures.clear();
-                record.banned_until = Some(now.saturating_add(duration_ns(self.config.ban)));
+                record.banned_until = Some(now.saturating_add(duration_ns(config.ban)));
             } else {
                 return Escalation::Counted {
                     failures: count as u32,
@@ -120,10 +138,10 @@ impl Escalator {
             }
         }
         // The ban runs outside the map's lock: it is a syscall in the agent.
-        match self.banner.ban(addr, self.config.ban) {
+        match self.banner.ban(addr, config.ban) {
             Ok(()) => {
                 self.bans.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(%addr, ttl = ?self.config.ban, "escalated to a ban");
+                tracing::warn!(%addr, ttl = ?config.ban, "escalated to a ban");
                 Escalation::Banned
             }
             Err(error) => {
@@ -146,8 +164,11 @@ impl Escalator {
 
     /// Drops addresses with no failure inside the window and no ban in force.
     pub fn sweep(&self) -> usize {
+        let Some(config) = self.config() else {
+            return 0;
+        };
         let now = self.clock.now_ns();
-        let window = duration_ns(self.config.window);
+        let window = duration_ns(config.window);
         let mut removed = 0;
         self.records.retain(|_, record| {
             let banned = record.banned_until.is_some_and(|until| until > now);
@@ -215,7 +236,7 @@ pub(crate) mod tests {
             ban: Duration::from_secs(600),
             max_addresses: max,
         };
-        let escalator = Escalator::new(config, clock.clone(), banner.clone());
+        let escalator = Escalator::new(Some(config), clock.clone(), banner.clone());
         (clock, banner, escalator)
     }
 

@@ -13,11 +13,18 @@
 //! degraded mode), the new key is answered as the fresh bucket it would get, without being
 //! tracked, and counted in `overflow_checks`: a key that has not itself gone over its limit is
 //! never refused, and such a verdict never escalates into a ban.
+//!
+//! **Reload.** [`Limiter::reconfigure`] applies new actions and escalation settings while
+//! checks run. An action's settings are immutable: a reload builds a new [`Action`] that
+//! shares the old one's counters and, when its key kind is unchanged, its buckets (so every
+//! key keeps its TAT, the time its bucket is full again, and is judged by the new rate from
+//! then on). The old action points to its successor, or says it was removed, so an
+//! [`ActionId`] resolved before a reload follows it with one load per check.
 
 use std::{
     net::IpAddr,
     sync::{
-        Arc,
+        Arc, OnceLock, RwLock,
         atomic::{AtomicU64, AtomicUsize, Ordering},
     },
     time::Duration,
@@ -79,76 +86,187 @@ pub struct Bucket {
     blocked: AtomicU64,
 }
 
-/// An action resolved once by name, for callers that check the same action many times.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ActionId(usize);
+/// An action resolved once by name, for callers that check the same action many times. It
+/// follows the action through reloads: a check through it applies the settings in force, and
+/// fails as an unknown action once a reload removed it.
+#[derive(Clone)]
+pub struct ActionId(Arc<Action>);
 
+impl ActionId {
+    /// The action as configured now.
+    fn current(&self) -> Result<&Action, CheckError> {
+        let mut action = &*self.0;
+        while let Some(next) = action.next.get() {
+            action = next
+                .as_deref()
+                .ok_or_else(|| CheckError::UnknownAction(action.spec.name.clone()))?;
+        }
+        Ok(action)
+    }
+}
+
+/// One configuration of an action: its settings, fixed, and its state, shared with the
+/// configurations before and after it.
 struct Action {
     spec: ActionSpec,
     mode: Mode,
+    table: Arc<KeyTable>,
+    counters: Arc<ActionCounters>,
+    /// Set by the reload that replaced this configuration: its successor, or `None` when the
+    /// action was removed.
+    next: OnceLock<Option<Arc<Action>>>,
+}
+
+/// An action's buckets. A reload that keeps the key kind keeps the table; one that changes it
+/// starts a new one, since keys stored as one kind mean nothing as another.
+#[derive(Default)]
+struct KeyTable {
     buckets: DashMap<StoredKey, Bucket, RandomState>,
     tracked: AtomicUsize,
-    outcomes: OutcomeCounters,
-    overflow_checks: AtomicU64,
     /// When the last cap sweep ran (clock ns + 1; 0 = never).
     cap_swept: AtomicU64,
 }
 
+/// An action's counters, exported as Prometheus counters, so they outlive any reload that
+/// keeps the action.
+#[derive(Default)]
+struct ActionCounters {
+    outcomes: OutcomeCounters,
+    overflow_checks: AtomicU64,
+}
+
+/// What a reload did to the actions, by name.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ActionChanges {
+    /// Settings changed; every key kept its bucket.
+    pub changed: Vec<String>,
+    /// The key kind changed: the buckets started empty.
+    pub rekeyed: Vec<String>,
+    pub added: Vec<String>,
+    pub removed: Vec<String>,
+}
+
+impl ActionChanges {
+    pub fn is_empty(&self) -> bool {
+        self.changed.is_empty()
+            && self.rekeyed.is_empty()
+            && self.added.is_empty()
+            && self.removed.is_empty()
+    }
+}
+
+impl Action {
+    fn new(spec: ActionSpec, table: Arc<KeyTable>, counters: Arc<ActionCounters>) -> Arc<Self> {
+        Arc::new(Self {
+            mode: spec.mode(),
+            spec,
+            table,
+            counters,
+            next: OnceLock::new(),
+        })
+    }
+}
+
 pub struct Limiter {
     clock: Arc<dyn Clock>,
-    /// A handful of actions: a scan comparing names beats hashing the name.
-    actions: Vec<Action>,
-    escalator: Option<Escalator>,
+    /// A handful of actions: a scan comparing names beats hashing the name. Replaced whole by
+    /// a reload.
+    actions: RwLock<Vec<Arc<Action>>>,
+    escalator: Escalator,
     banner: Arc<dyn Banner>,
 }
 
 impl Limiter {
     pub fn new(config: LimiterConfig, clock: Arc<dyn Clock>, banner: Arc<dyn Banner>) -> Self {
-        let actions: Vec<Action> = config
+        let actions = config
             .actions
             .into_iter()
-            .map(|spec| Action {
-                mode: spec.mode(),
-                spec,
-                buckets: DashMap::with_hasher(RandomState::default()),
-                tracked: AtomicUsize::new(0),
-                outcomes: OutcomeCounters::default(),
-                overflow_checks: AtomicU64::new(0),
-                cap_swept: AtomicU64::new(0),
-            })
+            .map(|spec| Action::new(spec, Arc::default(), Arc::default()))
             .collect();
-        let escalator = config
-            .escalation
-            .map(|c| Escalator::new(c, clock.clone(), banner.clone()));
+        let escalator = Escalator::new(config.escalation, clock.clone(), banner.clone());
         Self {
             clock,
-            actions,
+            actions: RwLock::new(actions),
             escalator,
             banner,
         }
     }
 
-    pub fn actions(&self) -> impl Iterator<Item = &ActionSpec> {
-        self.actions.iter().map(|a| &a.spec)
+    /// Applies a reloaded configuration while checks run, and says what it did to the
+    /// actions. An action whose key kind is unchanged keeps its buckets and counters; one
+    /// whose key kind changed keeps its counters and starts with empty buckets; a removed
+    /// action's checks fail as unknown from now on. Escalation takes the new settings at once
+    /// (the failures counted so far count towards the new threshold; turned off, they are
+    /// forgotten).
+    pub fn reconfigure(&self, config: LimiterConfig) -> ActionChanges {
+        let mut actions = self.actions.write().expect("actions lock");
+        let mut changes = ActionChanges::default();
+        let mut next = Vec::with_capacity(config.actions.len());
+        for spec in config.actions {
+            let old = actions.iter().find(|a| a.spec.name == spec.name);
+            let action = match old {
+                None => {
+                    changes.added.push(spec.name.clone());
+                    Action::new(spec, Arc::default(), Arc::default())
+                }
+                Some(old) if old.spec == spec => Arc::clone(old),
+                Some(old) => {
+                    let table = if old.spec.key == spec.key {
+                        changes.changed.push(spec.name.clone());
+                        Arc::clone(&old.table)
+                    } else {
+                        changes.rekeyed.push(spec.name.clone());
+                        Arc::default()
+                    };
+                    let action = Action::new(spec, table, Arc::clone(&old.counters));
+                    let _ = old.next.set(Some(Arc::clone(&action)));
+                    action
+                }
+            };
+            next.push(action);
+        }
+        for old in actions.iter() {
+            if !next.iter().any(|a| a.spec.name == old.spec.name) {
+                changes.removed.push(old.spec.name.clone());
+                let _ = old.next.set(None);
+            }
+        }
+        *actions = next;
+        self.escalator.reconfigure(config.escalation);
+        changes
+    }
+
+    /// The actions' settings in force.
+    pub fn actions(&self) -> Vec<ActionSpec> {
+        self.current().iter().map(|a| a.spec.clone()).collect()
     }
 
     /// The action named `name`, resolved once for [`Limiter::check_id`].
     pub fn action_id(&self, name: &str) -> Result<ActionId, CheckError> {
-        self.actions
+        self.current()
             .iter()
-            .position(|a| a.spec.name == name)
-            .map(ActionId)
+            .find(|a| a.spec.name == name)
+            .map(|a| ActionId(Arc::clone(a)))
             .ok_or_else(|| CheckError::UnknownAction(name.to_owned()))
+    }
+
+    fn current(&self) -> std::sync::RwLockReadGuard<'_, Vec<Arc<Action>>> {
+        self.actions.read().expect("actions lock")
     }
 
     /// Spends `cost` tokens of `key`'s bucket if it holds them; a refusal spends nothing.
     pub fn check(&self, action: &str, key: &[u8], cost: u32) -> Result<Verdict, CheckError> {
-        self.decide(self.action_id(action)?, key, cost, true, true)
+        self.decide(&*self.action(action)?, key, cost, true, true)
     }
 
     /// `check` for an action resolved with [`Limiter::action_id`].
-    pub fn check_id(&self, action: ActionId, key: &[u8], cost: u32) -> Result<Verdict, CheckError> {
-        self.decide(action, key, cost, true, true)
+    pub fn check_id(
+        &self,
+        action: &ActionId,
+        key: &[u8],
+        cost: u32,
+    ) -> Result<Verdict, CheckError> {
+        self.decide(action.current()?, key, cost, true, true)
     }
 
     /// `check` for callers outside the broker's trust boundary (the HTTP endpoint, which any
@@ -160,29 +278,29 @@ impl Limiter {
         key: &[u8],
         cost: u32,
     ) -> Result<Verdict, CheckError> {
-        self.decide(self.action_id(action)?, key, cost, true, false)
+        self.decide(&*self.action(action)?, key, cost, true, false)
     }
 
     /// What `check` would answer, spending nothing and counting nothing.
     pub fn peek(&self, action: &str, key: &[u8], cost: u32) -> Result<Verdict, CheckError> {
-        self.decide(self.action_id(action)?, key, cost, false, false)
+        self.decide(&*self.action(action)?, key, cost, false, false)
     }
 
     /// Forgets a key's bucket, so its next check finds it full. `Ok(false)` if it had none.
     pub fn reset(&self, action: &str, key: &[u8]) -> Result<bool, CheckError> {
-        let (action, stored) = self.resolve(self.action_id(action)?, key)?;
-        let removed = action.buckets.remove(&stored).is_some();
+        let action = self.action(action)?;
+        let stored = action.store(key)?;
+        let table = &action.table;
+        let removed = table.buckets.remove(&stored).is_some();
         if removed {
-            action.tracked.fetch_sub(1, Ordering::AcqRel);
+            table.tracked.fetch_sub(1, Ordering::AcqRel);
         }
         Ok(removed)
     }
 
     /// A failed authentication reported by the broker: counts towards escalation.
     pub fn report_auth_failure(&self, addr: IpAddr) -> Escalation {
-        self.escalator
-            .as_ref()
-            .map_or(Escalation::Off, |e| e.record_failure(addr))
+        self.escalator.record_failure(addr)
     }
 
     pub fn ban(&self, addr: IpAddr, ttl: Duration) -> Result<(), BanError> {
@@ -191,9 +309,7 @@ impl Limiter {
 
     /// Lifts a ban and forgets the address's failures, so it starts again from a clean slate.
     pub fn unban(&self, addr: IpAddr) -> Result<bool, BanError> {
-        if let Some(escalator) = &self.escalator {
-            escalator.forget(addr);
-        }
+        self.escalator.forget(addr);
         self.banner.unban(addr.to_canonical())
     }
 
@@ -202,17 +318,17 @@ impl Limiter {
     pub fn sweep(&self) -> usize {
         let now = self.clock.now_ns();
         let mut removed = 0;
-        for action in &self.actions {
-            removed += action.evict_full(now);
+        for action in self.current().iter() {
+            removed += action.table.evict_full(now);
         }
-        removed + self.escalator.as_ref().map_or(0, Escalator::sweep)
+        removed + self.escalator.sweep()
     }
 
     pub fn stats(&self) -> Vec<ActionStats> {
-        self.actions
+        self.current()
             .iter()
             .map(|a| {
-                let count = |o| a.outcomes.get(o);
+                let count = |o| a.counters.outcomes.get(o);
                 ActionStats {
                     action: a.spec.name.clone(),
                     allowed: count(Outcome::Allowed),
@@ -223,27 +339,29 @@ impl Limiter {
                     blocked: count(Outcome::Limited)
                         + count(Outcome::CostExceedsBurst)
                         + count(Outcome::Closed),
-                    tracked_keys: a.tracked.load(Ordering::Acquire),
-                    overflow_checks: a.overflow_checks.load(Ordering::Relaxed),
+                    tracked_keys: a.table.tracked.load(Ordering::Acquire),
+                    overflow_checks: a.counters.overflow_checks.load(Ordering::Relaxed),
                     // `capacity` counts usable slots, 7 of every 8.
-                    key_memory_bytes: a.buckets.capacity() * SLOT_BYTES * 8 / 7,
+                    key_memory_bytes: a.table.buckets.capacity() * SLOT_BYTES * 8 / 7,
                 }
             })
             .collect()
     }
 
+    /// `None` while escalation is off.
     pub fn escalation_stats(&self) -> Option<EscalationStats> {
-        self.escalator.as_ref().map(Escalator::stats)
+        self.escalator.config().map(|_| self.escalator.stats())
     }
 
     pub fn escalation_config(&self) -> Option<EscalationConfig> {
-        self.escalator.as_ref().map(Escalator::config)
+        self.escalator.config()
     }
 
     /// The `n` keys of `action` refused most often while their buckets were live.
     pub fn top_blocked(&self, action: &str, n: usize) -> Result<Vec<BlockedKey>, CheckError> {
         let action = self.action(action)?;
         let mut blocked: Vec<(u64, StoredKey)> = action
+            .table
             .buckets
             .iter()
             .filter_map(|entry| {
@@ -262,27 +380,13 @@ impl Limiter {
             .collect())
     }
 
-    fn action(&self, name: &str) -> Result<&Action, CheckError> {
-        self.action_id(name).map(|ActionId(i)| &self.actions[i])
-    }
-
-    fn resolve(
-        &self,
-        ActionId(id): ActionId,
-        key: &[u8],
-    ) -> Result<(&Action, StoredKey), CheckError> {
-        let action = &self.actions[id];
-        let stored =
-            keys::store(action.spec.key, key).map_err(|source| CheckError::InvalidKey {
-                action: action.spec.name.clone(),
-                source,
-            })?;
-        Ok((action, stored))
+    fn action(&self, name: &str) -> Result<Arc<Action>, CheckError> {
+        self.action_id(name).map(|ActionId(action)| action)
     }
 
     fn decide(
         &self,
-        id: ActionId,
+        action: &Action,
         key: &[u8],
         cost: u32,
         consume: bool,
@@ -291,7 +395,7 @@ impl Limiter {
         if cost == 0 {
             return Err(CheckError::ZeroCost);
         }
-        let (action, stored) = self.resolve(id, key)?;
+        let stored = action.store(key)?;
         let mut tracked = true;
         let limit = action.spec.limit;
         let verdict = match action.mode {
@@ -323,15 +427,15 @@ impl Limiter {
             }
         };
         if consume {
-            action.outcomes.add(verdict.outcome);
+            action.counters.outcomes.add(verdict.outcome);
             if !verdict.allowed
                 && escalate
                 && tracked
                 && action.spec.escalate
                 && action.spec.key == KeyKind::Ip
-                && let (Some(escalator), Some(addr)) = (&self.escalator, stored.address())
+                && let Some(addr) = stored.address()
             {
-                escalator.record_failure(addr);
+                self.escalator.record_failure(addr);
             }
         }
         Ok(verdict)
@@ -355,23 +459,27 @@ impl Limiter {
             }
             (evaluation, true)
         };
-        if let Some(bucket) = action.buckets.get(key) {
+        let table = &action.table;
+        if let Some(bucket) = table.buckets.get(key) {
             return settle(&bucket);
         }
         if !consume {
             // An untracked key has a full bucket; nothing is created to answer a peek.
             return (rate.evaluate(0, now, cost), false);
         }
-        if !action.claim_slot(now) {
+        if !table.claim_slot(now, action.spec.max_keys) {
             // Degraded mode: answered as the fresh bucket it would get, never refused for
             // others' spending.
-            action.overflow_checks.fetch_add(1, Ordering::Relaxed);
+            action
+                .counters
+                .overflow_checks
+                .fetch_add(1, Ordering::Relaxed);
             return (rate.evaluate(0, now, cost), false);
         }
-        match action.buckets.entry(*key) {
+        match table.buckets.entry(*key) {
             Entry::Occupied(occupied) => {
                 // Another check inserted it first; give the slot back.
-                action.tracked.fetch_sub(1, Ordering::AcqRel);
+                table.tracked.fetch_sub(1, Ordering::AcqRel);
                 settle(occupied.get())
             }
             Entry::Vacant(vacant) => settle(&vacant.insert(Bucket::default())),
@@ -380,12 +488,23 @@ impl Limiter {
 }
 
 impl Action {
+    #[inline(always)]
+    fn store(&self, key: &[u8]) -> Result<StoredKey, CheckError> {
+        keys::store(self.spec.key, key).map_err(|source| CheckError::InvalidKey {
+            action: self.spec.name.clone(),
+            source,
+        })
+    }
+}
+
+impl KeyTable {
     /// Claims a slot under the cap before inserting, so the cap holds under races; a full
     /// action first evicts its buckets that are full again (at most once per
-    /// [`CAP_SWEEP_EVERY`]).
-    fn claim_slot(&self, now: u64) -> bool {
+    /// [`CAP_SWEEP_EVERY`]). A cap lowered by a reload below the keys tracked admits no new
+    /// key until sweeps bring the count under it.
+    fn claim_slot(&self, now: u64, max_keys: usize) -> bool {
         for attempt in 0..2 {
-            if self.tracked.fetch_add(1, Ordering::AcqRel) < self.spec.max_keys {
+            if self.tracked.fetch_add(1, Ordering::AcqRel) < max_keys {
                 return true;
             }
             self.tracked.fetch_sub(1, Ordering::AcqRel);

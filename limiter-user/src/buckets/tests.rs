@@ -325,3 +325,130 @@ fn escalation_is_off_unless_configured() {
     );
     assert!(banner.calls.lock().unwrap().is_empty());
 }
+
+fn config_of(toml_actions: &str, escalation: Option<EscalationConfig>) -> LimiterConfig {
+    #[derive(serde::Deserialize)]
+    struct File {
+        actions: BTreeMap<String, ActionConfig>,
+    }
+    let file: File = toml::from_str(toml_actions).unwrap();
+    LimiterConfig {
+        actions: resolve_actions(&file.actions, &[]).unwrap(),
+        escalation,
+    }
+}
+
+#[test]
+fn a_reload_applies_new_limits_to_buckets_that_keep_their_state() {
+    let (clock, _, limiter) = limiter_with(
+        "[actions.export]\nlimit = 10\nwindow = \"10s\"\nkey = \"user\"\n",
+        None,
+    );
+    let export = limiter.action_id("export").unwrap();
+    for _ in 0..4 {
+        assert!(limiter.check_id(&export, b"alice", 1).unwrap().allowed);
+    }
+    let changes = limiter.reconfigure(config_of(
+        "[actions.export]\nlimit = 5\nwindow = \"10s\"\nkey = \"user\"\n",
+        None,
+    ));
+    assert_eq!(changes.changed, ["export"]);
+    assert!(changes.rekeyed.is_empty() && changes.added.is_empty());
+    // Alice spent 4 s of debt; the new bucket holds 10 s at 2 s a token: 3 tokens are left.
+    let verdict = limiter.check_id(&export, b"alice", 1).unwrap();
+    assert_eq!((verdict.limit, verdict.remaining), (5, 2));
+    assert!(limiter.check("export", b"alice", 1).unwrap().allowed);
+    assert!(limiter.check("export", b"alice", 1).unwrap().allowed);
+    assert!(!limiter.check("export", b"alice", 1).unwrap().allowed);
+    clock.advance(Duration::from_secs(2));
+    assert!(limiter.check_id(&export, b"alice", 1).unwrap().allowed);
+    let stats = stats_of(&limiter, "export");
+    assert_eq!(
+        (stats.allowed, stats.limited),
+        (8, 1),
+        "counters carry over"
+    );
+    assert_eq!(stats.tracked_keys, 1);
+}
+
+#[test]
+fn a_reload_that_changes_the_key_kind_adds_or_removes_actions_starts_them_afresh() {
+    let (_, _, limiter) = limiter_with(
+        "[actions.export]\nlimit = 1\nwindow = \"1m\"\nkey = \"user\"\n",
+        None,
+    );
+    let export = limiter.action_id("export").unwrap();
+    assert!(limiter.check("export", b"10.0.0.1", 1).unwrap().allowed);
+    assert!(!limiter.check("export", b"10.0.0.1", 1).unwrap().allowed);
+    let changes = limiter.reconfigure(config_of(
+        "[actions.export]\nlimit = 1\nwindow = \"1m\"\nkey = \"ip\"\n\
+         [actions.upload]\nlimit = 1\nwindow = \"1m\"\n",
+        None,
+    ));
+    assert_eq!(changes.rekeyed, ["export"]);
+    assert_eq!(changes.added, ["upload"]);
+    assert!(changes.removed.is_empty());
+    assert!(
+        limiter.check_id(&export, b"10.0.0.1", 1).unwrap().allowed,
+        "a new key kind starts with empty buckets"
+    );
+    assert!(matches!(
+        limiter.check("export", b"alice", 1),
+        Err(CheckError::InvalidKey { .. })
+    ));
+    assert!(limiter.check("upload", b"x", 1).unwrap().allowed);
+
+    let changes = limiter.reconfigure(config_of(
+        "[actions.upload]\nlimit = 1\nwindow = \"1m\"\n",
+        None,
+    ));
+    assert_eq!(changes.removed, ["export"]);
+    assert_eq!(
+        limiter.check_id(&export, b"10.0.0.1", 1),
+        Err(CheckError::UnknownAction("export".into())),
+        "a resolved id follows the action out"
+    );
+    assert!(limiter.check("export", b"10.0.0.1", 1).is_err());
+    assert!(
+        !limiter.check("upload", b"x", 1).unwrap().allowed,
+        "kept its bucket"
+    );
+    assert!(
+        limiter
+            .reconfigure(config_of(
+                "[actions.upload]\nlimit = 1\nwindow = \"1m\"\n",
+                None
+            ))
+            .is_empty()
+    );
+}
+
+#[test]
+fn a_reload_turns_escalation_on_changes_it_and_turns_it_off() {
+    let (_, banner, limiter) = limiter_with("", None);
+    let addr: IpAddr = "192.0.2.5".parse().unwrap();
+    assert_eq!(limiter.report_auth_failure(addr), Escalation::Off);
+    let escalation = |after| EscalationConfig {
+        after,
+        window: Duration::from_secs(60),
+        ban: Duration::from_secs(120),
+        max_addresses: 100,
+    };
+    limiter.reconfigure(config_of("[actions.auth]\n", Some(escalation(3))));
+    for failures in 1..=2 {
+        assert_eq!(
+            limiter.report_auth_failure(addr),
+            Escalation::Counted { failures }
+        );
+    }
+    // Lowered to 2: the third failure is one more than the new threshold.
+    limiter.reconfigure(config_of("[actions.auth]\n", Some(escalation(2))));
+    assert_eq!(limiter.report_auth_failure(addr), Escalation::Banned);
+    assert_eq!(
+        *banner.calls.lock().unwrap(),
+        vec![(addr, Some(Duration::from_secs(120)))]
+    );
+    limiter.reconfigure(config_of("[actions.auth]\n", None));
+    assert_eq!(limiter.report_auth_failure(addr), Escalation::Off);
+    assert_eq!(limiter.escalation_stats(), None);
+}

@@ -7,4 +7,4 @@
 pub mod check_command;
 pub mod server;
 
-pub use server::{ServeError, Server, serve};
+pub use server::{ServeControl, ServeError, Server, serve};

@@ -7,7 +7,12 @@
 //! Each listener holds at most `clients.max` connections ([`Admission`]); a connection gets
 //! `header_timeout` for its first whole frame and `idle_timeout` between frames. Requests that
 //! change state (ban, unban, reset) are served only to trusted peers: over the Unix socket, a
-//! peer whose uid or primary gid (`SO_PEERCRED`) is in the admin lists; over TCP, none.
+//! peer whose uid or primary gid (`SO_PEERCRED`) is in the admin lists; over either listener,
+//! a connection that presented the admin token (the authenticate request).
+//!
+//! A reload changes the limits, the admin lists and the token through [`ServeControl`]; they
+//! apply to connections accepted (and tokens presented) from then on, and a changed cap at
+//! once.
 
 use std::{
     future::Future,
@@ -15,7 +20,7 @@ use std::{
     net::SocketAddr,
     os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt},
     path::{Path, PathBuf},
-    sync::Arc,
+    sync::{Arc, RwLock},
 };
 
 use futures::{FutureExt, SinkExt, StreamExt};
@@ -31,6 +36,7 @@ use crate::{
     admission::{AcceptBackoff, Admission, Ticket},
     api::ban_ttl,
     buckets::{CheckError, Limiter},
+    secret::token_matches,
     settings::{ClientLimits, ServeConfig},
 };
 
@@ -73,9 +79,7 @@ pub struct Server {
     socket: PathBuf,
     tcp: Option<TcpListener>,
     max_frame: usize,
-    clients: ClientLimits,
-    admin_uids: Vec<u32>,
-    admin_gids: Vec<u32>,
+    control: ServeControl,
 }
 
 /// What a connection's peer may do.
@@ -85,6 +89,76 @@ enum Peer {
     Untrusted,
     /// Also ban, unban and reset.
     Admin,
+}
+
+/// The settings a reload may change, as the server applies them.
+#[derive(Clone, Debug)]
+struct Access {
+    clients: ClientLimits,
+    admin_uids: Vec<u32>,
+    /// Resolved: the socket's group when the settings name none.
+    admin_gids: Vec<u32>,
+    token: Option<String>,
+}
+
+/// A running server's reloadable settings: the client limits (for connections accepted from
+/// now on, and each listener's cap at once), the admin users and groups, and the admin token.
+#[derive(Clone)]
+pub struct ServeControl {
+    access: Arc<RwLock<Access>>,
+    unix_slots: Arc<Admission>,
+    tcp_slots: Arc<Admission>,
+    socket_gid: u32,
+}
+
+impl ServeControl {
+    fn new(config: &ServeConfig, socket_gid: u32) -> Self {
+        let control = Self {
+            access: Arc::new(RwLock::new(Self::resolve(config, socket_gid))),
+            unix_slots: Admission::new(config.clients.max),
+            tcp_slots: Admission::new(config.clients.max),
+            socket_gid,
+        };
+        control.log();
+        control
+    }
+
+    fn resolve(config: &ServeConfig, socket_gid: u32) -> Access {
+        Access {
+            clients: config.clients,
+            admin_uids: config.admin.uids.clone(),
+            // By default the socket's group is trusted: it is the group brokers are put in.
+            admin_gids: config
+                .admin
+                .gids
+                .clone()
+                .unwrap_or_else(|| vec![socket_gid]),
+            token: config.admin.token.clone(),
+        }
+    }
+
+    /// Takes the reloadable part of `config`; the socket and the TCP address stay as bound.
+    pub fn apply(&self, config: &ServeConfig) {
+        *self.access.write().expect("access lock") = Self::resolve(config, self.socket_gid);
+        self.unix_slots.resize(config.clients.max);
+        self.tcp_slots.resize(config.clients.max);
+        self.log();
+    }
+
+    fn log(&self) {
+        let access = self.current();
+        tracing::info!(
+            admin_uids = ?access.admin_uids,
+            admin_gids = ?access.admin_gids,
+            admin_token = access.token.is_some(),
+            max_clients = access.clients.max,
+            "broker protocol access"
+        );
+    }
+
+    fn current(&self) -> Access {
+        self.access.read().expect("access lock").clone()
+    }
 }
 
 /// Binds per `config` and serves until `shutdown` resolves; the agent's entry point.
@@ -124,27 +198,27 @@ impl Server {
             ),
             None => None,
         };
-        // By default the socket's group is trusted: it is the group brokers are put in.
-        let admin_gids = match &config.admin.gids {
-            Some(gids) => gids.clone(),
-            None => std::fs::metadata(path)
-                .map(|m| vec![m.gid()])
+        let socket_gid =
+            std::fs::metadata(path)
+                .map(|m| m.gid())
                 .map_err(|source| ServeError::Chmod {
                     path: path.clone(),
                     source,
-                })?,
-        };
-        tracing::info!(socket = %path.display(), tcp = ?config.listen, admin_uids = ?config.admin.uids, ?admin_gids, "serving the broker protocol");
+                })?;
+        tracing::info!(socket = %path.display(), tcp = ?config.listen, "serving the broker protocol");
         Ok(Self {
             limiter,
             unix,
             socket: path.clone(),
             tcp,
             max_frame: config.max_frame,
-            clients: config.clients,
-            admin_uids: config.admin.uids.clone(),
-            admin_gids,
+            control: ServeControl::new(config, socket_gid),
         })
+    }
+
+    /// The handle a reload changes this server's settings through.
+    pub fn control(&self) -> ServeControl {
+        self.control.clone()
     }
 
     /// The TCP address actually bound (useful with port 0).
@@ -158,12 +232,9 @@ impl Server {
         let served = Served {
             codec: ServerCodec::new(self.max_frame),
             limiter: Arc::clone(&self.limiter),
-            clients: self.clients,
+            access: Arc::clone(&self.control.access),
         };
-        let (unix_slots, tcp_slots) = (
-            Admission::new(self.clients.max),
-            Admission::new(self.clients.max),
-        );
+        let (unix_slots, tcp_slots) = (&self.control.unix_slots, &self.control.tcp_slots);
         let (mut unix_backoff, mut tcp_backoff) =
             (AcceptBackoff::new("unix"), AcceptBackoff::new("tcp"));
         let tcp_accept = async |tcp: &Option<TcpListener>| match tcp {
@@ -177,10 +248,11 @@ impl Server {
                 accepted = self.unix.accept() => match accepted {
                     Ok((stream, _)) => {
                         unix_backoff.succeeded();
+                        let access = self.control.current();
                         let peer = match stream.peer_cred() {
                             Ok(cred)
-                                if self.admin_uids.contains(&cred.uid())
-                                    || self.admin_gids.contains(&cred.gid()) =>
+                                if access.admin_uids.contains(&cred.uid())
+                                    || access.admin_gids.contains(&cred.gid()) =>
                             {
                                 Peer::Admin
                             }
@@ -234,20 +306,21 @@ async fn remove_stale_socket(path: &Path) -> Result<(), ServeError> {
 struct Served {
     codec: ServerCodec,
     limiter: Arc<Limiter>,
-    clients: ClientLimits,
+    access: Arc<RwLock<Access>>,
 }
 
 impl Served {
     /// Serves one client until it closes, breaks framing, stays silent past its timeout, loses
     /// its slot to a newer connection, or the server stops.
-    async fn connection<S>(self, stream: S, peer: Peer, ticket: Ticket)
+    async fn connection<S>(self, stream: S, mut peer: Peer, ticket: Ticket)
     where
         S: AsyncRead + AsyncWrite + Unpin,
     {
+        let clients = self.access.read().expect("access lock").clients;
         let mut framed = Framed::new(stream, self.codec);
         let evicted = ticket.evicted();
         tokio::pin!(evicted);
-        let mut wait = self.clients.header_timeout;
+        let mut wait = clients.header_timeout;
         loop {
             let first = tokio::select! {
                 () = &mut evicted => {
@@ -264,8 +337,11 @@ impl Served {
                 },
             };
             ticket.proven();
-            wait = self.clients.idle_timeout;
-            if !self.answer_buffered(&mut framed, first, peer).await {
+            wait = clients.idle_timeout;
+            if !self
+                .answer_buffered(&mut framed, first, &mut peer, clients)
+                .await
+            {
                 return;
             }
         }
@@ -277,7 +353,8 @@ impl Served {
         &self,
         framed: &mut Framed<S, ServerCodec>,
         first: Result<Received<Request>, CodecError>,
-        peer: Peer,
+        peer: &mut Peer,
+        clients: ClientLimits,
     ) -> bool
     where
         S: AsyncRead + AsyncWrite + Unpin,
@@ -285,7 +362,7 @@ impl Served {
         let mut next = Some(first);
         while let Some(item) = next.take() {
             let (reply, fatal) = match item {
-                Ok(received) => (answer(&self.limiter, received, peer), false),
+                Ok(received) => (self.answer(received, peer), false),
                 Err(CodecError::TooLarge { len, max }) => (
                     (
                         0,
@@ -314,7 +391,7 @@ impl Served {
         }
         // A reader that never drains its replies cannot hold the connection past the timeout.
         matches!(
-            tokio::time::timeout(self.clients.idle_timeout, framed.flush()).await,
+            tokio::time::timeout(clients.idle_timeout, framed.flush()).await,
             Ok(Ok(()))
         )
     }
@@ -336,57 +413,84 @@ fn check_error(e: CheckError) -> Response {
     error(code, e.to_string())
 }
 
-fn answer(limiter: &Limiter, received: Received<Request>, peer: Peer) -> (u32, Response) {
-    let id = received.id;
-    let request = match received.message {
-        Ok(request) => request,
-        Err(ParseError { code, message }) => return (id, error(code, message)),
-    };
-    if id == 0 {
-        return (
-            0,
-            error(
-                ErrorCode::Malformed,
-                "id 0 is reserved for the agent's connection-level errors; use another id",
-            ),
-        );
-    }
-    let admin_only = matches!(
-        request,
-        Request::Reset { .. } | Request::Ban { .. } | Request::Unban { .. }
-    );
-    if admin_only && peer != Peer::Admin {
-        return (
-            id,
-            error(
+impl Served {
+    /// Whether `token` is the admin token; a match makes the connection trusted.
+    fn authenticate(&self, token: &[u8], peer: &mut Peer) -> Response {
+        let expected = self.access.read().expect("access lock").token.clone();
+        match expected {
+            None => error(
                 ErrorCode::NotPermitted,
-                "ban, unban and reset are served only to the agent's admin users and groups \
-                 over the Unix socket (admin-uids, admin-gids)",
+                "this agent has no broker admin token ([broker] admin-token), so none is accepted",
             ),
-        );
+            Some(expected) if token_matches(token, &expected) => {
+                *peer = Peer::Admin;
+                Response::Done { changed: true }
+            }
+            Some(_) => error(
+                ErrorCode::BadToken,
+                "that is not the agent's broker admin token; the connection is as trusted as before",
+            ),
+        }
     }
-    let response = match request {
-        Request::Check { action, key, cost } => limiter
-            .check(&action, &key, cost)
-            .map_or_else(check_error, Response::Verdict),
-        Request::Peek { action, key, cost } => limiter
-            .peek(&action, &key, cost)
-            .map_or_else(check_error, Response::Verdict),
-        Request::Reset { action, key } => limiter
-            .reset(&action, &key)
-            .map_or_else(check_error, |changed| Response::Done { changed }),
-        Request::AuthFailure { addr } => Response::Escalation(limiter.report_auth_failure(addr)),
-        Request::Ban { addr, ttl } => match ban_ttl(ttl) {
-            Err(e) => error(ErrorCode::BanFailed, e.to_string()),
-            Ok(ttl) => match limiter.ban(addr, ttl) {
-                Ok(()) => Response::Done { changed: true },
+
+    /// The reply to one request; an accepted token makes the connection trusted.
+    fn answer(&self, received: Received<Request>, peer: &mut Peer) -> (u32, Response) {
+        let limiter = &self.limiter;
+        let id = received.id;
+        let request = match received.message {
+            Ok(request) => request,
+            Err(ParseError { code, message }) => return (id, error(code, message)),
+        };
+        if id == 0 {
+            return (
+                0,
+                error(
+                    ErrorCode::Malformed,
+                    "id 0 is reserved for the agent's connection-level errors; use another id",
+                ),
+            );
+        }
+        let admin_only = matches!(
+            request,
+            Request::Reset { .. } | Request::Ban { .. } | Request::Unban { .. }
+        );
+        if admin_only && *peer != Peer::Admin {
+            return (
+                id,
+                error(
+                    ErrorCode::NotPermitted,
+                    "ban, unban and reset are served only to the agent's admin users and groups \
+                     over the Unix socket (admin-uids, admin-gids), or after the authenticate \
+                     request with the broker admin token",
+                ),
+            );
+        }
+        let response = match request {
+            Request::Check { action, key, cost } => limiter
+                .check(&action, &key, cost)
+                .map_or_else(check_error, Response::Verdict),
+            Request::Peek { action, key, cost } => limiter
+                .peek(&action, &key, cost)
+                .map_or_else(check_error, Response::Verdict),
+            Request::Reset { action, key } => limiter
+                .reset(&action, &key)
+                .map_or_else(check_error, |changed| Response::Done { changed }),
+            Request::AuthFailure { addr } => {
+                Response::Escalation(limiter.report_auth_failure(addr))
+            }
+            Request::Ban { addr, ttl } => match ban_ttl(ttl) {
+                Err(e) => error(ErrorCode::BanFailed, e.to_string()),
+                Ok(ttl) => match limiter.ban(addr, ttl) {
+                    Ok(()) => Response::Done { changed: true },
+                    Err(e) => error(ErrorCode::BanFailed, e.to_string()),
+                },
+            },
+            Request::Unban { addr } => match limiter.unban(addr) {
+                Ok(changed) => Response::Done { changed },
                 Err(e) => error(ErrorCode::BanFailed, e.to_string()),
             },
-        },
-        Request::Unban { addr } => match limiter.unban(addr) {
-            Ok(changed) => Response::Done { changed },
-            Err(e) => error(ErrorCode::BanFailed, e.to_string()),
-        },
-    };
-    (id, response)
+            Request::Authenticate { token } => self.authenticate(&token, peer),
+        };
+        (id, response)
+    }
 }

@@ -139,6 +139,7 @@ pub fn broker_rate_limits(limiter: &Limiter, limit: usize) -> BrokerRateLimits {
     let stats = limiter.stats();
     let actions = limiter
         .actions()
+        .into_iter()
         .map(|spec| {
             let s = stats.iter().find(|s| s.action == spec.name);
             let count = |f: fn(&ActionStats) -> u64| s.map_or(0, f);

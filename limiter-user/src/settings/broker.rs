@@ -50,6 +50,15 @@ pub struct BrokerLayer {
     #[arg(long, env = "LIMITER_ADMIN_GIDS", value_delimiter = ',')]
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub admin_gids: Vec<u32>,
+    /// Token a broker-protocol client presents (the authenticate request) to be allowed ban,
+    /// unban and reset on its connection: the only way over TCP. Without one, TCP clients
+    /// never are.
+    #[arg(
+        id = "broker_admin_token",
+        long = "broker-admin-token",
+        env = "LIMITER_BROKER_ADMIN_TOKEN"
+    )]
+    pub admin_token: Option<String>,
 }
 
 /// Declares the quick per-action overrides once: each built-in action gets a `--NAME-limit`
@@ -134,13 +143,15 @@ impl Default for ClientLimits {
     }
 }
 
-/// Who may change bans and buckets over the Unix socket: a peer whose uid or gid (from the
-/// kernel's `SO_PEERCRED`, which a client cannot forge) is listed.
+/// Who may change bans and buckets: over the Unix socket a peer whose uid or gid (from the
+/// kernel's `SO_PEERCRED`, which a client cannot forge) is listed, and over either listener a
+/// connection that presented the token.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct AdminPeers {
     pub uids: Vec<u32>,
     /// `None`: the socket file's group, the group brokers are put in to reach it.
     pub gids: Option<Vec<u32>>,
+    pub token: Option<String>,
 }
 
 impl Default for AdminPeers {
@@ -148,6 +159,7 @@ impl Default for AdminPeers {
         Self {
             uids: vec![0],
             gids: None,
+            token: None,
         }
     }
 }
@@ -190,6 +202,19 @@ impl BrokerLayer {
         actions: &BTreeMap<String, ActionConfig>,
         overrides: &[(&str, ActionConfig)],
     ) -> Result<BrokerSettings, ConfigError> {
+        if self
+            .admin_token
+            .as_deref()
+            .is_some_and(|t| t.trim().is_empty() || t.len() > limiter_client::MAX_TOKEN_LEN)
+        {
+            return Err(ConfigError::new(
+                "broker.admin-token",
+                format!(
+                    "must be 1 to {} bytes and not blank (leave it out to turn it off)",
+                    limiter_client::MAX_TOKEN_LEN
+                ),
+            ));
+        }
         let escalation = match self.escalate_after {
             None => None,
             Some(0) => {
@@ -226,6 +251,7 @@ impl BrokerLayer {
                         self.admin_uids.clone()
                     },
                     gids: (!self.admin_gids.is_empty()).then(|| self.admin_gids.clone()),
+                    token: self.admin_token.clone(),
                 },
                 ..ServeConfig::unix(
                     self.socket

@@ -152,6 +152,11 @@ impl Live {
         self.0.read().expect("settings lock").clone()
     }
 
+    /// One reading of the settings in force, without copying them all.
+    pub fn read<R>(&self, f: impl FnOnce(&Settings) -> R) -> R {
+        f(&self.0.read().expect("settings lock"))
+    }
+
     pub fn replace(&self, settings: Settings) {
         *self.0.write().expect("settings lock") = settings;
     }
@@ -213,6 +218,7 @@ mod tests {
             (&["--flow-table-size", "0"][..], "flow-table-size"),
             (&["--syn-timeout", "0s"][..], "syn-timeout"),
             (&["--escalate-after", "0"][..], "escalate-after"),
+            (&["--broker-admin-token", " "][..], "broker.admin-token"),
         ] {
             let error = args(flags).resolve().unwrap_err();
             assert_eq!(error.setting, setting, "{flags:?}: {error}");

@@ -5,7 +5,8 @@
 //! Connections are served one task each by hyper, within the `clients` limits: at most `max`
 //! at once ([`Admission`]: a newcomer takes the slot of the oldest connection that has not yet
 //! sent a whole request), and `header_timeout` for each request's headers, which also closes
-//! a keep-alive connection idle that long.
+//! a keep-alive connection idle that long. The timeout is read from the live settings for
+//! each new connection; a reload changes the cap through [`HttpServer::slots`].
 
 mod admin;
 mod auth;
@@ -34,7 +35,7 @@ use crate::{
     admission::{AcceptBackoff, Admission},
     buckets::Limiter,
     datapath::Enforcer,
-    settings::{ClientLimits, Live},
+    settings::Live,
 };
 
 /// How long requests in flight get to finish once the agent stops.
@@ -69,7 +70,8 @@ struct AppState {
 pub struct HttpServer {
     listener: tokio::net::TcpListener,
     app: Router,
-    clients: ClientLimits,
+    settings: Live,
+    slots: Arc<Admission>,
 }
 
 impl HttpServer {
@@ -80,10 +82,7 @@ impl HttpServer {
         settings: Live,
         sweep: &SweepStats,
     ) -> Result<Self, HttpError> {
-        let (addr, clients) = {
-            let settings = settings.get();
-            (settings.http, settings.clients)
-        };
+        let (addr, max) = settings.read(|s| (s.http, s.clients.max));
         let listener = tokio::net::TcpListener::bind(addr)
             .await
             .map_err(|source| HttpError::Bind { addr, source })?;
@@ -91,13 +90,19 @@ impl HttpServer {
             metrics: Arc::new(Metrics::new(&enforcer, &limiter, sweep)?),
             enforcer,
             limiter,
-            settings,
+            settings: settings.clone(),
         };
         Ok(Self {
             listener,
             app: router(state),
-            clients,
+            settings,
+            slots: Admission::new(max),
         })
+    }
+
+    /// The listener's connection slots, which a reload resizes.
+    pub fn slots(&self) -> Arc<Admission> {
+        Arc::clone(&self.slots)
     }
 
     pub fn local_addr(&self) -> Result<SocketAddr, HttpError> {
@@ -113,7 +118,7 @@ impl HttpServer {
         if let Ok(addr) = self.listener.local_addr() {
             tracing::info!(%addr, "HTTP listener up");
         }
-        let slots = Admission::new(self.clients.max);
+        let slots = &self.slots;
         let mut backoff = AcceptBackoff::new("http");
         let stop = tokio_util::sync::CancellationToken::new();
         let mut connections = JoinSet::new();
@@ -127,7 +132,7 @@ impl HttpServer {
                         let ticket = slots.admit().await;
                         let app = self.app.clone();
                         let stop = stop.clone();
-                        let header_timeout = self.clients.header_timeout;
+                        let header_timeout = self.settings.read(|s| s.clients.header_timeout);
                         connections.spawn(async move {
                             let evicted = ticket.evicted();
                             let ticket = Arc::new(ticket);
