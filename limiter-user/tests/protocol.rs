@@ -522,23 +522,32 @@ fn server_code<T: std::fmt::Debug>(result: Result<T, ClientError>) -> ErrorCode 
     }
 }
 
-#[tokio::test]
-async fn admin_requests_are_refused_to_untrusted_peers_and_over_tcp() {
-    // Neither this process's uid nor its gid is on the lists.
-    let server = start_configured(None, |config| {
+/// A server on both listeners whose admin lists name neither this process's uid nor its gid.
+async fn with_untrusted_peers(token: Option<&str>) -> Running {
+    start_configured(None, |config| {
         config.listen = Some("127.0.0.1:0".parse().unwrap());
         config.admin = AdminPeers {
             uids: vec![u32::MAX - 1],
             gids: Some(vec![u32::MAX - 1]),
-            token: None,
+            token: token.map(str::to_owned),
         };
     })
-    .await;
-    let addr: IpAddr = "192.0.2.9".parse().unwrap();
-    for client in [
+    .await
+}
+
+/// One client over the Unix socket and one over TCP.
+async fn both_clients(server: &Running) -> [Client; 2] {
+    [
         Client::connect_unix(&server.socket).await.unwrap(),
         Client::connect_tcp(server.tcp.unwrap()).await.unwrap(),
-    ] {
+    ]
+}
+
+#[tokio::test]
+async fn admin_requests_are_refused_to_untrusted_peers_and_over_tcp() {
+    let server = with_untrusted_peers(None).await;
+    let addr: IpAddr = "192.0.2.9".parse().unwrap();
+    for client in both_clients(&server).await {
         assert_eq!(
             server_code(client.ban(addr, Duration::from_secs(60)).await),
             ErrorCode::NotPermitted
@@ -574,18 +583,9 @@ async fn admin_requests_are_refused_to_untrusted_peers_and_over_tcp() {
 
 #[tokio::test]
 async fn the_admin_token_makes_one_connection_trusted() {
-    let server = start_configured(None, |config| {
-        config.listen = Some("127.0.0.1:0".parse().unwrap());
-        config.admin.uids = vec![u32::MAX - 1];
-        config.admin.gids = Some(vec![u32::MAX - 1]);
-        config.admin.token = Some("s3cret".into());
-    })
-    .await;
+    let server = with_untrusted_peers(Some("s3cret")).await;
     let addr: IpAddr = "192.0.2.9".parse().unwrap();
-    for client in [
-        Client::connect_unix(&server.socket).await.unwrap(),
-        Client::connect_tcp(server.tcp.unwrap()).await.unwrap(),
-    ] {
+    for client in both_clients(&server).await {
         assert_eq!(
             server_code(client.authenticate("s3cre").await),
             ErrorCode::BadToken

@@ -11,6 +11,6 @@ pub use admin::{
 };
 pub use check::{CheckAnswer, CheckRequest};
 pub use views::{
-    ActionView, BanEntry, BlockedKey, BlockedSource, BrokerRateLimits, Connections, EscalationView,
-    KernelLimits, KernelRateLimits, RateLimits, SourceConnections, Status, millis,
+    ActionCounts, ActionView, BanEntry, BlockedKey, BlockedSource, BrokerRateLimits, Connections,
+    EscalationView, KernelLimits, KernelRateLimits, RateLimits, SourceConnections, Status, millis,
 };

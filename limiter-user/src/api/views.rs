@@ -154,16 +154,27 @@ pub struct ActionView {
     pub max_keys: usize,
     pub escalate: bool,
     pub security: bool,
+    #[serde(flatten)]
+    pub counts: ActionCounts,
+    /// The keys refused most while their buckets were live (sessions as digests).
+    pub top_blocked: Vec<BlockedKey>,
+}
+
+/// An action's checks by outcome and its keys, as the broker limiter counts them: one
+/// definition for the limiter's snapshot, the JSON views and the metrics.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ActionCounts {
     pub allowed: u64,
     pub unlimited: u64,
     pub limited: u64,
     pub cost_exceeds_burst: u64,
     pub closed: u64,
+    /// Every refusal: limited + cost_exceeds_burst + closed.
     pub blocked: u64,
     pub tracked_keys: usize,
+    /// Checks for new keys made while the action was at its key cap with every bucket still
+    /// spending (the degraded mode): answered as a fresh bucket, untracked.
     pub overflow_checks: u64,
-    /// The keys refused most while their buckets were live (sessions as digests).
-    pub top_blocked: Vec<BlockedKey>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

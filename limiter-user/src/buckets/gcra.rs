@@ -21,6 +21,10 @@ pub struct Rate {
     /// How far ahead of the clock the TAT may run: the bucket's capacity expressed as time.
     tolerance_ns: u64,
     burst: u32,
+    /// `u64::MAX / emission_ns`: every verdict divides by the emission interval to count the
+    /// tokens left, and a multiplication by this reciprocal (with one correction step) is
+    /// exact and several times cheaper than a 64-bit division.
+    emission_inverse: u64,
 }
 
 /// What a bucket would answer at one instant.
@@ -51,6 +55,7 @@ impl Rate {
             emission_ns,
             tolerance_ns: emission_ns.saturating_mul(u64::from(burst)),
             burst,
+            emission_inverse: u64::MAX / emission_ns,
         })
     }
 
@@ -91,8 +96,17 @@ impl Rate {
 
     /// Whole tokens in a bucket that is `debt_ns` short of full.
     fn tokens(&self, debt_ns: u64) -> u32 {
-        let tokens = self.tolerance_ns.saturating_sub(debt_ns) / self.emission_ns;
+        let tokens = self.per_emission(self.tolerance_ns.saturating_sub(debt_ns));
         u32::try_from(tokens).unwrap_or(u32::MAX)
+    }
+
+    /// `ns / emission_ns`, exactly. With m = floor((2^64 - 1) / d), d·m > 2^64 - 1 - d, so
+    /// n·m / 2^64 falls short of n / d by less than n / 2^64 < 1: the estimate is the quotient
+    /// or one less, and the remainder tells which.
+    fn per_emission(&self, ns: u64) -> u64 {
+        let estimate = ((u128::from(ns) * u128::from(self.emission_inverse)) >> 64) as u64;
+        let remainder = ns - estimate * self.emission_ns;
+        estimate + u64::from(remainder >= self.emission_ns)
     }
 
     /// A bucket whose TAT is not after `now` is full: it holds nothing a fresh bucket would not.
@@ -258,6 +272,42 @@ mod tests {
             assert!(cell.take(&rate, SEC, 1, false).allowed);
         }
         assert_eq!(cell.tat(), 0);
+    }
+
+    #[test]
+    fn the_reciprocal_divides_exactly() {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = || {
+            // xorshift64*: spread over every magnitude of divisor and dividend.
+            x ^= x >> 12;
+            x ^= x << 25;
+            x ^= x >> 27;
+            x.wrapping_mul(0x2545_f491_4f6c_dd1d)
+        };
+        let edges = [1, 2, 3, 7, 1_000_000, u64::MAX / 3, u64::MAX - 1, u64::MAX];
+        for _ in 0..20_000 {
+            let d = match next() % 4 {
+                0 => edges[(next() % 8) as usize],
+                shift => (next() >> (16 * shift)).max(1),
+            };
+            let rate = Rate {
+                emission_ns: d,
+                tolerance_ns: 0,
+                burst: 1,
+                emission_inverse: u64::MAX / d,
+            };
+            for n in [
+                next(),
+                next() >> 32,
+                d,
+                d - 1,
+                d.saturating_mul(5),
+                u64::MAX,
+                0,
+            ] {
+                assert_eq!(rate.per_emission(n), n / d, "{n} / {d}");
+            }
+        }
     }
 
     #[test]

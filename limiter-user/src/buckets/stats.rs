@@ -10,6 +10,8 @@ use std::{
 use limiter_client::Outcome;
 use serde::Serialize;
 
+use crate::api::ActionCounts;
+
 const STRIPES: usize = 16;
 
 #[repr(align(128))]
@@ -56,17 +58,8 @@ impl OutcomeCounters {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct ActionStats {
     pub action: String,
-    pub allowed: u64,
-    pub unlimited: u64,
-    pub limited: u64,
-    pub cost_exceeds_burst: u64,
-    pub closed: u64,
-    /// Every refusal: limited + cost_exceeds_burst + closed.
-    pub blocked: u64,
-    pub tracked_keys: usize,
-    /// Checks for new keys made while the action was at its key cap with every bucket still
-    /// spending (the degraded mode): answered as a fresh bucket, untracked.
-    pub overflow_checks: u64,
+    #[serde(flatten)]
+    pub counts: ActionCounts,
     /// Memory the action's key table holds (entries and the table's slack).
     pub key_memory_bytes: usize,
 }

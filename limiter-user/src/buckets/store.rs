@@ -34,7 +34,7 @@ use dashmap::{DashMap, mapref::entry::Entry};
 use foldhash::quality::RandomState;
 use limiter_client::{Escalation, NEVER_MS, Outcome, Verdict};
 
-use crate::api::BlockedKey;
+use crate::api::{ActionCounts, BlockedKey};
 
 use super::{
     actions::{ActionSpec, KeyKind, Mode},
@@ -331,16 +331,18 @@ impl Limiter {
                 let count = |o| a.counters.outcomes.get(o);
                 ActionStats {
                     action: a.spec.name.clone(),
-                    allowed: count(Outcome::Allowed),
-                    unlimited: count(Outcome::Unlimited),
-                    limited: count(Outcome::Limited),
-                    cost_exceeds_burst: count(Outcome::CostExceedsBurst),
-                    closed: count(Outcome::Closed),
-                    blocked: count(Outcome::Limited)
-                        + count(Outcome::CostExceedsBurst)
-                        + count(Outcome::Closed),
-                    tracked_keys: a.table.tracked.load(Ordering::Acquire),
-                    overflow_checks: a.counters.overflow_checks.load(Ordering::Relaxed),
+                    counts: ActionCounts {
+                        allowed: count(Outcome::Allowed),
+                        unlimited: count(Outcome::Unlimited),
+                        limited: count(Outcome::Limited),
+                        cost_exceeds_burst: count(Outcome::CostExceedsBurst),
+                        closed: count(Outcome::Closed),
+                        blocked: count(Outcome::Limited)
+                            + count(Outcome::CostExceedsBurst)
+                            + count(Outcome::Closed),
+                        tracked_keys: a.table.tracked.load(Ordering::Acquire),
+                        overflow_checks: a.counters.overflow_checks.load(Ordering::Relaxed),
+                    },
                     // `capacity` counts usable slots, 7 of every 8.
                     key_memory_bytes: a.table.buckets.capacity() * SLOT_BYTES * 8 / 7,
                 }

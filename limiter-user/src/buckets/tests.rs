@@ -16,21 +16,11 @@ fn limiter_with(
     toml_actions: &str,
     escalation: Option<EscalationConfig>,
 ) -> (Arc<ManualClock>, Arc<RecordingBanner>, Limiter) {
-    #[derive(serde::Deserialize)]
-    struct File {
-        #[serde(default)]
-        actions: BTreeMap<String, ActionConfig>,
-    }
-    let file: File = toml::from_str(toml_actions).unwrap();
-    let actions = resolve_actions(&file.actions, &[]).unwrap();
     let clock = Arc::new(ManualClock::new());
     clock.set_ns(1_000_000_000);
     let banner = Arc::new(RecordingBanner::default());
     let limiter = Limiter::new(
-        LimiterConfig {
-            actions,
-            escalation,
-        },
+        config_of(toml_actions, escalation),
         clock.clone(),
         banner.clone(),
     );
@@ -72,7 +62,14 @@ fn auth_allows_ten_a_minute_per_address_with_retry_and_reset() {
     clock.advance(Duration::from_millis(1));
     assert!(limiter.check("auth", b"192.0.2.1", 1).unwrap().allowed);
     let stats = stats_of(&limiter, "auth");
-    assert_eq!((stats.allowed, stats.limited, stats.blocked), (12, 2, 2));
+    assert_eq!(
+        (
+            stats.counts.allowed,
+            stats.counts.limited,
+            stats.counts.blocked
+        ),
+        (12, 2, 2)
+    );
 }
 
 #[test]
@@ -87,7 +84,7 @@ fn peek_consumes_nothing_and_reset_refills() {
         assert_eq!(v.remaining, 0, "remaining as if this cost were paid");
     }
     assert_eq!(
-        stats_of(&limiter, "export").tracked_keys,
+        stats_of(&limiter, "export").counts.tracked_keys,
         0,
         "a peek creates nothing"
     );
@@ -123,7 +120,7 @@ fn off_and_closed() {
     }
     let closed = limiter.check("dashboard_auth", b"192.0.2.1", 1).unwrap();
     assert_eq!((closed.outcome, closed.allowed), (Outcome::Closed, false));
-    assert_eq!(stats_of(&limiter, "publish").tracked_keys, 0);
+    assert_eq!(stats_of(&limiter, "publish").counts.tracked_keys, 0);
 }
 
 #[test]
@@ -171,10 +168,10 @@ fn sweep_evicts_only_full_buckets() {
     assert_eq!(limiter.sweep(), 0);
     clock.advance(Duration::from_secs(6));
     assert_eq!(limiter.sweep(), 1, "one token refilled: 192.0.2.1 is full");
-    assert_eq!(stats_of(&limiter, "auth").tracked_keys, 1);
+    assert_eq!(stats_of(&limiter, "auth").counts.tracked_keys, 1);
     clock.advance(Duration::from_secs(54));
     assert_eq!(limiter.sweep(), 1);
-    assert_eq!(stats_of(&limiter, "auth").tracked_keys, 0);
+    assert_eq!(stats_of(&limiter, "auth").counts.tracked_keys, 0);
 }
 
 #[test]
@@ -204,9 +201,9 @@ fn a_flood_of_fresh_keys_never_refuses_or_bans_an_innocent_key() {
     }
     assert!(banner.calls.lock().unwrap().is_empty());
     let stats = stats_of(&limiter, "auth");
-    assert_eq!(stats.tracked_keys, 100, "the cap holds");
+    assert_eq!(stats.counts.tracked_keys, 100, "the cap holds");
     assert_eq!(
-        stats.overflow_checks,
+        stats.counts.overflow_checks,
         5_000 - 100 + 1_000,
         "degraded mode is counted"
     );
@@ -329,6 +326,7 @@ fn escalation_is_off_unless_configured() {
 fn config_of(toml_actions: &str, escalation: Option<EscalationConfig>) -> LimiterConfig {
     #[derive(serde::Deserialize)]
     struct File {
+        #[serde(default)]
         actions: BTreeMap<String, ActionConfig>,
     }
     let file: File = toml::from_str(toml_actions).unwrap();
@@ -364,11 +362,11 @@ fn a_reload_applies_new_limits_to_buckets_that_keep_their_state() {
     assert!(limiter.check_id(&export, b"alice", 1).unwrap().allowed);
     let stats = stats_of(&limiter, "export");
     assert_eq!(
-        (stats.allowed, stats.limited),
+        (stats.counts.allowed, stats.counts.limited),
         (8, 1),
         "counters carry over"
     );
-    assert_eq!(stats.tracked_keys, 1);
+    assert_eq!(stats.counts.tracked_keys, 1);
 }
 
 #[test]

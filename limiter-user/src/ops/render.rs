@@ -114,7 +114,11 @@ pub fn render_top(connections: &Connections, limits: &RateLimits) -> String {
                 continue;
             }
             any = true;
-            let _ = writeln!(out, "  {} ({} refused in all)", action.name, action.blocked);
+            let _ = writeln!(
+                out,
+                "  {} ({} refused in all)",
+                action.name, action.counts.blocked
+            );
             for b in &action.top_blocked {
                 let _ = writeln!(out, "    {:<38} {:>11}", b.key, b.blocked);
             }

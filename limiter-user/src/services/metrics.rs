@@ -369,25 +369,28 @@ impl Scraped for BrokerMetrics {
         b.escalation_bans.reset();
         for stats in self.limiter.stats() {
             let action = stats.action.as_str();
+            let counts = &stats.counts;
             for outcome in OUTCOMES {
                 let n = match outcome {
-                    Outcome::Allowed => stats.allowed,
-                    Outcome::Unlimited => stats.unlimited,
-                    Outcome::Limited => stats.limited,
-                    Outcome::CostExceedsBurst => stats.cost_exceeds_burst,
-                    Outcome::Closed => stats.closed,
+                    Outcome::Allowed => counts.allowed,
+                    Outcome::Unlimited => counts.unlimited,
+                    Outcome::Limited => counts.limited,
+                    Outcome::CostExceedsBurst => counts.cost_exceeds_burst,
+                    Outcome::Closed => counts.closed,
                 };
                 b.checks
                     .with_label_values(&[action, outcome.as_str()])
                     .inc_by(n);
             }
-            b.blocked.with_label_values(&[action]).inc_by(stats.blocked);
+            b.blocked
+                .with_label_values(&[action])
+                .inc_by(counts.blocked);
             b.keys
                 .with_label_values(&[action])
-                .set(gauge_value(stats.tracked_keys as u64));
+                .set(gauge_value(counts.tracked_keys as u64));
             b.overflow
                 .with_label_values(&[action])
-                .inc_by(stats.overflow_checks);
+                .inc_by(counts.overflow_checks);
             b.key_memory
                 .with_label_values(&[action])
                 .set(gauge_value(stats.key_memory_bytes as u64));

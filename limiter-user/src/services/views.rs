@@ -141,8 +141,11 @@ pub fn broker_rate_limits(limiter: &Limiter, limit: usize) -> BrokerRateLimits {
         .actions()
         .into_iter()
         .map(|spec| {
-            let s = stats.iter().find(|s| s.action == spec.name);
-            let count = |f: fn(&ActionStats) -> u64| s.map_or(0, f);
+            let counts = stats
+                .iter()
+                .find(|s| s.action == spec.name)
+                .map(|s| s.counts.clone())
+                .unwrap_or_default();
             ActionView {
                 name: spec.name.clone(),
                 mode: match spec.mode() {
@@ -158,14 +161,7 @@ pub fn broker_rate_limits(limiter: &Limiter, limit: usize) -> BrokerRateLimits {
                 max_keys: spec.max_keys,
                 escalate: spec.escalate,
                 security: spec.security,
-                allowed: count(|s| s.allowed),
-                unlimited: count(|s| s.unlimited),
-                limited: count(|s| s.limited),
-                cost_exceeds_burst: count(|s| s.cost_exceeds_burst),
-                closed: count(|s| s.closed),
-                blocked: count(|s| s.blocked),
-                tracked_keys: s.map_or(0, |s| s.tracked_keys),
-                overflow_checks: count(|s| s.overflow_checks),
+                counts,
                 top_blocked: limiter.top_blocked(&spec.name, limit).unwrap_or_default(),
             }
         })
