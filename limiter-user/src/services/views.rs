@@ -10,7 +10,7 @@ use crate::{
         ActionView, BanEntry, BlockedSource, BrokerRateLimits, Connections, EscalationView,
         KernelLimits, KernelRateLimits, SourceConnections, Status, millis,
     },
-    buckets::{ActionStats, Limiter, actions::Mode},
+    buckets::{Limiter, actions::Mode},
     datapath::{Enforcer, Maps, MapsError, keys::key_text},
 };
 
