@@ -66,6 +66,7 @@ impl Rate {
     /// The answer for a request of `cost` tokens at `now` against a bucket whose TAT is `tat`.
     /// A cost above the burst is answered "refused" with an infinite retry; callers report it
     /// as its own reason.
+    #[inline]
     pub fn evaluate(&self, tat: u64, now: u64, cost: u32) -> Evaluation {
         let start = tat.max(now);
         let new_tat = start.saturating_add(self.emission_ns.saturating_mul(u64::from(cost)));
@@ -95,6 +96,7 @@ impl Rate {
     }
 
     /// Whole tokens in a bucket that is `debt_ns` short of full.
+    #[inline]
     fn tokens(&self, debt_ns: u64) -> u32 {
         let tokens = self.per_emission(self.tolerance_ns.saturating_sub(debt_ns));
         u32::try_from(tokens).unwrap_or(u32::MAX)
@@ -103,6 +105,7 @@ impl Rate {
     /// `ns / emission_ns`, exactly. With m = floor((2^64 - 1) / d), d·m > 2^64 - 1 - d, so
     /// n·m / 2^64 falls short of n / d by less than n / 2^64 < 1: the estimate is the quotient
     /// or one less, and the remainder tells which.
+    #[inline]
     fn per_emission(&self, ns: u64) -> u64 {
         let estimate = ((u128::from(ns) * u128::from(self.emission_inverse)) >> 64) as u64;
         let remainder = ns - estimate * self.emission_ns;
@@ -127,7 +130,9 @@ impl Cell {
     }
 
     /// Evaluates and, when allowed and `consume` is set, stores the new TAT atomically: of any
-    /// number of racing requests, exactly those that fit are admitted.
+    /// number of racing requests, exactly those that fit are admitted. Inlined into the check,
+    /// so the evaluation stays in registers rather than coming back through memory.
+    #[inline(always)]
     pub fn take(&self, rate: &Rate, now: u64, cost: u32, consume: bool) -> Evaluation {
         let mut current = self.tat.load(Ordering::Acquire);
         loop {

@@ -1,17 +1,17 @@
 //! Per-action counters, kept so that the agent can export them. Counters are striped across
-//! cache lines, one stripe per thread slot: a single shared counter would be written by every
-//! check on every core and undo the lock-free bucket.
+//! cache lines: a single shared counter would be written by every check on every core and
+//! undo the lock-free bucket. A thread claims a stripe of its own while it lives and counts in
+//! it with a plain load and store, since no other thread writes it (no read-modify-write on
+//! the hot path); threads beyond the stripes share one, with atomic adds.
 
-use std::{
-    cell::Cell,
-    sync::atomic::{AtomicU64, AtomicUsize, Ordering},
-};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use limiter_client::Outcome;
 use serde::Serialize;
 
 use crate::api::ActionCounts;
 
+/// Stripe 0 is the shared one; the others are claimed by one thread each.
 const STRIPES: usize = 16;
 
 #[repr(align(128))]
@@ -20,19 +20,35 @@ struct Stripe([AtomicU64; OUTCOMES]);
 
 const OUTCOMES: usize = 5;
 
-thread_local! {
-    static SLOT: Cell<usize> = const { Cell::new(usize::MAX) };
+/// Which stripes a live thread owns.
+static CLAIMED: [AtomicBool; STRIPES] = [const { AtomicBool::new(false) }; STRIPES];
+
+/// This thread's stripe, given back when the thread ends.
+struct Claim(usize);
+
+impl Claim {
+    fn new() -> Self {
+        (1..STRIPES)
+            .find(|&i| {
+                CLAIMED[i]
+                    .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
+                    .is_ok()
+            })
+            .map_or(Self(0), Self)
+    }
 }
 
-static NEXT_SLOT: AtomicUsize = AtomicUsize::new(0);
-
-fn slot() -> usize {
-    SLOT.with(|slot| {
-        if slot.get() == usize::MAX {
-            slot.set(NEXT_SLOT.fetch_add(1, Ordering::Relaxed) % STRIPES);
+impl Drop for Claim {
+    fn drop(&mut self) {
+        if self.0 != 0 {
+            // Release: the next owner's first load sees this thread's last store.
+            CLAIMED[self.0].store(false, Ordering::Release);
         }
-        slot.get()
-    })
+    }
+}
+
+thread_local! {
+    static SLOT: Claim = Claim::new();
 }
 
 /// Checks counted by outcome.
@@ -43,7 +59,14 @@ pub struct OutcomeCounters {
 
 impl OutcomeCounters {
     pub fn add(&self, outcome: Outcome) {
-        self.stripes[slot()].0[outcome as usize].fetch_add(1, Ordering::Relaxed);
+        let stripe = SLOT.try_with(|claim| claim.0).unwrap_or(0);
+        let counter = &self.stripes[stripe].0[outcome as usize];
+        if stripe == 0 {
+            counter.fetch_add(1, Ordering::Relaxed);
+        } else {
+            // Only this thread writes its stripe.
+            counter.store(counter.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+        }
     }
 
     pub fn get(&self, outcome: Outcome) -> u64 {
