@@ -75,6 +75,11 @@ key = "user"
 
 [actions.auth]
 limit = 3
+
+[actions.sends]
+kind = "quota"
+limit = 5
+key = "user"
 "#;
 
 async fn start_with(listen: bool, escalation: Option<EscalationConfig>) -> Running {
@@ -128,6 +133,31 @@ async fn start_configured(
 
 async fn start() -> Running {
     start_with(false, None).await
+}
+
+#[tokio::test]
+async fn a_quota_is_checked_all_or_nothing_over_the_socket() {
+    // The manual clock reads the epoch: the first UTC day, with a whole day to go.
+    let server = start().await;
+    let client = Client::connect_unix(&server.socket).await.unwrap();
+    let v = client.check("sends", "tenant", 3).await.unwrap();
+    assert_eq!(
+        (v.outcome, v.limit, v.remaining, v.reset_after_ms),
+        (Outcome::Allowed, 5, 2, 86_400_000)
+    );
+    let refused = client.check("sends", "tenant", 3).await.unwrap();
+    assert_eq!(
+        (refused.outcome, refused.remaining, refused.retry_after_ms),
+        (Outcome::Limited, 2, 86_400_000)
+    );
+    let over = client.check("sends", "tenant", 6).await.unwrap();
+    assert_eq!(over.outcome, Outcome::CostExceedsLimit, "outcome byte 5");
+    assert_eq!(over.retry_after_ms, u64::MAX);
+    assert_eq!(
+        client.check("sends", "tenant", 2).await.unwrap().remaining,
+        0
+    );
+    server.stop().await;
 }
 
 #[tokio::test]

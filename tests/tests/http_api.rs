@@ -13,7 +13,9 @@ use std::{
 
 use limiter::{
     api::ListKind,
-    buckets::{ActionConfig, EscalationConfig, KeyKind, LimiterConfig, Window, resolve_actions},
+    buckets::{
+        ActionConfig, ActionKind, EscalationConfig, KeyKind, LimiterConfig, Window, resolve_actions,
+    },
     ops::{self, AdminConnect, Connect, Fallback},
     services::{
         http::{HttpError, HttpServer},
@@ -40,9 +42,19 @@ fn v6(text: &str) -> IpAddr {
 }
 
 /// The broker limiter the tests configure: `export` (2 per minute, keyed by user), `auth`
-/// closed (limit 0 on a security action), and escalation to a kernel ban after one failure.
+/// closed (limit 0 on a security action), `sends` (a quota of 5 per UTC day), and escalation
+/// to a kernel ban after one failure.
 fn limiter_config() -> LimiterConfig {
     let mut table = BTreeMap::new();
+    table.insert(
+        "sends".to_owned(),
+        ActionConfig {
+            kind: Some(ActionKind::Quota),
+            limit: Some(5),
+            key: Some(KeyKind::User),
+            ..ActionConfig::default()
+        },
+    );
     table.insert(
         "export".to_owned(),
         ActionConfig {
@@ -513,6 +525,12 @@ fn rate_limits_show_limits_refusals_bans_and_broker_actions() {
         export["top_blocked"],
         json!([{"key": "bob", "blocked": 2}, {"key": "carol", "blocked": 1}])
     );
+    assert_eq!(export["kind"], "rate");
+    let sends = actions.iter().find(|a| a["name"] == "sends").unwrap();
+    assert_eq!(
+        (sends["kind"].clone(), sends["window_ms"].clone()),
+        (json!("quota"), json!(86_400_000))
+    );
     let auth = actions.iter().find(|a| a["name"] == "auth").unwrap();
     assert_eq!(auth["mode"], "closed");
     assert_eq!(body["broker"]["escalation"]["after"], 1);
@@ -587,6 +605,65 @@ fn check_answers_429_with_retry_after_and_problem_details() {
     assert_eq!(answer.status, 200);
     assert_eq!(answer.json()["outcome"], "unlimited");
     assert_eq!(answer.header("x-ratelimit-limit"), None);
+}
+
+/// Milliseconds from now to the next midnight UTC, by the wall clock.
+fn until_midnight_utc_ms() -> u64 {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    86_400_000 - now % 86_400_000
+}
+
+#[test]
+fn a_quota_is_answered_with_its_day_and_the_cost_it_can_never_fit() {
+    let h = Harness::new(&[]);
+    let answer = h.check(json!({"action": "sends", "key": "tenant", "cost": 4}));
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    assert_eq!(answer.header("x-ratelimit-limit"), Some("5"));
+    assert_eq!(answer.header("x-ratelimit-remaining"), Some("1"));
+    let reset: u64 = answer.header("x-ratelimit-reset").unwrap().parse().unwrap();
+    let midnight_s = until_midnight_utc_ms().div_ceil(1000);
+    assert!(
+        reset.abs_diff(midnight_s) <= 1,
+        "{reset} s, midnight in {midnight_s} s"
+    );
+
+    // A batch of 2 does not fit the 1 left: refused until midnight, nothing spent.
+    let answer = h.check(json!({"action": "sends", "key": "tenant", "cost": 2}));
+    answer.assert_problem(429, "sends");
+    let body = answer.json();
+    assert_eq!(
+        (body["reason"].clone(), body["remaining"].clone()),
+        (json!("limited"), json!(1))
+    );
+    let retry_ms = body["retry_after_ms"].as_u64().unwrap();
+    assert!(
+        retry_ms.abs_diff(until_midnight_utc_ms()) <= 1_000,
+        "{retry_ms}"
+    );
+    let retry_after: u64 = answer.header("retry-after").unwrap().parse().unwrap();
+    assert_eq!(retry_after, retry_ms.div_ceil(1000));
+
+    let answer = h.check(json!({"action": "sends", "key": "tenant", "cost": 6}));
+    answer.assert_problem(422, "cost");
+    assert_eq!(answer.json()["reason"], "cost_exceeds_limit");
+    assert_eq!(answer.header("retry-after"), None);
+    assert_eq!(
+        h.check(json!({"action": "sends", "key": "tenant"})).status,
+        200,
+        "the one left"
+    );
+    let metrics = h.get("/metrics").body;
+    for series in [
+        "limiter_rate_limit_checks_total{action=\"sends\",outcome=\"allowed\"} 2",
+        "limiter_rate_limit_checks_total{action=\"sends\",outcome=\"limited\"} 1",
+        "limiter_rate_limit_checks_total{action=\"sends\",outcome=\"cost_exceeds_limit\"} 1",
+        "limiter_rate_limit_keys{action=\"sends\"} 1",
+    ] {
+        assert!(metrics.contains(series), "{series} not in\n{metrics}");
+    }
 }
 
 #[test]
@@ -773,6 +850,8 @@ fn operator_commands_talk_to_the_running_agent() {
     );
     assert!(status.contains("conn_per_ip 1"), "{status}");
 
+    h.check(json!({"action": "sends", "key": "tenant", "cost": 6}))
+        .assert_problem(422, "cost");
     let top = ops::TopArgs {
         connect: h.connect(),
         fallback: fallback.clone(),
@@ -780,6 +859,10 @@ fn operator_commands_talk_to_the_running_agent() {
     }
     .output()
     .expect("top");
+    assert!(
+        top.contains("sends (quota 5 per 1day, 1 refused in all)\n    tenant "),
+        "{top}"
+    );
     // Both addresses are in 2001:db8::/64, the default IPv6 source prefix, and the key is
     // shown as the network it stands for, not as one host.
     assert!(top.contains("2001:db8::/64"), "{top}");

@@ -143,11 +143,15 @@ pub struct BrokerRateLimits {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ActionView {
     pub name: String,
+    /// `rate` (a GCRA bucket) or `quota` (a fixed allowance per period, `window_ms`).
+    pub kind: String,
     /// `limited`, `unlimited` (limit 0 on an ordinary action) or `closed` (limit 0 on a
     /// security action: everything refused).
     pub mode: String,
     pub limit: u32,
+    /// A rate's window, or a quota's period.
     pub window_ms: u64,
+    /// A rate's bucket capacity; for a quota, its limit.
     pub burst: u32,
     /// What the keys identify: `ip`, `session`, `user` or `other`.
     pub key: String,
@@ -158,6 +162,7 @@ pub struct ActionView {
     pub unlimited: u64,
     pub limited: u64,
     pub cost_exceeds_burst: u64,
+    pub cost_exceeds_limit: u64,
     pub closed: u64,
     pub blocked: u64,
     pub tracked_keys: usize,

@@ -9,7 +9,29 @@ use std::{collections::BTreeMap, fmt, time::Duration};
 use limiter_client::MAX_ACTION_NAME;
 use serde::{Deserialize, Deserializer, Serialize, de};
 
-use super::gcra::Rate;
+use super::{
+    gcra::Rate,
+    quota::{self, Quota},
+};
+
+/// How an action counts: a GCRA bucket refilled continuously (`rate`, the default), or a fixed
+/// allowance per calendar window (`quota`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ActionKind {
+    #[default]
+    Rate,
+    Quota,
+}
+
+impl ActionKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ActionKind::Rate => "rate",
+            ActionKind::Quota => "quota",
+        }
+    }
+}
 
 /// What an action's keys identify. It decides how a key is checked and stored: addresses are
 /// parsed and stored in canonical form (so `::ffff:10.0.0.1` and `10.0.0.1` share a bucket),
@@ -44,11 +66,15 @@ pub const DEFAULT_MAX_KEYS: usize = 250_000;
 #[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
 pub struct ActionConfig {
-    /// Requests per window; 0 switches the action off, except for the security actions
+    /// `rate` (default) or `quota`.
+    pub kind: Option<ActionKind>,
+    /// Requests per window (per period for a quota); 0 switches the action off, except for the security actions
     /// (`auth`, `dashboard_auth`), where 0 refuses everything.
     pub limit: Option<u32>,
     /// `"60s"`, `"1m 30s"`, `"500ms"`, or a whole number of milliseconds.
     pub window: Option<Window>,
+    /// A quota's window, aligned to the UNIX epoch; default one day, the UTC day.
+    pub period: Option<Window>,
     /// Bucket capacity: how many may arrive at once after a quiet spell. Default: the limit.
     pub burst: Option<u32>,
     pub key: Option<KeyKind>,
@@ -92,9 +118,12 @@ impl<'de> Deserialize<'de> for Window {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct ActionSpec {
     pub name: String,
+    pub kind: ActionKind,
     pub limit: u32,
+    /// A rate's window, or a quota's period.
     #[serde(rename = "window_ms", serialize_with = "as_millis")]
     pub window: Duration,
+    /// A rate's bucket capacity; a quota's is its limit.
     pub burst: u32,
     pub key: KeyKind,
     pub max_keys: usize,
@@ -115,12 +144,17 @@ pub enum Mode {
     /// Limit 0 on a security action: every check is refused.
     Closed,
     Limited(Rate),
+    Quota(Quota),
 }
 
 impl ActionSpec {
     pub fn mode(&self) -> Mode {
-        match Rate::new(self.limit, self.window, self.burst) {
-            Some(rate) => Mode::Limited(rate),
+        let limited = match self.kind {
+            ActionKind::Rate => Rate::new(self.limit, self.window, self.burst).map(Mode::Limited),
+            ActionKind::Quota => Quota::new(self.limit, self.window).map(Mode::Quota),
+        };
+        match limited {
+            Some(mode) => mode,
             None if self.security => Mode::Closed,
             None => Mode::Unlimited,
         }
@@ -131,6 +165,7 @@ impl ActionSpec {
 pub fn builtin_actions() -> Vec<ActionSpec> {
     let spec = |name: &str, limit, window_s, key, security| ActionSpec {
         name: name.to_owned(),
+        kind: ActionKind::Rate,
         limit,
         window: Duration::from_secs(window_s),
         burst: limit,
@@ -190,10 +225,15 @@ fn apply(
             let missing = |field: &str| {
                 ConfigError::new(format!("{origin}.{field}"), "required for a new action")
             };
+            let kind = config.kind.unwrap_or_default();
             specs.push(ActionSpec {
                 name: name.to_owned(),
+                kind,
                 limit: config.limit.ok_or_else(|| missing("limit"))?,
-                window: config.window.ok_or_else(|| missing("window"))?.0,
+                window: match kind {
+                    ActionKind::Rate => config.window.ok_or_else(|| missing("window"))?.0,
+                    ActionKind::Quota => quota::DAY,
+                },
                 burst: 0,
                 key: config.key.unwrap_or(KeyKind::Other),
                 max_keys: DEFAULT_MAX_KEYS,
@@ -204,9 +244,37 @@ fn apply(
         }
     };
     let spec = &mut specs[index];
-    let limit_changed = config.limit.is_some_and(|l| l != spec.limit);
+    let mut limit_changed = config.limit.is_some_and(|l| l != spec.limit);
+    if let Some(kind) = config.kind
+        && kind != spec.kind
+    {
+        // A rate's window is no quota's period, nor the other way round: a changed kind
+        // starts from its own defaults.
+        spec.kind = kind;
+        spec.window = match kind {
+            ActionKind::Quota => quota::DAY,
+            ActionKind::Rate => {
+                config
+                    .window
+                    .ok_or_else(|| {
+                        ConfigError::new(format!("{origin}.window"), "required for a rate")
+                    })?
+                    .0
+            }
+        };
+        limit_changed = true;
+    }
     if let Some(limit) = config.limit {
         spec.limit = limit;
+    }
+    if spec.kind == ActionKind::Quota {
+        return apply_quota(spec, config, origin);
+    }
+    if config.period.is_some() {
+        return Err(ConfigError::new(
+            format!("{origin}.period"),
+            "only a quota has a period (kind = \"quota\"); a rate has a window",
+        ));
     }
     if let Some(window) = config.window {
         spec.window = window.0;
@@ -223,21 +291,6 @@ fn apply(
         None if limit_changed || spec.burst == 0 => spec.burst = spec.limit,
         None => {}
     }
-    if let Some(key) = config.key {
-        spec.key = key;
-    }
-    if let Some(max_keys) = config.max_keys {
-        if max_keys == 0 {
-            return Err(ConfigError::new(
-                format!("{origin}.max-keys"),
-                "must be at least 1",
-            ));
-        }
-        spec.max_keys = max_keys;
-    }
-    if let Some(escalate) = config.escalate {
-        spec.escalate = escalate;
-    }
     if spec.window.is_zero() {
         return Err(ConfigError::new(
             format!("{origin}.window"),
@@ -253,6 +306,30 @@ fn apply(
             ),
         ));
     }
+    apply_common(spec, config, origin)
+}
+
+/// The settings both kinds share: the key, the key cap, escalation.
+fn apply_common(
+    spec: &mut ActionSpec,
+    config: &ActionConfig,
+    origin: &str,
+) -> Result<(), ConfigError> {
+    if let Some(key) = config.key {
+        spec.key = key;
+    }
+    if let Some(max_keys) = config.max_keys {
+        if max_keys == 0 {
+            return Err(ConfigError::new(
+                format!("{origin}.max-keys"),
+                "must be at least 1",
+            ));
+        }
+        spec.max_keys = max_keys;
+    }
+    if let Some(escalate) = config.escalate {
+        spec.escalate = escalate;
+    }
     if spec.escalate && spec.key != KeyKind::Ip {
         return Err(ConfigError::new(
             format!("{origin}.escalate"),
@@ -260,6 +337,37 @@ fn apply(
         ));
     }
     Ok(())
+}
+
+/// A quota: a limit per period, with neither a window nor a burst (its capacity is the limit).
+fn apply_quota(
+    spec: &mut ActionSpec,
+    config: &ActionConfig,
+    origin: &str,
+) -> Result<(), ConfigError> {
+    if config.window.is_some() {
+        return Err(ConfigError::new(
+            format!("{origin}.window"),
+            "a quota has a `period` (default one UTC day), not a window",
+        ));
+    }
+    if config.burst.is_some() {
+        return Err(ConfigError::new(
+            format!("{origin}.burst"),
+            "a quota has no burst: its whole limit may be spent at once",
+        ));
+    }
+    if let Some(period) = config.period {
+        if !(quota::MIN_PERIOD..=quota::MAX_PERIOD).contains(&period.0) {
+            return Err(ConfigError::new(
+                format!("{origin}.period"),
+                "must be from 1s to 366 days",
+            ));
+        }
+        spec.window = period.0;
+    }
+    spec.burst = spec.limit;
+    apply_common(spec, config, origin)
 }
 
 #[cfg(test)]
@@ -352,6 +460,74 @@ mod tests {
             error.to_string(),
             "invalid setting `actions.auth.window`: must be longer than zero"
         );
+    }
+
+    #[test]
+    fn quotas_default_to_the_utc_day_and_take_a_period() {
+        let specs = resolve_actions(
+            &table(
+                "[actions.sends]\nkind = \"quota\"\nlimit = 500\nkey = \"user\"\n\
+                 [actions.exports]\nkind = \"quota\"\nlimit = 3\nperiod = \"7d\"\n\
+                 [actions.publish]\nkind = \"quota\"\nlimit = 10000\n",
+            ),
+            &[],
+        )
+        .unwrap();
+        let sends = find(&specs, "sends");
+        assert_eq!(sends.kind, ActionKind::Quota);
+        assert_eq!((sends.window, sends.burst), (quota::DAY, 500));
+        assert!(matches!(sends.mode(), Mode::Quota(_)));
+        assert_eq!(find(&specs, "exports").window, 7 * quota::DAY);
+        // A built-in turned into a quota leaves its rate window behind.
+        let publish = find(&specs, "publish");
+        assert_eq!((publish.window, publish.burst), (quota::DAY, 10_000));
+        assert_eq!(find(&specs, "auth").kind, ActionKind::Rate);
+    }
+
+    #[test]
+    fn quota_errors_name_the_field() {
+        let error = |text: &str| resolve_actions(&table(text), &[]).unwrap_err().setting;
+        assert_eq!(
+            error("[actions.q]\nkind = \"quota\"\nlimit = 5\nwindow = \"1h\"\n"),
+            "actions.q.window"
+        );
+        assert_eq!(
+            error("[actions.q]\nkind = \"quota\"\nlimit = 5\nburst = 2\n"),
+            "actions.q.burst"
+        );
+        assert_eq!(
+            error("[actions.q]\nkind = \"quota\"\nlimit = 5\nperiod = \"500ms\"\n"),
+            "actions.q.period"
+        );
+        assert_eq!(
+            error("[actions.q]\nkind = \"quota\"\nlimit = 5\nperiod = \"400d\"\n"),
+            "actions.q.period"
+        );
+        assert_eq!(
+            error("[actions.q]\nlimit = 5\nwindow = \"1h\"\nperiod = \"1d\"\n"),
+            "actions.q.period"
+        );
+        assert_eq!(error("[actions.q]\nkind = \"quota\"\n"), "actions.q.limit");
+        // A quota's window cannot come from a flag either.
+        let error = resolve_actions(
+            &table("[actions.auth]\nkind = \"quota\"\n"),
+            &[(
+                "auth",
+                ActionConfig {
+                    window: Some(Window(Duration::from_secs(5))),
+                    ..Default::default()
+                },
+            )],
+        )
+        .unwrap_err();
+        assert_eq!(error.setting, "flags for auth.window");
+        #[derive(Debug, Deserialize)]
+        #[allow(dead_code)]
+        struct File {
+            actions: BTreeMap<String, ActionConfig>,
+        }
+        let error = toml::from_str::<File>("[actions.q]\nkind = \"daily\"\n").unwrap_err();
+        assert!(error.to_string().contains("quota"), "{error}");
     }
 
     #[test]

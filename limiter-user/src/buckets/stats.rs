@@ -16,7 +16,7 @@ const STRIPES: usize = 16;
 #[derive(Default)]
 struct Stripe([AtomicU64; OUTCOMES]);
 
-const OUTCOMES: usize = 5;
+const OUTCOMES: usize = 6;
 
 thread_local! {
     static SLOT: Cell<usize> = const { Cell::new(usize::MAX) };
@@ -60,8 +60,9 @@ pub struct ActionStats {
     pub unlimited: u64,
     pub limited: u64,
     pub cost_exceeds_burst: u64,
+    pub cost_exceeds_limit: u64,
     pub closed: u64,
-    /// Every refusal: limited + cost_exceeds_burst + closed.
+    /// Every refusal: limited + cost_exceeds_burst + cost_exceeds_limit + closed.
     pub blocked: u64,
     pub tracked_keys: usize,
     /// Checks for new keys made while the action was at its key cap with every bucket still

@@ -32,9 +32,9 @@ use crate::api::BlockedKey;
 use super::{
     actions::{ActionSpec, KeyKind, Mode},
     ban::{BanError, Banner},
+    cell::{Algorithm, Cell, Evaluation},
     clock::{Clock, ns_to_ms_ceil},
     escalation::{EscalationConfig, EscalationStats, Escalator},
-    gcra::{Cell, Evaluation, Rate},
     keys::{self, KeyError, StoredKey},
     stats::{ActionStats, OutcomeCounters},
 };
@@ -200,10 +200,9 @@ impl Limiter {
     /// Evicts buckets that are full again (they hold nothing a fresh bucket would not) and
     /// idle escalation records; returns how many entries went. The agent calls it periodically.
     pub fn sweep(&self) -> usize {
-        let now = self.clock.now_ns();
         let mut removed = 0;
         for action in &self.actions {
-            removed += action.evict_full(now);
+            removed += action.evict_idle(action.now(&*self.clock));
         }
         removed + self.escalator.as_ref().map_or(0, Escalator::sweep)
     }
@@ -219,9 +218,11 @@ impl Limiter {
                     unlimited: count(Outcome::Unlimited),
                     limited: count(Outcome::Limited),
                     cost_exceeds_burst: count(Outcome::CostExceedsBurst),
+                    cost_exceeds_limit: count(Outcome::CostExceedsLimit),
                     closed: count(Outcome::Closed),
                     blocked: count(Outcome::Limited)
                         + count(Outcome::CostExceedsBurst)
+                        + count(Outcome::CostExceedsLimit)
                         + count(Outcome::Closed),
                     tracked_keys: a.tracked.load(Ordering::Acquire),
                     overflow_checks: a.overflow_checks.load(Ordering::Relaxed),
@@ -292,35 +293,15 @@ impl Limiter {
             return Err(CheckError::ZeroCost);
         }
         let (action, stored) = self.resolve(id, key)?;
-        let mut tracked = true;
-        let limit = action.spec.limit;
-        let verdict = match action.mode {
-            Mode::Unlimited => Verdict::new(Outcome::Unlimited, 0, u32::MAX, 0, 0),
-            Mode::Closed => Verdict::new(Outcome::Closed, 0, 0, NEVER_MS, NEVER_MS),
-            Mode::Limited(rate) => {
-                let now = self.clock.now_ns();
-                let (evaluation, in_store) =
-                    self.evaluate(action, &rate, &stored, now, cost, consume);
-                tracked = in_store;
-                let outcome = if evaluation.allowed {
-                    Outcome::Allowed
-                } else if cost > rate.burst() {
-                    Outcome::CostExceedsBurst
-                } else {
-                    Outcome::Limited
-                };
-                Verdict::new(
-                    outcome,
-                    limit,
-                    evaluation.remaining,
-                    if evaluation.retry_after_ns == u64::MAX {
-                        NEVER_MS
-                    } else {
-                        ns_to_ms_ceil(evaluation.retry_after_ns)
-                    },
-                    ns_to_ms_ceil(evaluation.reset_after_ns),
-                )
-            }
+        let now = || action.now(&*self.clock);
+        let (verdict, tracked) = match action.mode {
+            Mode::Unlimited => (Verdict::new(Outcome::Unlimited, 0, u32::MAX, 0, 0), true),
+            Mode::Closed => (
+                Verdict::new(Outcome::Closed, 0, 0, NEVER_MS, NEVER_MS),
+                true,
+            ),
+            Mode::Limited(rate) => Self::settle(action, &rate, &stored, now(), cost, consume),
+            Mode::Quota(quota) => Self::settle(action, &quota, &stored, now(), cost, consume),
         };
         if consume {
             action.outcomes.add(verdict.outcome);
@@ -337,19 +318,49 @@ impl Limiter {
         Ok(verdict)
     }
 
-    /// Settles `key`'s bucket; the flag says whether the key is tracked (false for a peek of
-    /// an unknown key and for the degraded mode of a full action).
-    fn evaluate(
-        &self,
+    /// The verdict of `algorithm` for `key`; the flag says whether the key is tracked (false
+    /// for a peek of an unknown key and for the degraded mode of a full action).
+    fn settle<A: Algorithm>(
         action: &Action,
-        rate: &Rate,
+        algorithm: &A,
+        key: &StoredKey,
+        now: u64,
+        cost: u32,
+        consume: bool,
+    ) -> (Verdict, bool) {
+        let (evaluation, tracked) = Self::evaluate(action, algorithm, key, now, cost, consume);
+        let outcome = if evaluation.allowed {
+            Outcome::Allowed
+        } else if cost > algorithm.capacity() {
+            A::OVERSIZED
+        } else {
+            Outcome::Limited
+        };
+        let verdict = Verdict::new(
+            outcome,
+            action.spec.limit,
+            evaluation.remaining,
+            if evaluation.retry_after_ns == u64::MAX {
+                NEVER_MS
+            } else {
+                ns_to_ms_ceil(evaluation.retry_after_ns)
+            },
+            ns_to_ms_ceil(evaluation.reset_after_ns),
+        );
+        (verdict, tracked)
+    }
+
+    /// Settles `key`'s cell, creating it under the key cap when `consume` is set.
+    fn evaluate(
+        action: &Action,
+        algorithm: &impl Algorithm,
         key: &StoredKey,
         now: u64,
         cost: u32,
         consume: bool,
     ) -> (Evaluation, bool) {
         let settle = |bucket: &Bucket| {
-            let evaluation = bucket.cell.take(rate, now, cost, consume);
+            let evaluation = bucket.cell.take(algorithm, now, cost, consume);
             if consume && !evaluation.allowed {
                 bucket.blocked.fetch_add(1, Ordering::Relaxed);
             }
@@ -359,14 +370,14 @@ impl Limiter {
             return settle(&bucket);
         }
         if !consume {
-            // An untracked key has a full bucket; nothing is created to answer a peek.
-            return (rate.evaluate(0, now, cost), false);
+            // An untracked key is fresh; nothing is created to answer a peek.
+            return (algorithm.evaluate(0, now, cost), false);
         }
         if !action.claim_slot(now) {
-            // Degraded mode: answered as the fresh bucket it would get, never refused for
+            // Degraded mode: answered as the fresh key it would get, never refused for
             // others' spending.
             action.overflow_checks.fetch_add(1, Ordering::Relaxed);
-            return (rate.evaluate(0, now, cost), false);
+            return (algorithm.evaluate(0, now, cost), false);
         }
         match action.buckets.entry(*key) {
             Entry::Occupied(occupied) => {
@@ -380,6 +391,24 @@ impl Limiter {
 }
 
 impl Action {
+    /// The time the action's algorithm counts in: a rate the monotonic clock, a quota the
+    /// calendar.
+    fn now(&self, clock: &dyn Clock) -> u64 {
+        match self.mode {
+            Mode::Quota(_) => clock.unix_ns(),
+            Mode::Limited(_) | Mode::Unlimited | Mode::Closed => clock.now_ns(),
+        }
+    }
+
+    /// Whether a key in `state` holds nothing a fresh key would not.
+    fn is_idle(&self, state: u64, now: u64) -> bool {
+        match &self.mode {
+            Mode::Limited(rate) => rate.is_idle(state, now),
+            Mode::Quota(quota) => quota.is_idle(state, now),
+            Mode::Unlimited | Mode::Closed => true,
+        }
+    }
+
     /// Claims a slot under the cap before inserting, so the cap holds under races; a full
     /// action first evicts its buckets that are full again (at most once per
     /// [`CAP_SWEEP_EVERY`]).
@@ -398,19 +427,20 @@ impl Action {
                     .cap_swept
                     .compare_exchange(last, now + 1, Ordering::AcqRel, Ordering::Acquire)
                     .is_ok();
-            if !ours || self.evict_full(now) == 0 {
+            if !ours || self.evict_idle(now) == 0 {
                 return false;
             }
         }
         false
     }
 
-    /// Evicts the buckets that are full again and gives the table's memory back when it is
-    /// less than half used; returns how many went.
-    fn evict_full(&self, now: u64) -> usize {
+    /// Evicts the keys that hold nothing a fresh one would not (buckets full again, quotas
+    /// past their window) and gives the table's memory back when it is less than half used;
+    /// returns how many went.
+    fn evict_idle(&self, now: u64) -> usize {
         let mut gone = 0;
         self.buckets.retain(|_, bucket| {
-            let keep = !Rate::is_full(bucket.cell.tat(), now);
+            let keep = !self.is_idle(bucket.cell.state(), now);
             gone += usize::from(!keep);
             keep
         });

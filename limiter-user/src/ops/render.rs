@@ -114,7 +114,15 @@ pub fn render_top(connections: &Connections, limits: &RateLimits) -> String {
                 continue;
             }
             any = true;
-            let _ = writeln!(out, "  {} ({} refused in all)", action.name, action.blocked);
+            let _ = writeln!(
+                out,
+                "  {} ({} {} per {}, {} refused in all)",
+                action.name,
+                action.kind,
+                action.limit,
+                humantime::format_duration(Duration::from_millis(action.window_ms)),
+                action.blocked
+            );
             for b in &action.top_blocked {
                 let _ = writeln!(out, "    {:<38} {:>11}", b.key, b.blocked);
             }

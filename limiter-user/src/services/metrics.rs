@@ -284,11 +284,12 @@ struct BrokerMetrics {
     families: Broker,
 }
 
-const OUTCOMES: [Outcome; 5] = [
+const OUTCOMES: [Outcome; 6] = [
     Outcome::Allowed,
     Outcome::Unlimited,
     Outcome::Limited,
     Outcome::CostExceedsBurst,
+    Outcome::CostExceedsLimit,
     Outcome::Closed,
 ];
 
@@ -307,7 +308,7 @@ impl BrokerMetrics {
             blocked: IntCounterVec::new(
                 Opts::new(
                     "limiter_rate_limit_blocked_total",
-                    "Broker rate-limit checks refused (limited, cost over the burst, or closed), by action.",
+                    "Broker rate-limit checks refused (limited, cost over the burst or the quota, or closed), by action.",
                 ),
                 &["action"],
             )
@@ -375,6 +376,7 @@ impl Scraped for BrokerMetrics {
                     Outcome::Unlimited => stats.unlimited,
                     Outcome::Limited => stats.limited,
                     Outcome::CostExceedsBurst => stats.cost_exceeds_burst,
+                    Outcome::CostExceedsLimit => stats.cost_exceeds_limit,
                     Outcome::Closed => stats.closed,
                 };
                 b.checks

@@ -144,8 +144,9 @@ pub fn broker_rate_limits(limiter: &Limiter, limit: usize) -> BrokerRateLimits {
             let count = |f: fn(&ActionStats) -> u64| s.map_or(0, f);
             ActionView {
                 name: spec.name.clone(),
+                kind: spec.kind.as_str().to_owned(),
                 mode: match spec.mode() {
-                    Mode::Limited(_) => "limited",
+                    Mode::Limited(_) | Mode::Quota(_) => "limited",
                     Mode::Unlimited => "unlimited",
                     Mode::Closed => "closed",
                 }
@@ -161,6 +162,7 @@ pub fn broker_rate_limits(limiter: &Limiter, limit: usize) -> BrokerRateLimits {
                 unlimited: count(|s| s.unlimited),
                 limited: count(|s| s.limited),
                 cost_exceeds_burst: count(|s| s.cost_exceeds_burst),
+                cost_exceeds_limit: count(|s| s.cost_exceeds_limit),
                 closed: count(|s| s.closed),
                 blocked: count(|s| s.blocked),
                 tracked_keys: s.map_or(0, |s| s.tracked_keys),

@@ -40,7 +40,7 @@ pub(super) async fn require_check_token(
 }
 
 /// 200 when allowed; 429 when limited (with `Retry-After`) or closed; 422 when the cost is
-/// more than the bucket can ever hold, since no wait will help.
+/// more than the bucket can ever hold or the quota ever allow, since no wait will help.
 pub(super) async fn check(
     State(state): State<AppState>,
     body: Result<Json<CheckRequest>, JsonRejection>,
@@ -81,7 +81,7 @@ pub(super) async fn check(
         return Ok((headers, Json(answer)).into_response());
     }
     let (status, detail) = match verdict.outcome {
-        Outcome::CostExceedsBurst => (
+        Outcome::CostExceedsBurst | Outcome::CostExceedsLimit => (
             StatusCode::UNPROCESSABLE_ENTITY,
             format!(
                 "cost: {cost} is more than action {:?} can ever allow at once",
