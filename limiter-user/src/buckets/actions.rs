@@ -364,6 +364,13 @@ fn apply_quota(
                 "must be from 1s to 366 days",
             ));
         }
+        if period.0.subsec_nanos() % 1_000_000 != 0 {
+            // Redis counts a shared quota's windows in milliseconds: both must cut the same.
+            return Err(ConfigError::new(
+                format!("{origin}.period"),
+                "must be a whole number of milliseconds",
+            ));
+        }
         spec.window = period.0;
     }
     spec.burst = spec.limit;
@@ -501,6 +508,10 @@ mod tests {
         );
         assert_eq!(
             error("[actions.q]\nkind = \"quota\"\nlimit = 5\nperiod = \"400d\"\n"),
+            "actions.q.period"
+        );
+        assert_eq!(
+            error("[actions.q]\nkind = \"quota\"\nlimit = 5\nperiod = \"1s 1us\"\n"),
             "actions.q.period"
         );
         assert_eq!(
