@@ -31,7 +31,7 @@ fn exit_status_is_the_verdict() {
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let limiter = Arc::new(Limiter::new(
         LimiterConfig {
-            actions: resolve_actions(&BTreeMap::new(), &[]).unwrap(),
+            actions: resolve_actions(&BTreeMap::new(), &[], false).unwrap(),
             escalation: None,
         },
         Arc::new(MonotonicClock::new()),

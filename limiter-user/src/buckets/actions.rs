@@ -56,6 +56,9 @@ pub struct ActionConfig {
     pub max_keys: Option<usize>,
     /// Whether refusals count towards a kernel ban of the address (ip-keyed actions only).
     pub escalate: Option<bool>,
+    /// Whether the action's buckets live in the fleet's Redis, one limit for every agent.
+    /// Default: true when a Redis is configured.
+    pub shared: Option<bool>,
 }
 
 /// A window length read from TOML as either a humantime string or milliseconds.
@@ -101,6 +104,8 @@ pub struct ActionSpec {
     pub escalate: bool,
     /// A security control: a limit of 0 refuses every attempt instead of switching it off.
     pub security: bool,
+    /// Checked against the fleet's buckets in Redis rather than this agent's.
+    pub shared: bool,
 }
 
 fn as_millis<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
@@ -138,6 +143,7 @@ pub fn builtin_actions() -> Vec<ActionSpec> {
         max_keys: DEFAULT_MAX_KEYS,
         escalate: name == "auth",
         security,
+        shared: false,
     };
     vec![
         spec("auth", 10, 60, KeyKind::Ip, true),
@@ -153,16 +159,28 @@ pub use crate::errors::ConfigError;
 
 /// Applies the config file's tables, then the flag overrides, over the built-ins.
 /// `overrides` is keyed by action name; their errors name the action's flags as a group.
+/// With a `fleet` (a Redis configured) actions are shared unless their table says
+/// `shared = false`; without one, none can be.
 pub fn resolve_actions(
     table: &BTreeMap<String, ActionConfig>,
     overrides: &[(&str, ActionConfig)],
+    fleet: bool,
 ) -> Result<Vec<ActionSpec>, ConfigError> {
     let mut specs = builtin_actions();
+    for spec in &mut specs {
+        spec.shared = fleet;
+    }
     for (name, config) in table {
-        apply(&mut specs, name, config, &format!("actions.{name}"))?;
+        apply(&mut specs, name, config, &format!("actions.{name}"), fleet)?;
     }
     for (name, config) in overrides {
-        apply(&mut specs, name, config, &format!("flags for {name}"))?;
+        apply(
+            &mut specs,
+            name,
+            config,
+            &format!("flags for {name}"),
+            fleet,
+        )?;
     }
     Ok(specs)
 }
@@ -172,6 +190,7 @@ fn apply(
     name: &str,
     config: &ActionConfig,
     origin: &str,
+    fleet: bool,
 ) -> Result<(), ConfigError> {
     let valid_name = !name.is_empty()
         && name.len() <= MAX_ACTION_NAME
@@ -199,6 +218,7 @@ fn apply(
                 max_keys: DEFAULT_MAX_KEYS,
                 escalate: false,
                 security: false,
+                shared: fleet,
             });
             specs.len() - 1
         }
@@ -237,6 +257,16 @@ fn apply(
     }
     if let Some(escalate) = config.escalate {
         spec.escalate = escalate;
+    }
+    match config.shared {
+        Some(true) if !fleet => {
+            return Err(ConfigError::new(
+                format!("{origin}.shared"),
+                "needs the fleet's Redis (cluster.redis)",
+            ));
+        }
+        Some(shared) => spec.shared = shared,
+        None => {}
     }
     if spec.window.is_zero() {
         return Err(ConfigError::new(
@@ -280,7 +310,7 @@ mod tests {
 
     #[test]
     fn builtins_have_the_documented_defaults() {
-        let specs = resolve_actions(&BTreeMap::new(), &[]).unwrap();
+        let specs = resolve_actions(&BTreeMap::new(), &[], false).unwrap();
         let auth = find(&specs, "auth");
         assert_eq!(
             (auth.limit, auth.burst, auth.window),
@@ -298,6 +328,7 @@ mod tests {
         let specs = resolve_actions(
             &table("[actions.auth]\nlimit = 0\n[actions.dashboard_api]\nlimit = 0\n"),
             &[],
+            false,
         )
         .unwrap();
         assert_eq!(find(&specs, "auth").mode(), Mode::Closed);
@@ -318,6 +349,7 @@ mod tests {
                     ..Default::default()
                 },
             )],
+            true,
         )
         .unwrap();
         let auth = find(&specs, "auth");
@@ -333,21 +365,45 @@ mod tests {
             (export.limit, export.burst, export.key),
             (5, 2, KeyKind::User)
         );
+        assert!(
+            auth.shared && export.shared,
+            "a fleet shares every action by default"
+        );
+    }
+
+    #[test]
+    fn only_a_fleet_shares_and_an_action_may_stay_local() {
+        let local = table("[actions.publish]\nlimit = 5\nshared = false\n");
+        let specs = resolve_actions(&local, &[], true).unwrap();
+        assert!(!find(&specs, "publish").shared);
+        assert!(find(&specs, "auth").shared);
+        let shared = table("[actions.publish]\nshared = true\n");
+        let error = resolve_actions(&shared, &[], false).unwrap_err();
+        assert_eq!(error.setting, "actions.publish.shared");
+        assert!(
+            resolve_actions(&BTreeMap::new(), &[], false)
+                .unwrap()
+                .iter()
+                .all(|s| !s.shared)
+        );
     }
 
     #[test]
     fn errors_name_the_setting() {
-        let error = resolve_actions(&table("[actions.export]\nlimit = 5\n"), &[]).unwrap_err();
+        let error =
+            resolve_actions(&table("[actions.export]\nlimit = 5\n"), &[], false).unwrap_err();
         assert_eq!(error.setting, "actions.export.window");
-        let error = resolve_actions(&table("[actions.auth]\nburst = 0\n"), &[]).unwrap_err();
+        let error = resolve_actions(&table("[actions.auth]\nburst = 0\n"), &[], false).unwrap_err();
         assert_eq!(error.setting, "actions.auth.burst");
         let error = resolve_actions(
             &table("[actions.publish]\nlimit = 5\nescalate = true\n"),
             &[],
+            false,
         )
         .unwrap_err();
         assert_eq!(error.setting, "actions.publish.escalate");
-        let error = resolve_actions(&table("[actions.auth]\nwindow = 0\n"), &[]).unwrap_err();
+        let error =
+            resolve_actions(&table("[actions.auth]\nwindow = 0\n"), &[], false).unwrap_err();
         assert_eq!(
             error.to_string(),
             "invalid setting `actions.auth.window`: must be longer than zero"
