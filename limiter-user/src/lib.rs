@@ -25,6 +25,7 @@ pub mod buckets;
 pub mod cli;
 pub mod datapath;
 pub mod errors;
+pub mod fleet;
 pub mod ops;
 pub mod protocol;
 pub mod run;

@@ -107,6 +107,7 @@ impl Agent {
                 "broker.escalate-*",
                 new_broker.limiter.escalation != old_broker.limiter.escalation,
             ),
+            ("cluster", new.fleet != old.fleet),
         ]
         .into_iter()
         .filter(|(_, changed)| *changed)
@@ -150,6 +151,7 @@ impl Agent {
             clients: old.clients,
             allow_private_bpffs: old.allow_private_bpffs,
             broker: old.broker,
+            fleet: old.fleet,
             restart_required: restart,
             ..new
         });

@@ -41,7 +41,7 @@ fn exit_status_is_the_verdict() {
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let limiter = Arc::new(Limiter::new(
         LimiterConfig {
-            actions: resolve_actions(&quota_table(), &[]).unwrap(),
+            actions: resolve_actions(&quota_table(), &[], false).unwrap(),
             escalation: None,
         },
         Arc::new(MonotonicClock::new()),

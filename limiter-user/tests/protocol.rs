@@ -104,7 +104,7 @@ async fn start_configured(
     let banner = Arc::new(RecordingBanner::default());
     let limiter = Arc::new(Limiter::new(
         LimiterConfig {
-            actions: resolve_actions(&file.actions, &[]).unwrap(),
+            actions: resolve_actions(&file.actions, &[], false).unwrap(),
             escalation,
         },
         clock,
@@ -512,7 +512,7 @@ async fn the_socket_is_0660_a_live_one_is_not_stolen_and_it_is_removed_at_shutdo
     assert_eq!(mode & 0o777, 0o660);
     let limiter = Arc::new(Limiter::new(
         LimiterConfig {
-            actions: resolve_actions(&BTreeMap::new(), &[]).unwrap(),
+            actions: resolve_actions(&BTreeMap::new(), &[], false).unwrap(),
             escalation: None,
         },
         Arc::new(ManualClock::new()),

@@ -10,3 +10,4 @@ pub mod kernel;
 pub mod model;
 pub mod mosquitto;
 pub mod netns;
+pub mod redis;

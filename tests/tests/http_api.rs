@@ -72,7 +72,7 @@ fn limiter_config() -> LimiterConfig {
         },
     );
     LimiterConfig {
-        actions: resolve_actions(&table, &[]).expect("valid actions"),
+        actions: resolve_actions(&table, &[], false).expect("valid actions"),
         escalation: Some(EscalationConfig {
             after: 1,
             window: Duration::from_secs(60),

@@ -82,6 +82,9 @@ pub struct ActionConfig {
     pub max_keys: Option<usize>,
     /// Whether refusals count towards a kernel ban of the address (ip-keyed actions only).
     pub escalate: Option<bool>,
+    /// Whether the action's buckets live in the fleet's Redis, one limit for every agent.
+    /// Default: true when a Redis is configured.
+    pub shared: Option<bool>,
 }
 
 /// A window length read from TOML as either a humantime string or milliseconds.
@@ -130,6 +133,8 @@ pub struct ActionSpec {
     pub escalate: bool,
     /// A security control: a limit of 0 refuses every attempt instead of switching it off.
     pub security: bool,
+    /// Checked against the fleet's buckets in Redis rather than this agent's.
+    pub shared: bool,
 }
 
 fn as_millis<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
@@ -173,6 +178,7 @@ pub fn builtin_actions() -> Vec<ActionSpec> {
         max_keys: DEFAULT_MAX_KEYS,
         escalate: name == "auth",
         security,
+        shared: false,
     };
     vec![
         spec("auth", 10, 60, KeyKind::Ip, true),
@@ -188,16 +194,28 @@ pub use crate::errors::ConfigError;
 
 /// Applies the config file's tables, then the flag overrides, over the built-ins.
 /// `overrides` is keyed by action name; their errors name the action's flags as a group.
+/// With a `fleet` (a Redis configured) actions are shared unless their table says
+/// `shared = false`; without one, none can be.
 pub fn resolve_actions(
     table: &BTreeMap<String, ActionConfig>,
     overrides: &[(&str, ActionConfig)],
+    fleet: bool,
 ) -> Result<Vec<ActionSpec>, ConfigError> {
     let mut specs = builtin_actions();
+    for spec in &mut specs {
+        spec.shared = fleet;
+    }
     for (name, config) in table {
-        apply(&mut specs, name, config, &format!("actions.{name}"))?;
+        apply(&mut specs, name, config, &format!("actions.{name}"), fleet)?;
     }
     for (name, config) in overrides {
-        apply(&mut specs, name, config, &format!("flags for {name}"))?;
+        apply(
+            &mut specs,
+            name,
+            config,
+            &format!("flags for {name}"),
+            fleet,
+        )?;
     }
     Ok(specs)
 }
@@ -207,6 +225,7 @@ fn apply(
     name: &str,
     config: &ActionConfig,
     origin: &str,
+    fleet: bool,
 ) -> Result<(), ConfigError> {
     let valid_name = !name.is_empty()
         && name.len() <= MAX_ACTION_NAME
@@ -239,6 +258,7 @@ fn apply(
                 max_keys: DEFAULT_MAX_KEYS,
                 escalate: false,
                 security: false,
+                shared: fleet,
             });
             specs.len() - 1
         }
@@ -268,7 +288,7 @@ fn apply(
         spec.limit = limit;
     }
     if spec.kind == ActionKind::Quota {
-        return apply_quota(spec, config, origin);
+        return apply_quota(spec, config, origin, fleet);
     }
     if config.period.is_some() {
         return Err(ConfigError::new(
@@ -306,14 +326,15 @@ fn apply(
             ),
         ));
     }
-    apply_common(spec, config, origin)
+    apply_common(spec, config, origin, fleet)
 }
 
-/// The settings both kinds share: the key, the key cap, escalation.
+/// The settings both kinds share: the key, the key cap, escalation, sharing.
 fn apply_common(
     spec: &mut ActionSpec,
     config: &ActionConfig,
     origin: &str,
+    fleet: bool,
 ) -> Result<(), ConfigError> {
     if let Some(key) = config.key {
         spec.key = key;
@@ -336,6 +357,16 @@ fn apply_common(
             "only an action keyed by ip can escalate to a ban",
         ));
     }
+    match config.shared {
+        Some(true) if !fleet => {
+            return Err(ConfigError::new(
+                format!("{origin}.shared"),
+                "needs the fleet's Redis (cluster.redis)",
+            ));
+        }
+        Some(shared) => spec.shared = shared,
+        None => {}
+    }
     Ok(())
 }
 
@@ -344,6 +375,7 @@ fn apply_quota(
     spec: &mut ActionSpec,
     config: &ActionConfig,
     origin: &str,
+    fleet: bool,
 ) -> Result<(), ConfigError> {
     if config.window.is_some() {
         return Err(ConfigError::new(
@@ -374,7 +406,7 @@ fn apply_quota(
         spec.window = period.0;
     }
     spec.burst = spec.limit;
-    apply_common(spec, config, origin)
+    apply_common(spec, config, origin, fleet)
 }
 
 #[cfg(test)]
@@ -395,7 +427,7 @@ mod tests {
 
     #[test]
     fn builtins_have_the_documented_defaults() {
-        let specs = resolve_actions(&BTreeMap::new(), &[]).unwrap();
+        let specs = resolve_actions(&BTreeMap::new(), &[], false).unwrap();
         let auth = find(&specs, "auth");
         assert_eq!(
             (auth.limit, auth.burst, auth.window),
@@ -413,6 +445,7 @@ mod tests {
         let specs = resolve_actions(
             &table("[actions.auth]\nlimit = 0\n[actions.dashboard_api]\nlimit = 0\n"),
             &[],
+            false,
         )
         .unwrap();
         assert_eq!(find(&specs, "auth").mode(), Mode::Closed);
@@ -433,6 +466,7 @@ mod tests {
                     ..Default::default()
                 },
             )],
+            true,
         )
         .unwrap();
         let auth = find(&specs, "auth");
@@ -448,21 +482,45 @@ mod tests {
             (export.limit, export.burst, export.key),
             (5, 2, KeyKind::User)
         );
+        assert!(
+            auth.shared && export.shared,
+            "a fleet shares every action by default"
+        );
+    }
+
+    #[test]
+    fn only_a_fleet_shares_and_an_action_may_stay_local() {
+        let local = table("[actions.publish]\nlimit = 5\nshared = false\n");
+        let specs = resolve_actions(&local, &[], true).unwrap();
+        assert!(!find(&specs, "publish").shared);
+        assert!(find(&specs, "auth").shared);
+        let shared = table("[actions.publish]\nshared = true\n");
+        let error = resolve_actions(&shared, &[], false).unwrap_err();
+        assert_eq!(error.setting, "actions.publish.shared");
+        assert!(
+            resolve_actions(&BTreeMap::new(), &[], false)
+                .unwrap()
+                .iter()
+                .all(|s| !s.shared)
+        );
     }
 
     #[test]
     fn errors_name_the_setting() {
-        let error = resolve_actions(&table("[actions.export]\nlimit = 5\n"), &[]).unwrap_err();
+        let error =
+            resolve_actions(&table("[actions.export]\nlimit = 5\n"), &[], false).unwrap_err();
         assert_eq!(error.setting, "actions.export.window");
-        let error = resolve_actions(&table("[actions.auth]\nburst = 0\n"), &[]).unwrap_err();
+        let error = resolve_actions(&table("[actions.auth]\nburst = 0\n"), &[], false).unwrap_err();
         assert_eq!(error.setting, "actions.auth.burst");
         let error = resolve_actions(
             &table("[actions.publish]\nlimit = 5\nescalate = true\n"),
             &[],
+            false,
         )
         .unwrap_err();
         assert_eq!(error.setting, "actions.publish.escalate");
-        let error = resolve_actions(&table("[actions.auth]\nwindow = 0\n"), &[]).unwrap_err();
+        let error =
+            resolve_actions(&table("[actions.auth]\nwindow = 0\n"), &[], false).unwrap_err();
         assert_eq!(
             error.to_string(),
             "invalid setting `actions.auth.window`: must be longer than zero"
@@ -478,6 +536,7 @@ mod tests {
                  [actions.publish]\nkind = \"quota\"\nlimit = 10000\n",
             ),
             &[],
+            false,
         )
         .unwrap();
         let sends = find(&specs, "sends");
@@ -493,7 +552,11 @@ mod tests {
 
     #[test]
     fn quota_errors_name_the_field() {
-        let error = |text: &str| resolve_actions(&table(text), &[]).unwrap_err().setting;
+        let error = |text: &str| {
+            resolve_actions(&table(text), &[], false)
+                .unwrap_err()
+                .setting
+        };
         assert_eq!(
             error("[actions.q]\nkind = \"quota\"\nlimit = 5\nwindow = \"1h\"\n"),
             "actions.q.window"
@@ -529,6 +592,7 @@ mod tests {
                     ..Default::default()
                 },
             )],
+            false,
         )
         .unwrap_err();
         assert_eq!(error.setting, "flags for auth.window");

@@ -22,7 +22,7 @@ fn limiter_with(
         actions: BTreeMap<String, ActionConfig>,
     }
     let file: File = toml::from_str(toml_actions).unwrap();
-    let actions = resolve_actions(&file.actions, &[]).unwrap();
+    let actions = resolve_actions(&file.actions, &[], false).unwrap();
     let clock = Arc::new(ManualClock::new());
     clock.set_ns(1_000_000_000);
     let banner = Arc::new(RecordingBanner::default());

@@ -458,7 +458,7 @@ mod tests {
         );
         let limiter = Arc::new(Limiter::new(
             LimiterConfig {
-                actions: resolve_actions(&table, &[]).unwrap(),
+                actions: resolve_actions(&table, &[], false).unwrap(),
                 escalation: None,
             },
             Arc::new(ManualClock::new()),
