@@ -8,6 +8,8 @@
 
 mod config;
 mod connection;
+mod quota;
 
 pub use config::{FleetConfig, RedisTarget, defaults};
 pub use connection::{Connection, FleetError, Redis};
+pub use quota::{QuotaAnswer, SharedQuota};
