@@ -15,8 +15,10 @@ use anyhow::Context;
 use crate::{
     buckets::{BanError, Banner, Limiter, MonotonicClock},
     datapath::{Datapath, Enforcer, KernelLogger, LoadOptions, default_route_interface, pins},
+    fleet::{FleetBans, FleetConfig, Redis},
     protocol::Server,
     services::{
+        fleet_bans::FleetBanning,
         http::HttpServer,
         sweeper::{self, SweepStats, SweepTargets},
     },
@@ -43,6 +45,30 @@ impl Banner for KernelBans {
             reason: e.to_string(),
         })
     }
+}
+
+/// The longest a starting agent waits for the fleet's bans in force before it reports ready
+/// without them (they are applied as soon as Redis answers).
+const FLEET_BANS_WITHIN: Duration = Duration::from_secs(5);
+
+/// The fleet's shared bans, and the log reader's own connection (reading blocks it).
+fn fleet_banning(
+    fleet: &FleetConfig,
+    local: Arc<dyn Banner>,
+    escalation: Option<crate::buckets::EscalationConfig>,
+) -> anyhow::Result<(FleetBanning, FleetBans)> {
+    let connect = || Redis::connect(&fleet.redis).context("connecting to the fleet's Redis");
+    // Tells this agent's entries in the ban log apart from the others'.
+    let origin = format!(
+        "{}:{}",
+        std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .unwrap_or_default()
+            .trim(),
+        std::process::id()
+    );
+    let bans = FleetBans::new(connect()?, &fleet.key_prefix, origin);
+    let reader = bans.with_connection(connect()?);
+    Ok((FleetBanning::new(local, bans, escalation), reader))
 }
 
 /// The running agent as the signal handlers see it.
@@ -332,10 +358,26 @@ async fn serve(
         enforcer
             .set_policy(settings.policy.clone())
             .context("writing the settings to the kernel maps")?;
+        let kernel_bans: Arc<dyn Banner> = Arc::new(KernelBans(Arc::clone(&enforcer)));
+        let fleet_bans = settings
+            .fleet
+            .as_ref()
+            .map(|fleet| {
+                fleet_banning(
+                    fleet,
+                    Arc::clone(&kernel_bans),
+                    settings.broker.limiter.escalation,
+                )
+            })
+            .transpose()?;
+        let banner: Arc<dyn Banner> = match &fleet_bans {
+            Some((banning, _)) => banning.banner.clone(),
+            None => kernel_bans,
+        };
         let limiter = Arc::new(Limiter::new(
             settings.broker.limiter.clone(),
             Arc::new(MonotonicClock::new()),
-            Arc::new(KernelBans(Arc::clone(&enforcer))),
+            banner,
         ));
         let mode = settings.xdp_mode;
         let serve = settings.broker.serve.clone();
@@ -363,6 +405,14 @@ async fn serve(
                 .map_err(|e| explain_attach(e, iface, &pin_dir))?;
             tracing::info!(iface, ?how, "enforcing");
         }
+        // The fleet's bans are in the kernel before the agent says it is ready.
+        let fleet_bans = match fleet_bans {
+            Some((banning, reader)) => {
+                let start = banning.load(FLEET_BANS_WITHIN).await;
+                Some((banning, reader, start))
+            }
+            None => None,
+        };
         pins::write_pid_file(&pin_dir).context("writing the pid file")?;
         leftovers.started = true;
         enforcer.set_ready();
@@ -380,6 +430,9 @@ async fn serve(
             stop.clone().cancelled_owned(),
         ));
         tasks.spawn(protocol.run(stop.clone().cancelled_owned()));
+        if let Some((banning, reader, start)) = fleet_bans {
+            tasks.spawn(banning.run(reader, start, stop.clone()));
+        }
         {
             let stop = stop.clone();
             tasks.spawn(async move {

@@ -52,12 +52,29 @@ pub struct RedisServer {
     cluster: bool,
     dir: TempDir,
     child: Option<Child>,
+    /// The network namespace it listens in (`None`: the test's own).
+    netns: Option<String>,
 }
 
 impl RedisServer {
     /// A standalone server, answering PING when this returns.
     pub fn start() -> Result<Self> {
         Self::start_as(false)
+    }
+
+    /// A standalone server on the loopback of `ns`, for agents that run there: the test's
+    /// own loopback is not theirs.
+    pub fn start_in(ns: &crate::netns::Netns) -> Result<Self> {
+        require_binaries()?;
+        let mut server = Self {
+            port: free_port()?,
+            cluster: false,
+            dir: tempfile::tempdir()?,
+            child: None,
+            netns: Some(ns.name().to_owned()),
+        };
+        server.spawn()?;
+        Ok(server)
     }
 
     fn start_as(cluster: bool) -> Result<Self> {
@@ -67,6 +84,7 @@ impl RedisServer {
             cluster,
             dir: tempfile::tempdir()?,
             child: None,
+            netns: None,
         };
         server.spawn()?;
         Ok(server)
@@ -98,7 +116,10 @@ impl RedisServer {
 
     fn spawn(&mut self) -> Result<()> {
         let dir = self.dir.path();
-        let mut cmd = Command::new("redis-server");
+        let mut cmd = match &self.netns {
+            Some(ns) => crate::netns::command_in(ns, "redis-server")?,
+            None => Command::new("redis-server"),
+        };
         cmd.args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
             .args(["--save", "", "--appendonly", "no", "--daemonize", "no"])
             .arg("--dir")
@@ -143,11 +164,17 @@ impl RedisServer {
         }
     }
 
-    /// One command on a fresh connection to this server alone.
-    pub fn query<T: redis::FromRedisValue>(&self, cmd: &redis::Cmd) -> Result<T> {
-        let client = redis::Client::open(self.url())?;
-        let mut connection = client.get_connection_with_timeout(Duration::from_secs(1))?;
-        Ok(cmd.query(&mut connection)?)
+    /// One command on a fresh connection to this server alone (from its namespace).
+    pub fn query<T: redis::FromRedisValue + Send>(&self, cmd: &redis::Cmd) -> Result<T> {
+        let query = || -> Result<T> {
+            let client = redis::Client::open(self.url())?;
+            let mut connection = client.get_connection_with_timeout(Duration::from_secs(1))?;
+            Ok(cmd.query(&mut connection)?)
+        };
+        match &self.netns {
+            Some(ns) => crate::netns::run_in(ns, query)?,
+            None => query(),
+        }
     }
 
     fn log(&self) -> String {

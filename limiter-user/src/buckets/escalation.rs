@@ -82,6 +82,7 @@ impl Escalator {
 
     pub fn record_failure(&self, addr: IpAddr) -> Escalation {
         let addr = addr.to_canonical();
+        self.banner.failure(addr);
         let now = self.clock.now_ns();
         let window = duration_ns(self.config.window);
         {

@@ -16,7 +16,7 @@ pub mod store;
 pub use actions::{
     ActionConfig, ActionKind, ActionSpec, ConfigError, KeyKind, Window, resolve_actions,
 };
-pub use ban::{BanError, Banner, NoBans};
+pub use ban::{BanError, Banner, NoBans, SharedBanStats};
 pub use clock::{Clock, ManualClock, MonotonicClock};
 pub use escalation::{EscalationConfig, EscalationStats};
 pub use stats::ActionStats;

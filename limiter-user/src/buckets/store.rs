@@ -31,7 +31,7 @@ use crate::api::BlockedKey;
 
 use super::{
     actions::{ActionSpec, KeyKind, Mode},
-    ban::{BanError, Banner},
+    ban::{BanError, Banner, SharedBanStats},
     cell::{Algorithm, Cell, Evaluation},
     clock::{Clock, ns_to_ms_ceil},
     escalation::{EscalationConfig, EscalationStats, Escalator},
@@ -231,6 +231,11 @@ impl Limiter {
                 }
             })
             .collect()
+    }
+
+    /// What the banner shared with the fleet (zero without one).
+    pub fn shared_ban_stats(&self) -> SharedBanStats {
+        self.banner.shared_stats()
     }
 
     pub fn escalation_stats(&self) -> Option<EscalationStats> {

@@ -6,10 +6,12 @@
 //! else needs the fleet's Redis (shared buckets here; bans and quotas) runs its scripts
 //! through it and opens pub/sub connections from the same [`FleetConfig`].
 
+mod bans;
 mod config;
 mod connection;
 mod quota;
 
+pub use bans::{BanChange, BansInForce, FleetBans, LogId};
 pub use config::{FleetConfig, RedisTarget, defaults};
 pub use connection::{Connection, FleetError, Redis};
 pub use quota::{QuotaAnswer, SharedQuota};

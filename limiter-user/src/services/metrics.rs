@@ -276,6 +276,7 @@ struct Broker {
     overflow: IntCounterVec,
     key_memory: IntGaugeVec,
     escalation_bans: IntCounter,
+    fleet_bans: IntCounterVec,
 }
 
 /// Reads the broker limiter's counters at scrape time.
@@ -342,6 +343,14 @@ impl BrokerMetrics {
                 "Kernel bans placed because an address failed authentication too often.",
             )
             .map_err(r)?,
+            fleet_bans: IntCounterVec::new(
+                Opts::new(
+                    "limiter_fleet_ban_changes_total",
+                    "Bans and unbans shared with the fleet's Redis: sent, received from other agents, or send_failed (enforced on this agent only).",
+                ),
+                &["change"],
+            )
+            .map_err(r)?,
         };
         Ok(Self { limiter, families })
     }
@@ -357,6 +366,7 @@ impl Scraped for BrokerMetrics {
             &b.overflow,
             &b.key_memory,
             &b.escalation_bans,
+            &b.fleet_bans,
         ]
     }
 
@@ -368,6 +378,15 @@ impl Scraped for BrokerMetrics {
         b.overflow.reset();
         b.key_memory.reset();
         b.escalation_bans.reset();
+        b.fleet_bans.reset();
+        let shared = self.limiter.shared_ban_stats();
+        for (change, n) in [
+            ("sent", shared.sent),
+            ("received", shared.received),
+            ("send_failed", shared.send_failures),
+        ] {
+            b.fleet_bans.with_label_values(&[change]).inc_by(n);
+        }
         for stats in self.limiter.stats() {
             let action = stats.action.as_str();
             for outcome in OUTCOMES {
