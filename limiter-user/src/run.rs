@@ -15,6 +15,7 @@ use anyhow::Context;
 use crate::{
     buckets::{BanError, Banner, Limiter, MonotonicClock},
     datapath::{Datapath, Enforcer, KernelLogger, LoadOptions, default_route_interface, pins},
+    fleet::SharedGcra,
     protocol::Server,
     services::{
         http::HttpServer,
@@ -332,11 +333,24 @@ async fn serve(
         enforcer
             .set_policy(settings.policy.clone())
             .context("writing the settings to the kernel maps")?;
-        let limiter = Arc::new(Limiter::new(
+        let mut limiter = Limiter::new(
             settings.broker.limiter.clone(),
             Arc::new(MonotonicClock::new()),
             Arc::new(KernelBans(Arc::clone(&enforcer))),
-        ));
+        );
+        if let Some(fleet) = &settings.fleet {
+            let shared = SharedGcra::start(fleet)
+                .await
+                .context("setting up the fleet's Redis")?;
+            tracing::info!(
+                redis = %fleet.redis,
+                expected_replicas = fleet.expected_replicas,
+                check_timeout = ?fleet.check_timeout,
+                "fleet mode: shared actions are checked in Redis"
+            );
+            limiter = limiter.shared_by(shared);
+        }
+        let limiter = Arc::new(limiter);
         let mode = settings.xdp_mode;
         let serve = settings.broker.serve.clone();
         let pin_dir = settings.pin_dir.clone();

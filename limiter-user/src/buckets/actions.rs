@@ -283,6 +283,17 @@ fn apply(
             ),
         ));
     }
+    // The fleet's buckets count in microseconds (Redis's clock), exactly.
+    if spec.shared && spec.limit > 0 && spec.window.as_nanos() / u128::from(spec.limit) < 1_000 {
+        return Err(ConfigError::new(
+            format!("{origin}.limit"),
+            format!(
+                "{} per {:?} is finer than one per microsecond, which a shared bucket cannot \
+                 express (or set shared = false)",
+                spec.limit, spec.window
+            ),
+        ));
+    }
     if spec.escalate && spec.key != KeyKind::Ip {
         return Err(ConfigError::new(
             format!("{origin}.escalate"),

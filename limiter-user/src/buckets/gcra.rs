@@ -58,6 +58,23 @@ impl Rate {
         self.burst
     }
 
+    /// Time one token takes to come back.
+    pub fn emission_ns(&self) -> u64 {
+        self.emission_ns
+    }
+
+    /// The bucket's capacity as time.
+    pub fn tolerance_ns(&self) -> u64 {
+        self.tolerance_ns
+    }
+
+    /// The same rate for `replicas` agents deciding alone: a share of the limit and of the
+    /// burst, each at least one token. `None` when the share is finer than a nanosecond.
+    pub fn share(limit: u32, window: Duration, burst: u32, replicas: u32) -> Option<Self> {
+        let replicas = replicas.max(1);
+        Self::new((limit / replicas).max(1), window, (burst / replicas).max(1))
+    }
+
     /// The answer for a request of `cost` tokens at `now` against a bucket whose TAT is `tat`.
     /// A cost above the burst is answered "refused" with an infinite retry; callers report it
     /// as its own reason.

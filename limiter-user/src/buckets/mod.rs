@@ -7,6 +7,7 @@ pub mod clock;
 pub mod escalation;
 pub mod gcra;
 pub mod keys;
+pub mod shared;
 pub mod stats;
 pub mod store;
 
@@ -14,8 +15,9 @@ pub use actions::{ActionConfig, ActionSpec, ConfigError, KeyKind, Window, resolv
 pub use ban::{BanError, Banner, NoBans};
 pub use clock::{Clock, ManualClock, MonotonicClock};
 pub use escalation::{EscalationConfig, EscalationStats};
+pub use shared::{Pending, SharedBuckets, SharedCheck, SharedFuture};
 pub use stats::ActionStats;
-pub use store::{ActionId, BYTES_PER_KEY, CheckError, Limiter, LimiterConfig};
+pub use store::{ActionId, BYTES_PER_KEY, CheckError, Limiter, LimiterConfig, Submit};
 
 #[cfg(test)]
 mod tests;

@@ -13,6 +13,12 @@
 //! degraded mode), the new key is answered as the fresh bucket it would get, without being
 //! tracked, and counted in `overflow_checks`: a key that has not itself gone over its limit is
 //! never refused, and such a verdict never escalates into a ban.
+//!
+//! **Shared actions.** With a [`SharedBuckets`] store (the fleet's Redis), an action marked
+//! `shared` is checked there through [`Limiter::submit`], the one bucket for the whole fleet.
+//! When the store cannot answer, the check is decided here at the action's fallback rate
+//! (limit and burst divided by the expected replicas), in the same key table, so the key cap
+//! bounds it too. The synchronous checks decide shared actions that way as well.
 
 use std::{
     net::IpAddr,
@@ -36,6 +42,7 @@ use super::{
     escalation::{EscalationConfig, EscalationStats, Escalator},
     gcra::{Cell, Evaluation, Rate},
     keys::{self, KeyError, StoredKey},
+    shared::{Pending, SharedBuckets, SharedCheck},
     stats::{ActionStats, OutcomeCounters},
 };
 
@@ -85,7 +92,14 @@ pub struct ActionId(usize);
 
 struct Action {
     spec: ActionSpec,
+    name: Arc<str>,
+    /// The action's own rate: this agent's, or the fleet's for a shared action.
     mode: Mode,
+    /// What this agent decides by itself: `mode`, or for a shared action its fallback share.
+    local: Mode,
+    /// The limit `local` enforces, reported in its verdicts.
+    local_limit: u32,
+    shared: bool,
     buckets: DashMap<StoredKey, Bucket, RandomState>,
     tracked: AtomicUsize,
     outcomes: OutcomeCounters,
@@ -100,6 +114,18 @@ pub struct Limiter {
     actions: Vec<Action>,
     escalator: Option<Escalator>,
     banner: Arc<dyn Banner>,
+    shared: Option<Arc<dyn SharedBuckets>>,
+}
+
+/// How a check submitted with [`Limiter::submit`] is made.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Submit {
+    /// Spends; refusals count towards escalation (the broker's own checks).
+    Check,
+    /// Spends, never escalates (callers outside the broker's trust boundary).
+    CheckUnescalated,
+    /// Spends nothing, counts nothing.
+    Peek,
 }
 
 impl Limiter {
@@ -109,6 +135,10 @@ impl Limiter {
             .into_iter()
             .map(|spec| Action {
                 mode: spec.mode(),
+                local: spec.mode(),
+                local_limit: spec.limit,
+                shared: false,
+                name: Arc::from(spec.name.as_str()),
                 spec,
                 buckets: DashMap::with_hasher(RandomState::default()),
                 tracked: AtomicUsize::new(0),
@@ -125,7 +155,99 @@ impl Limiter {
             actions,
             escalator,
             banner,
+            shared: None,
         }
+    }
+
+    /// Checks the actions marked `shared` against `store` from now on; each decides locally
+    /// at its share of the limit (limit / expected replicas) whenever the store cannot answer.
+    pub fn shared_by(mut self, store: Arc<dyn SharedBuckets>) -> Self {
+        let replicas = store.expected_replicas().max(1);
+        for action in &mut self.actions {
+            if !action.spec.shared {
+                continue;
+            }
+            action.shared = true;
+            if let Mode::Limited(_) = action.mode {
+                let spec = &action.spec;
+                if let Some(rate) = Rate::share(spec.limit, spec.window, spec.burst, replicas) {
+                    action.local = Mode::Limited(rate);
+                    action.local_limit = (spec.limit / replicas).max(1);
+                }
+            }
+        }
+        self.shared = Some(store);
+        self
+    }
+
+    /// The fleet's shared buckets at a glance; `None` without a fleet.
+    pub fn shared_status(&self) -> Option<crate::api::FleetStatus> {
+        self.shared.as_ref().map(|s| s.status())
+    }
+
+    /// A check, sent to the fleet's shared bucket for a shared action (its answer then comes
+    /// later, never later than the store's timeout) and decided at once otherwise.
+    pub fn submit(
+        self: &Arc<Self>,
+        id: ActionId,
+        key: &[u8],
+        cost: u32,
+        how: Submit,
+    ) -> Result<Pending<Verdict>, CheckError> {
+        let (consume, escalate) = match how {
+            Submit::Check => (true, true),
+            Submit::CheckUnescalated => (true, false),
+            Submit::Peek => (false, false),
+        };
+        if cost == 0 {
+            return Err(CheckError::ZeroCost);
+        }
+        let (action, stored) = self.resolve(id, key)?;
+        let (Some(store), true, Mode::Limited(rate)) = (&self.shared, action.shared, action.mode)
+        else {
+            return Ok(Pending::ready(
+                self.decide_locally(action, &stored, cost, consume, escalate),
+            ));
+        };
+        let answer = store.take(SharedCheck {
+            action: Arc::clone(&action.name),
+            key: keys::shared_name(action.spec.key, &stored),
+            rate,
+            cost,
+            consume,
+        });
+        let limiter = Arc::clone(self);
+        Ok(Pending::Waiting(Box::pin(async move {
+            let action = &limiter.actions[id.0];
+            match answer.await {
+                Some(evaluation) => limiter.conclude(
+                    action,
+                    &stored,
+                    (&rate, action.spec.limit),
+                    cost,
+                    (consume, escalate),
+                    (evaluation, true),
+                ),
+                None => limiter.decide_locally(action, &stored, cost, consume, escalate),
+            }
+        })))
+    }
+
+    /// Forgets a key's bucket, here and, for a shared action, in the fleet's store.
+    pub fn forget(self: &Arc<Self>, action: &str, key: &[u8]) -> Result<Pending<bool>, CheckError> {
+        let id = self.action_id(action)?;
+        let here = self.reset(action, key)?;
+        let (action, stored) = self.resolve(id, key)?;
+        let Some(store) = self.shared.as_ref().filter(|_| action.shared) else {
+            return Ok(Pending::ready(here));
+        };
+        let there = store.forget(
+            Arc::clone(&action.name),
+            keys::shared_name(action.spec.key, &stored),
+        );
+        Ok(Pending::Waiting(Box::pin(async move {
+            there.await.unwrap_or(false) || here
+        })))
     }
 
     pub fn actions(&self) -> impl Iterator<Item = &ActionSpec> {
@@ -292,49 +414,93 @@ impl Limiter {
             return Err(CheckError::ZeroCost);
         }
         let (action, stored) = self.resolve(id, key)?;
-        let mut tracked = true;
-        let limit = action.spec.limit;
-        let verdict = match action.mode {
+        Ok(self.decide_locally(action, &stored, cost, consume, escalate))
+    }
+
+    /// The verdict of this agent's own bucket for `key`.
+    fn decide_locally(
+        &self,
+        action: &Action,
+        stored: &StoredKey,
+        cost: u32,
+        consume: bool,
+        escalate: bool,
+    ) -> Verdict {
+        let verdict = match action.local {
             Mode::Unlimited => Verdict::new(Outcome::Unlimited, 0, u32::MAX, 0, 0),
             Mode::Closed => Verdict::new(Outcome::Closed, 0, 0, NEVER_MS, NEVER_MS),
             Mode::Limited(rate) => {
                 let now = self.clock.now_ns();
-                let (evaluation, in_store) =
-                    self.evaluate(action, &rate, &stored, now, cost, consume);
-                tracked = in_store;
-                let outcome = if evaluation.allowed {
-                    Outcome::Allowed
-                } else if cost > rate.burst() {
-                    Outcome::CostExceedsBurst
-                } else {
-                    Outcome::Limited
-                };
-                Verdict::new(
-                    outcome,
-                    limit,
-                    evaluation.remaining,
-                    if evaluation.retry_after_ns == u64::MAX {
-                        NEVER_MS
-                    } else {
-                        ns_to_ms_ceil(evaluation.retry_after_ns)
-                    },
-                    ns_to_ms_ceil(evaluation.reset_after_ns),
-                )
+                let settled = self.evaluate(action, &rate, stored, now, cost, consume);
+                return self.conclude(
+                    action,
+                    stored,
+                    (&rate, action.local_limit),
+                    cost,
+                    (consume, escalate),
+                    settled,
+                );
             }
         };
-        if consume {
-            action.outcomes.add(verdict.outcome);
-            if !verdict.allowed
-                && escalate
-                && tracked
-                && action.spec.escalate
-                && action.spec.key == KeyKind::Ip
-                && let (Some(escalator), Some(addr)) = (&self.escalator, stored.address())
-            {
-                escalator.record_failure(addr);
-            }
+        self.count(action, stored, verdict, (consume, escalate), true);
+        verdict
+    }
+
+    /// Turns a bucket's evaluation (this agent's or the fleet's) into the verdict, and counts
+    /// it.
+    fn conclude(
+        &self,
+        action: &Action,
+        stored: &StoredKey,
+        (rate, limit): (&Rate, u32),
+        cost: u32,
+        (consume, escalate): (bool, bool),
+        (evaluation, tracked): (Evaluation, bool),
+    ) -> Verdict {
+        let outcome = if evaluation.allowed {
+            Outcome::Allowed
+        } else if cost > rate.burst() {
+            Outcome::CostExceedsBurst
+        } else {
+            Outcome::Limited
+        };
+        let verdict = Verdict::new(
+            outcome,
+            limit,
+            evaluation.remaining,
+            if evaluation.retry_after_ns == u64::MAX {
+                NEVER_MS
+            } else {
+                ns_to_ms_ceil(evaluation.retry_after_ns)
+            },
+            ns_to_ms_ceil(evaluation.reset_after_ns),
+        );
+        self.count(action, stored, verdict, (consume, escalate), tracked);
+        verdict
+    }
+
+    /// Counts a spending verdict, and feeds a refusal of a tracked key to escalation.
+    fn count(
+        &self,
+        action: &Action,
+        stored: &StoredKey,
+        verdict: Verdict,
+        (consume, escalate): (bool, bool),
+        tracked: bool,
+    ) {
+        if !consume {
+            return;
         }
-        Ok(verdict)
+        action.outcomes.add(verdict.outcome);
+        if !verdict.allowed
+            && escalate
+            && tracked
+            && action.spec.escalate
+            && action.spec.key == KeyKind::Ip
+            && let (Some(escalator), Some(addr)) = (&self.escalator, stored.address())
+        {
+            escalator.record_failure(addr);
+        }
     }
 
     /// Settles `key`'s bucket; the flag says whether the key is tracked (false for a peek of

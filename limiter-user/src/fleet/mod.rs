@@ -8,6 +8,8 @@
 
 mod config;
 mod connection;
+mod shared;
 
 pub use config::{FleetConfig, RedisTarget, defaults};
 pub use connection::{Connection, FleetError, Redis};
+pub use shared::{GCRA_SCRIPT, SharedGcra};
