@@ -15,7 +15,7 @@ use anyhow::Context;
 use crate::{
     buckets::{BanError, Banner, Limiter, MonotonicClock},
     datapath::{Datapath, Enforcer, KernelLogger, LoadOptions, default_route_interface, pins},
-    fleet::{FleetBans, FleetConfig, Redis},
+    fleet::{FleetBans, FleetConfig, Redis, SharedGcra},
     protocol::Server,
     services::{
         fleet_bans::FleetBanning,
@@ -51,13 +51,14 @@ impl Banner for KernelBans {
 /// without them (they are applied as soon as Redis answers).
 const FLEET_BANS_WITHIN: Duration = Duration::from_secs(5);
 
-/// The fleet's shared bans, and the log reader's own connection (reading blocks it).
+/// The fleet's shared bans, written through `redis` (the agent's shared connection), and the
+/// log reader's own connection (reading blocks it).
 fn fleet_banning(
     fleet: &FleetConfig,
+    redis: Redis,
     local: Arc<dyn Banner>,
     escalation: Option<crate::buckets::EscalationConfig>,
 ) -> anyhow::Result<(FleetBanning, FleetBans)> {
-    let connect = || Redis::connect(&fleet.redis).context("connecting to the fleet's Redis");
     // Tells this agent's entries in the ban log apart from the others'.
     let origin = format!(
         "{}:{}",
@@ -66,8 +67,9 @@ fn fleet_banning(
             .trim(),
         std::process::id()
     );
-    let bans = FleetBans::new(connect()?, &fleet.key_prefix, origin);
-    let reader = bans.with_connection(connect()?);
+    let bans = FleetBans::new(redis, &fleet.key_prefix, origin);
+    let reader = bans
+        .with_connection(Redis::connect(&fleet.redis).context("connecting to the fleet's Redis")?);
     Ok((FleetBanning::new(local, bans, escalation), reader))
 }
 
@@ -359,26 +361,38 @@ async fn serve(
             .set_policy(settings.policy.clone())
             .context("writing the settings to the kernel maps")?;
         let kernel_bans: Arc<dyn Banner> = Arc::new(KernelBans(Arc::clone(&enforcer)));
-        let fleet_bans = settings
-            .fleet
-            .as_ref()
-            .map(|fleet| {
-                fleet_banning(
-                    fleet,
-                    Arc::clone(&kernel_bans),
-                    settings.broker.limiter.escalation,
-                )
-            })
-            .transpose()?;
-        let banner: Arc<dyn Banner> = match &fleet_bans {
-            Some((banning, _)) => banning.banner.clone(),
-            None => kernel_bans,
-        };
-        let limiter = Arc::new(Limiter::new(
+        let mut banner = Arc::clone(&kernel_bans);
+        let mut shared = None;
+        let mut fleet_bans = None;
+        if let Some(fleet) = &settings.fleet {
+            let gcra = SharedGcra::start(fleet)
+                .await
+                .context("setting up the fleet's Redis")?;
+            tracing::info!(
+                redis = %fleet.redis,
+                expected_replicas = fleet.expected_replicas,
+                check_timeout = ?fleet.check_timeout,
+                "fleet mode: shared actions are checked in Redis"
+            );
+            let (banning, reader) = fleet_banning(
+                fleet,
+                gcra.redis().clone(),
+                Arc::clone(&kernel_bans),
+                settings.broker.limiter.escalation,
+            )?;
+            banner = banning.banner.clone();
+            fleet_bans = Some((banning, reader));
+            shared = Some(gcra);
+        }
+        let mut limiter = Limiter::new(
             settings.broker.limiter.clone(),
             Arc::new(MonotonicClock::new()),
             banner,
-        ));
+        );
+        if let Some(shared) = shared {
+            limiter = limiter.shared_by(shared);
+        }
+        let limiter = Arc::new(limiter);
         let mode = settings.xdp_mode;
         let serve = settings.broker.serve.clone();
         let pin_dir = settings.pin_dir.clone();

@@ -5,6 +5,7 @@
 //! so a failing test leaves nothing behind.
 
 pub mod agent;
+pub mod fleet;
 pub mod frames;
 pub mod kernel;
 pub mod model;

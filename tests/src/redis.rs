@@ -108,6 +108,24 @@ impl RedisServer {
         Ok(())
     }
 
+    /// Stops the server in its tracks (SIGSTOP): connections stay open and nothing answers,
+    /// a Redis slower than any timeout.
+    pub fn pause(&self) -> Result<()> {
+        self.signal(nix::sys::signal::Signal::SIGSTOP)
+    }
+
+    /// Lets a paused server go on (SIGCONT).
+    pub fn resume(&self) -> Result<()> {
+        self.signal(nix::sys::signal::Signal::SIGCONT)
+    }
+
+    fn signal(&self, signal: nix::sys::signal::Signal) -> Result<()> {
+        let child = self.child.as_ref().context("redis-server is not running")?;
+        let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id())?);
+        nix::sys::signal::kill(pid, signal).with_context(|| format!("sending {signal}"))?;
+        Ok(())
+    }
+
     /// Starts the server again on the same port (empty: nothing was persisted).
     pub fn restart(&mut self) -> Result<()> {
         self.kill()?;
@@ -189,6 +207,8 @@ impl RedisServer {
 
 impl Drop for RedisServer {
     fn drop(&mut self) {
+        // A paused server would not die of SIGKILL any later, but resume it for its log.
+        let _ = self.resume();
         let _ = self.kill();
     }
 }

@@ -328,7 +328,8 @@ fn a_ban_on_one_agent_reaches_the_others_and_a_later_agent_before_it_is_ready() 
 #[test]
 fn authentication_failures_escalate_across_agents() {
     let fleet = Fleet::new(2);
-    // Each agent alone sees 2 refusals, under its threshold of 3; the fleet sees 4.
+    // Each agent alone sees at most 3 refusals, not more than its threshold of 3; the fleet
+    // sees at least 4.
     let args = [
         "--auth-limit",
         "1",
@@ -355,14 +356,17 @@ fn authentication_failures_escalate_across_agents() {
                     .into_iter()
                     .map(|v| v.unwrap().allowed)
                     .collect();
-            assert_eq!(verdicts.iter().filter(|&&allowed| !allowed).count(), 2);
+            // At least 2 refused here (more when `auth` is shared across the fleet), and at
+            // most 3: never more than this agent's own threshold.
+            let refused = verdicts.iter().filter(|&&allowed| !allowed).count();
+            assert!((2..=3).contains(&refused), "{verdicts:?}");
         }
     });
-    for i in 0..2 {
+    for (i, agent) in agents.iter().enumerate() {
         assert!(
             fleet.wait_banned(i, addr, true, ONE_SECOND).is_some(),
-            "agent {i} did not ban after the fleet's 4 failures; its log:\n{}",
-            agents[i].log()
+            "agent {i} did not ban after the fleet's failures; its log:\n{}",
+            agent.log()
         );
     }
 }

@@ -1,12 +1,17 @@
 //! Shared quotas on real Redis servers this test starts, a standalone server and a
-//! three-master cluster: the one script every agent runs, all or nothing under concurrency
-//! across separate connections (one per agent), on Redis's clock. Needs no root, never skips.
+//! three-master cluster: the one script every agent runs, on Redis's clock, and agents (real
+//! broker limiters serving the real protocol) spending one quota all or nothing under
+//! concurrency, with their local share while Redis is away. Needs no root, never skips.
 
 use std::time::Duration;
 
 use futures::future::join_all;
-use limiter::fleet::{QuotaAnswer, Redis, RedisTarget, SharedQuota};
-use limiter_tests::redis::{RedisCluster, RedisServer};
+use limiter::fleet::{Redis, RedisTarget, SharedQuota};
+use limiter_client::Outcome;
+use limiter_tests::{
+    fleet::FleetAgent,
+    redis::{RedisCluster, RedisServer},
+};
 
 /// A separate connection, as each agent of a fleet has its own.
 fn agent(url: &str) -> Redis {
@@ -68,38 +73,121 @@ async fn a_quota_on_one_server_and_on_a_cluster() {
     spends_all_or_nothing_and_keeps_the_key_a_margin_past_its_window(&cluster.url()).await;
 }
 
-/// 200 checks of cost 3 at a limit of 50, at once through four agents' connections: 16 fit
-/// (48), and no refused check spent anything, so the count reads exactly 48.
-async fn two_hundred_parallel_checks_of_three_fit_sixteen(url: &str) {
-    let agents: Vec<Redis> = (0..4).map(|_| agent(url)).collect();
-    let quota = quota(50, DAY);
-    let key = b"limiter:quota:batch:{tenant-7}";
-    let answers: Vec<QuotaAnswer> = join_all((0..200).map(|i| {
-        let redis = agents[i % agents.len()].clone();
-        async move { quota.check(&redis, key, 3, true).await.unwrap() }
+const SENDS_50: &str = "[actions.sends]\nkind = \"quota\"\nlimit = 50\nkey = \"user\"\n";
+
+/// Long enough that no check on this shared, loaded machine falls back: a local decision
+/// would count as an error here (the fallback test covers it).
+const PATIENT: Duration = Duration::from_secs(2);
+
+/// 200 checks of cost 3 at a daily quota of 50, at once through four agents (50 pipelined on
+/// each one's socket): 16 fit (48), and no refused check spent anything, so Redis's count
+/// reads exactly 48.
+async fn two_hundred_checks_of_three_through_four_agents(url: &str, tenant: &str) -> u32 {
+    let mut agents = Vec::new();
+    for _ in 0..4 {
+        agents.push(FleetAgent::start(url, SENDS_50, PATIENT, 4).await.unwrap());
+    }
+    let mut clients = Vec::new();
+    for agent in &agents {
+        clients.push(agent.client().await.unwrap());
+    }
+    let verdicts = join_all(clients.iter().flat_map(|client| {
+        (0..50).map(move |_| async move { client.check("sends", tenant, 3).await.unwrap() })
     }))
     .await;
-    let admitted = answers.iter().filter(|a| a.allowed).count();
+    let mut remaining: Vec<u32> = verdicts
+        .iter()
+        .filter(|v| v.allowed)
+        .map(|v| v.remaining)
+        .collect();
+    remaining.sort_unstable();
+    // One count, spent 3 at a time however the checks interleaved.
+    assert_eq!(remaining, (0..16).map(|n| 2 + 3 * n).collect::<Vec<_>>());
+    for refused in verdicts.iter().filter(|v| !v.allowed) {
+        assert_eq!(
+            (refused.outcome, refused.remaining, refused.limit),
+            (Outcome::Limited, 2, 50)
+        );
+        // Until midnight UTC on Redis's clock.
+        assert!(
+            (1..=86_400_000).contains(&refused.retry_after_ms),
+            "{refused:?}"
+        );
+    }
+    for agent in &agents {
+        assert_eq!(agent.limiter.shared_status().unwrap().fallback_checks, 0);
+    }
+    let admitted = verdicts.iter().filter(|v| v.allowed).count();
     assert_eq!(admitted, 16);
-    assert!(
-        answers
-            .iter()
-            .filter(|a| !a.allowed)
-            .all(|a| a.remaining == 2)
-    );
-    let spent: u32 = agents[0]
-        .query(redis::cmd("HGET").arg(&key[..]).arg("n"))
+    agents[0]
+        .shared
+        .redis()
+        .query(
+            redis::cmd("HGET")
+                .arg(format!("limiter:sends:{{{tenant}}}"))
+                .arg("n"),
+        )
         .await
-        .unwrap();
-    assert_eq!(spent, 48);
+        .unwrap()
 }
 
-#[tokio::test]
-async fn parallel_checks_through_four_agents_are_all_or_nothing() {
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn four_agents_on_one_redis_spend_a_quota_all_or_nothing() {
     let server = RedisServer::start().unwrap();
-    two_hundred_parallel_checks_of_three_fit_sixteen(&server.url()).await;
+    let spent = two_hundred_checks_of_three_through_four_agents(&server.url(), "tenant-7").await;
+    assert_eq!(spent, 48);
+    let keys: Vec<String> = server.query(redis::cmd("KEYS").arg("*")).unwrap();
+    assert_eq!(keys, ["limiter:sends:{tenant-7}"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn four_agents_on_a_three_master_cluster_spend_a_quota_all_or_nothing() {
     let cluster = RedisCluster::start(3).unwrap();
-    two_hundred_parallel_checks_of_three_fit_sixteen(&cluster.url()).await;
+    for tenant in ["t1", "t2", "t3", "t4"] {
+        let spent = two_hundred_checks_of_three_through_four_agents(&cluster.url(), tenant).await;
+        assert_eq!(spent, 48, "{tenant}");
+    }
+}
+
+/// Polls `agent`'s status until `up` is as wanted, bounded.
+async fn wait_redis_up(agent: &FleetAgent, up: bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    while agent.limiter.shared_status().unwrap().redis_up != up {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "redis_up never became {up}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_redis_leaves_each_agent_its_share_of_the_quota() {
+    let mut server = RedisServer::start().unwrap();
+    let agent = FleetAgent::start(
+        &server.url(),
+        "[actions.sends]\nkind = \"quota\"\nlimit = 10\nkey = \"user\"\n",
+        Duration::from_millis(300),
+        2,
+    )
+    .await
+    .unwrap();
+    let client = agent.client().await.unwrap();
+    assert_eq!(client.check("sends", "t", 4).await.unwrap().remaining, 6);
+    server.kill().unwrap();
+    // Alone, this agent allows its share, 10 / 2 = 5, all or nothing as ever.
+    let local = client.check("sends", "t", 4).await.unwrap();
+    assert_eq!((local.allowed, local.limit, local.remaining), (true, 5, 1));
+    let refused = client.check("sends", "t", 2).await.unwrap();
+    assert_eq!((refused.outcome, refused.remaining), (Outcome::Limited, 1));
+    let never = client.check("sends", "t", 6).await.unwrap();
+    assert_eq!(never.outcome, Outcome::CostExceedsLimit);
+    assert!(!agent.limiter.shared_status().unwrap().redis_up);
+    server.restart().unwrap();
+    wait_redis_up(&agent, true).await;
+    // Redis decides again: the whole quota of its (restarted, empty) count.
+    let back = client.check("sends", "t", 10).await.unwrap();
+    assert_eq!((back.allowed, back.limit, back.remaining), (true, 10, 0));
 }
 
 #[tokio::test]

@@ -12,5 +12,5 @@ pub use admin::{
 pub use check::{CheckAnswer, CheckRequest};
 pub use views::{
     ActionView, BanEntry, BlockedKey, BlockedSource, BrokerRateLimits, Connections, EscalationView,
-    KernelLimits, KernelRateLimits, RateLimits, SourceConnections, Status, millis,
+    FleetStatus, KernelLimits, KernelRateLimits, RateLimits, SourceConnections, Status, millis,
 };

@@ -29,6 +29,24 @@ pub struct Status {
     /// Settings the file changed since the start that apply only on a restart.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub restart_required: Option<Vec<String>>,
+    /// The fleet's shared buckets; `None` without a fleet (or from pinned maps).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fleet: Option<FleetStatus>,
+}
+
+/// Fleet mode at a glance: where the shared buckets are and whether they answer.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FleetStatus {
+    /// The Redis, without credentials.
+    pub redis: String,
+    /// Shared checks go to Redis (true) or are decided locally at limit / expected replicas.
+    pub redis_up: bool,
+    pub expected_replicas: u32,
+    /// Shared checks decided locally because Redis failed, was too slow, or was down.
+    pub fallback_checks: u64,
+    /// Switches from Redis to local decisions, and back.
+    pub switches_to_local: u64,
+    pub switches_to_redis: u64,
 }
 
 /// The kernel's limits as the programs read them (the `CONFIG` map).

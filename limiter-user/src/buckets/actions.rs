@@ -326,7 +326,19 @@ fn apply(
             ),
         ));
     }
-    apply_common(spec, config, origin, fleet)
+    apply_common(spec, config, origin, fleet)?;
+    // The fleet's buckets count in microseconds (Redis's clock), exactly.
+    if spec.shared && spec.limit > 0 && spec.window.as_nanos() / u128::from(spec.limit) < 1_000 {
+        return Err(ConfigError::new(
+            format!("{origin}.limit"),
+            format!(
+                "{} per {:?} is finer than one per microsecond, which a shared bucket cannot \
+                 express (or set shared = false)",
+                spec.limit, spec.window
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// The settings both kinds share: the key, the key cap, escalation, sharing.

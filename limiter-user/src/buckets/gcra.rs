@@ -42,6 +42,23 @@ impl Rate {
         })
     }
 
+    /// Time one token takes to come back.
+    pub fn emission_ns(&self) -> u64 {
+        self.emission_ns
+    }
+
+    /// The bucket's capacity as time.
+    pub fn tolerance_ns(&self) -> u64 {
+        self.tolerance_ns
+    }
+
+    /// The same rate for `replicas` agents deciding alone: a share of the limit and of the
+    /// burst, each at least one token. `None` when the share is finer than a nanosecond.
+    pub fn share(limit: u32, window: Duration, burst: u32, replicas: u32) -> Option<Self> {
+        let replicas = replicas.max(1);
+        Self::new((limit / replicas).max(1), window, (burst / replicas).max(1))
+    }
+
     /// Whole tokens in a bucket that is `debt_ns` short of full.
     fn tokens(&self, debt_ns: u64) -> u32 {
         let tokens = self.tolerance_ns.saturating_sub(debt_ns) / self.emission_ns;

@@ -10,6 +10,7 @@ pub mod escalation;
 pub mod gcra;
 pub mod keys;
 pub mod quota;
+pub mod shared;
 pub mod stats;
 pub mod store;
 
@@ -19,8 +20,9 @@ pub use actions::{
 pub use ban::{BanError, Banner, NoBans, SharedBanStats};
 pub use clock::{Clock, ManualClock, MonotonicClock};
 pub use escalation::{EscalationConfig, EscalationStats};
+pub use shared::{Pending, SharedBuckets, SharedCheck, SharedFuture, SharedLimit};
 pub use stats::ActionStats;
-pub use store::{ActionId, BYTES_PER_KEY, CheckError, Limiter, LimiterConfig};
+pub use store::{ActionId, BYTES_PER_KEY, CheckError, Limiter, LimiterConfig, Submit};
 
 #[cfg(test)]
 mod tests;

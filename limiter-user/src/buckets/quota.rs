@@ -48,6 +48,11 @@ impl Quota {
         (limit > 0 && period_ns > 0).then_some(Self { limit, period_ns })
     }
 
+    /// The length of a window.
+    pub fn period(&self) -> Duration {
+        Duration::from_nanos(self.period_ns)
+    }
+
     /// The window `now` falls in.
     pub fn window(&self, now: u64) -> Window {
         let index = now / self.period_ns;

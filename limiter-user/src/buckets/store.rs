@@ -13,6 +13,12 @@
 //! degraded mode), the new key is answered as the fresh bucket it would get, without being
 //! tracked, and counted in `overflow_checks`: a key that has not itself gone over its limit is
 //! never refused, and such a verdict never escalates into a ban.
+//!
+//! **Shared actions.** With a [`SharedBuckets`] store (the fleet's Redis), an action marked
+//! `shared` is checked there through [`Limiter::submit`], the one bucket for the whole fleet.
+//! When the store cannot answer, the check is decided here at the action's fallback rate
+//! (limit and burst divided by the expected replicas), in the same key table, so the key cap
+//! bounds it too. The synchronous checks decide shared actions that way as well.
 
 use std::{
     net::IpAddr,
@@ -35,7 +41,10 @@ use super::{
     cell::{Algorithm, Cell, Evaluation},
     clock::{Clock, ns_to_ms_ceil},
     escalation::{EscalationConfig, EscalationStats, Escalator},
+    gcra::Rate,
     keys::{self, KeyError, StoredKey},
+    quota::Quota,
+    shared::{Pending, SharedBuckets, SharedCheck, SharedLimit},
     stats::{ActionStats, OutcomeCounters},
 };
 
@@ -85,7 +94,14 @@ pub struct ActionId(usize);
 
 struct Action {
     spec: ActionSpec,
+    name: Arc<str>,
+    /// The action's own rate: this agent's, or the fleet's for a shared action.
     mode: Mode,
+    /// What this agent decides by itself: `mode`, or for a shared action its fallback share.
+    local: Mode,
+    /// The limit `local` enforces, reported in its verdicts.
+    local_limit: u32,
+    shared: bool,
     buckets: DashMap<StoredKey, Bucket, RandomState>,
     tracked: AtomicUsize,
     outcomes: OutcomeCounters,
@@ -100,6 +116,18 @@ pub struct Limiter {
     actions: Vec<Action>,
     escalator: Option<Escalator>,
     banner: Arc<dyn Banner>,
+    shared: Option<Arc<dyn SharedBuckets>>,
+}
+
+/// How a check submitted with [`Limiter::submit`] is made.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Submit {
+    /// Spends; refusals count towards escalation (the broker's own checks).
+    Check,
+    /// Spends, never escalates (callers outside the broker's trust boundary).
+    CheckUnescalated,
+    /// Spends nothing, counts nothing.
+    Peek,
 }
 
 impl Limiter {
@@ -109,6 +137,10 @@ impl Limiter {
             .into_iter()
             .map(|spec| Action {
                 mode: spec.mode(),
+                local: spec.mode(),
+                local_limit: spec.limit,
+                shared: false,
+                name: Arc::from(spec.name.as_str()),
                 spec,
                 buckets: DashMap::with_hasher(RandomState::default()),
                 tracked: AtomicUsize::new(0),
@@ -125,7 +157,124 @@ impl Limiter {
             actions,
             escalator,
             banner,
+            shared: None,
         }
+    }
+
+    /// Checks the actions marked `shared` against `store` from now on; each decides locally
+    /// at its share of the limit (limit / expected replicas) whenever the store cannot answer.
+    pub fn shared_by(mut self, store: Arc<dyn SharedBuckets>) -> Self {
+        let replicas = store.expected_replicas().max(1);
+        for action in &mut self.actions {
+            if !action.spec.shared {
+                continue;
+            }
+            action.shared = true;
+            let spec = &action.spec;
+            let share = (spec.limit / replicas).max(1);
+            match action.mode {
+                Mode::Limited(_) => {
+                    if let Some(rate) = Rate::share(spec.limit, spec.window, spec.burst, replicas) {
+                        action.local = Mode::Limited(rate);
+                        action.local_limit = share;
+                    }
+                }
+                Mode::Quota(_) => {
+                    if let Some(quota) = Quota::new(share, spec.window) {
+                        action.local = Mode::Quota(quota);
+                        action.local_limit = share;
+                    }
+                }
+                Mode::Unlimited | Mode::Closed => {}
+            }
+        }
+        self.shared = Some(store);
+        self
+    }
+
+    /// The fleet's shared buckets at a glance; `None` without a fleet.
+    pub fn shared_status(&self) -> Option<crate::api::FleetStatus> {
+        self.shared.as_ref().map(|s| s.status())
+    }
+
+    /// A check, sent to the fleet's shared bucket for a shared action (its answer then comes
+    /// later, never later than the store's timeout) and decided at once otherwise.
+    pub fn submit(
+        self: &Arc<Self>,
+        id: ActionId,
+        key: &[u8],
+        cost: u32,
+        how: Submit,
+    ) -> Result<Pending<Verdict>, CheckError> {
+        let (consume, escalate) = match how {
+            Submit::Check => (true, true),
+            Submit::CheckUnescalated => (true, false),
+            Submit::Peek => (false, false),
+        };
+        if cost == 0 {
+            return Err(CheckError::ZeroCost);
+        }
+        let (action, stored) = self.resolve(id, key)?;
+        let (limit, store) = match (action.mode, self.shared.as_ref()) {
+            (Mode::Limited(rate), Some(store)) if action.shared => (SharedLimit::Rate(rate), store),
+            (Mode::Quota(quota), Some(store)) if action.shared => {
+                (SharedLimit::Quota(quota), store)
+            }
+            _ => {
+                return Ok(Pending::ready(
+                    self.decide_locally(action, &stored, cost, consume, escalate),
+                ));
+            }
+        };
+        let answer = store.take(SharedCheck {
+            action: Arc::clone(&action.name),
+            key: keys::shared_name(action.spec.key, &stored),
+            limit,
+            cost,
+            consume,
+        });
+        let limiter = Arc::clone(self);
+        Ok(Pending::Waiting(Box::pin(async move {
+            let action = &limiter.actions[id.0];
+            let flags = (consume, escalate);
+            let fleet = action.spec.limit;
+            match (answer.await, limit) {
+                (Some(evaluation), SharedLimit::Rate(rate)) => limiter.conclude(
+                    action,
+                    &stored,
+                    (&rate, fleet),
+                    cost,
+                    flags,
+                    (evaluation, true),
+                ),
+                (Some(evaluation), SharedLimit::Quota(quota)) => limiter.conclude(
+                    action,
+                    &stored,
+                    (&quota, fleet),
+                    cost,
+                    flags,
+                    (evaluation, true),
+                ),
+                (None, _) => limiter.decide_locally(action, &stored, cost, consume, escalate),
+            }
+        })))
+    }
+
+    /// Forgets a key's bucket, here and, for a shared action, in the fleet's store.
+    pub fn forget(self: &Arc<Self>, action: &str, key: &[u8]) -> Result<Pending<bool>, CheckError> {
+        let id = self.action_id(action)?;
+        let here = self.reset(action, key)?;
+        let (action, stored) = self.resolve(id, key)?;
+        let Some(store) = self.shared.as_ref().filter(|_| action.shared) else {
+            return Ok(Pending::ready(here));
+        };
+        let there = store.forget(
+            Arc::clone(&action.name),
+            keys::shared_name(action.spec.key, &stored),
+        );
+        Ok(Pending::Waiting(Box::pin(async move {
+            there.await.unwrap_or(false) || here
+        })))
     }
 
     pub fn actions(&self) -> impl Iterator<Item = &ActionSpec> {
@@ -298,42 +447,40 @@ impl Limiter {
             return Err(CheckError::ZeroCost);
         }
         let (action, stored) = self.resolve(id, key)?;
-        let now = || action.now(&*self.clock);
-        let (verdict, tracked) = match action.mode {
-            Mode::Unlimited => (Verdict::new(Outcome::Unlimited, 0, u32::MAX, 0, 0), true),
-            Mode::Closed => (
-                Verdict::new(Outcome::Closed, 0, 0, NEVER_MS, NEVER_MS),
-                true,
-            ),
-            Mode::Limited(rate) => Self::settle(action, &rate, &stored, now(), cost, consume),
-            Mode::Quota(quota) => Self::settle(action, &quota, &stored, now(), cost, consume),
-        };
-        if consume {
-            action.outcomes.add(verdict.outcome);
-            if !verdict.allowed
-                && escalate
-                && tracked
-                && action.spec.escalate
-                && action.spec.key == KeyKind::Ip
-                && let (Some(escalator), Some(addr)) = (&self.escalator, stored.address())
-            {
-                escalator.record_failure(addr);
-            }
-        }
-        Ok(verdict)
+        Ok(self.decide_locally(action, &stored, cost, consume, escalate))
     }
 
-    /// The verdict of `algorithm` for `key`; the flag says whether the key is tracked (false
-    /// for a peek of an unknown key and for the degraded mode of a full action).
-    fn settle<A: Algorithm>(
+    /// The verdict of this agent's own bucket for `key`.
+    fn decide_locally(
+        &self,
         action: &Action,
-        algorithm: &A,
-        key: &StoredKey,
-        now: u64,
+        stored: &StoredKey,
         cost: u32,
         consume: bool,
-    ) -> (Verdict, bool) {
-        let (evaluation, tracked) = Self::evaluate(action, algorithm, key, now, cost, consume);
+        escalate: bool,
+    ) -> Verdict {
+        let flags = (consume, escalate);
+        let verdict = match action.local {
+            Mode::Unlimited => Verdict::new(Outcome::Unlimited, 0, u32::MAX, 0, 0),
+            Mode::Closed => Verdict::new(Outcome::Closed, 0, 0, NEVER_MS, NEVER_MS),
+            Mode::Limited(rate) => return self.settle(action, &rate, stored, cost, flags),
+            Mode::Quota(quota) => return self.settle(action, &quota, stored, cost, flags),
+        };
+        self.count(action, stored, verdict, (consume, escalate), true);
+        verdict
+    }
+
+    /// Turns a bucket's evaluation (this agent's or the fleet's) into the verdict, and counts
+    /// it.
+    fn conclude<A: Algorithm>(
+        &self,
+        action: &Action,
+        stored: &StoredKey,
+        (algorithm, limit): (&A, u32),
+        cost: u32,
+        (consume, escalate): (bool, bool),
+        (evaluation, tracked): (Evaluation, bool),
+    ) -> Verdict {
         let outcome = if evaluation.allowed {
             Outcome::Allowed
         } else if cost > algorithm.capacity() {
@@ -343,7 +490,7 @@ impl Limiter {
         };
         let verdict = Verdict::new(
             outcome,
-            action.spec.limit,
+            limit,
             evaluation.remaining,
             if evaluation.retry_after_ns == u64::MAX {
                 NEVER_MS
@@ -352,7 +499,53 @@ impl Limiter {
             },
             ns_to_ms_ceil(evaluation.reset_after_ns),
         );
-        (verdict, tracked)
+        self.count(action, stored, verdict, (consume, escalate), tracked);
+        verdict
+    }
+
+    /// Counts a spending verdict, and feeds a refusal of a tracked key to escalation.
+    fn count(
+        &self,
+        action: &Action,
+        stored: &StoredKey,
+        verdict: Verdict,
+        (consume, escalate): (bool, bool),
+        tracked: bool,
+    ) {
+        if !consume {
+            return;
+        }
+        action.outcomes.add(verdict.outcome);
+        if !verdict.allowed
+            && escalate
+            && tracked
+            && action.spec.escalate
+            && action.spec.key == KeyKind::Ip
+            && let (Some(escalator), Some(addr)) = (&self.escalator, stored.address())
+        {
+            escalator.record_failure(addr);
+        }
+    }
+
+    /// The verdict of this agent's own cell for `key` under `algorithm`.
+    fn settle<A: Algorithm>(
+        &self,
+        action: &Action,
+        algorithm: &A,
+        stored: &StoredKey,
+        cost: u32,
+        flags: (bool, bool),
+    ) -> Verdict {
+        let now = action.now(&*self.clock);
+        let settled = Self::evaluate(action, algorithm, stored, now, cost, flags.0);
+        self.conclude(
+            action,
+            stored,
+            (algorithm, action.local_limit),
+            cost,
+            flags,
+            settled,
+        )
     }
 
     /// Settles `key`'s cell, creating it under the key cap when `consume` is set.
@@ -399,7 +592,7 @@ impl Action {
     /// The time the action's algorithm counts in: a rate the monotonic clock, a quota the
     /// calendar.
     fn now(&self, clock: &dyn Clock) -> u64 {
-        match self.mode {
+        match self.local {
             Mode::Quota(_) => clock.unix_ns(),
             Mode::Limited(_) | Mode::Unlimited | Mode::Closed => clock.now_ns(),
         }
@@ -407,7 +600,7 @@ impl Action {
 
     /// Whether a key in `state` holds nothing a fresh key would not.
     fn is_idle(&self, state: u64, now: u64) -> bool {
-        match &self.mode {
+        match &self.local {
             Mode::Limited(rate) => rate.is_idle(state, now),
             Mode::Quota(quota) => quota.is_idle(state, now),
             Mode::Unlimited | Mode::Closed => true,

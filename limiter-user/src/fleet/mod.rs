@@ -10,8 +10,10 @@ mod bans;
 mod config;
 mod connection;
 mod quota;
+mod shared;
 
 pub use bans::{BanChange, BansInForce, FleetBans, LogId};
 pub use config::{FleetConfig, RedisTarget, defaults};
 pub use connection::{Connection, FleetError, Redis};
 pub use quota::{QuotaAnswer, SharedQuota};
+pub use shared::{GCRA_SCRIPT, SharedGcra};

@@ -2,7 +2,9 @@
 //!
 //! Each connection is its own task: a client that sends garbage, stalls mid-frame or vanishes
 //! affects nobody else. Replies are written in the order requests arrive and flushed once per
-//! batch of requests already buffered, so a pipelining client gets one write per batch.
+//! batch of requests already buffered, so a pipelining client gets one write per batch. Checks
+//! of shared actions wait on the fleet's Redis: those of one batch wait together (pipelined on
+//! the one connection to Redis), and a batch without them is answered as before, at once.
 //!
 //! Each listener holds at most `clients.max` connections ([`Admission`]); a connection gets
 //! `header_timeout` for its first whole frame and `idle_timeout` between frames. Requests that
@@ -18,7 +20,7 @@ use std::{
     sync::Arc,
 };
 
-use futures::{FutureExt, SinkExt, StreamExt};
+use futures::{FutureExt, SinkExt, StreamExt, stream::FuturesOrdered};
 use limiter_client::{CodecError, ErrorCode, ParseError, Received, Request, Response, ServerCodec};
 use tokio::{
     io::{AsyncRead, AsyncWrite},
@@ -30,7 +32,7 @@ use tokio_util::codec::Framed;
 use crate::{
     admission::{AcceptBackoff, Admission, Ticket},
     api::ban_ttl,
-    buckets::{CheckError, Limiter},
+    buckets::{CheckError, Limiter, Pending, Submit},
     settings::{ClientLimits, ServeConfig},
 };
 
@@ -283,34 +285,52 @@ impl Served {
         S: AsyncRead + AsyncWrite + Unpin,
     {
         let mut next = Some(first);
+        // Replies still waiting on Redis, and those behind them, which keep their order.
+        let mut waiting = FuturesOrdered::new();
+        let mut open = true;
         while let Some(item) = next.take() {
             let (reply, fatal) = match item {
                 Ok(received) => (answer(&self.limiter, received, peer), false),
                 Err(CodecError::TooLarge { len, max }) => (
-                    (
+                    Pending::ready((
                         0,
                         error(
                             ErrorCode::FrameTooLarge,
                             format!("frame of {len} bytes exceeds the maximum of {max}; closing"),
                         ),
-                    ),
+                    )),
                     true,
                 ),
                 Err(CodecError::Io(error)) => {
                     tracing::debug!(%error, "connection ended mid-frame or failed");
                     // Requests that arrived whole before the break are still answered.
-                    let _ = framed.flush().await;
-                    return false;
+                    open = false;
+                    break;
                 }
             };
+            match reply.now() {
+                Ok(reply) if waiting.is_empty() => {
+                    if framed.feed(reply).await.is_err() {
+                        return false;
+                    }
+                }
+                Ok(reply) => waiting.push_back(Pending::ready(reply)),
+                Err(later) => waiting.push_back(later),
+            }
+            if fatal {
+                open = false;
+                break;
+            }
+            next = framed.next().now_or_never().flatten();
+        }
+        while let Some(reply) = waiting.next().await {
             if framed.feed(reply).await.is_err() {
                 return false;
             }
-            if fatal {
-                let _ = framed.flush().await;
-                return false;
-            }
-            next = framed.next().now_or_never().flatten();
+        }
+        if !open {
+            let _ = framed.flush().await;
+            return false;
         }
         // A reader that never drains its replies cannot hold the connection past the timeout.
         matches!(
@@ -336,45 +356,53 @@ fn check_error(e: CheckError) -> Response {
     error(code, e.to_string())
 }
 
-fn answer(limiter: &Limiter, received: Received<Request>, peer: Peer) -> (u32, Response) {
+/// The reply to one request: at once, or once the fleet's Redis has answered.
+fn answer(
+    limiter: &Arc<Limiter>,
+    received: Received<Request>,
+    peer: Peer,
+) -> Pending<(u32, Response)> {
     let id = received.id;
     let request = match received.message {
         Ok(request) => request,
-        Err(ParseError { code, message }) => return (id, error(code, message)),
+        Err(ParseError { code, message }) => return Pending::ready((id, error(code, message))),
     };
     if id == 0 {
-        return (
+        return Pending::ready((
             0,
             error(
                 ErrorCode::Malformed,
                 "id 0 is reserved for the agent's connection-level errors; use another id",
             ),
-        );
+        ));
     }
     let admin_only = matches!(
         request,
         Request::Reset { .. } | Request::Ban { .. } | Request::Unban { .. }
     );
     if admin_only && peer != Peer::Admin {
-        return (
+        return Pending::ready((
             id,
             error(
                 ErrorCode::NotPermitted,
                 "ban, unban and reset are served only to the agent's admin users and groups \
                  over the Unix socket (admin-uids, admin-gids)",
             ),
-        );
+        ));
     }
     let response = match request {
-        Request::Check { action, key, cost } => limiter
-            .check(&action, &key, cost)
-            .map_or_else(check_error, Response::Verdict),
-        Request::Peek { action, key, cost } => limiter
-            .peek(&action, &key, cost)
-            .map_or_else(check_error, Response::Verdict),
-        Request::Reset { action, key } => limiter
-            .reset(&action, &key)
-            .map_or_else(check_error, |changed| Response::Done { changed }),
+        Request::Check { action, key, cost } => {
+            return verdict(id, limiter, &action, &key, cost, Submit::Check);
+        }
+        Request::Peek { action, key, cost } => {
+            return verdict(id, limiter, &action, &key, cost, Submit::Peek);
+        }
+        Request::Reset { action, key } => match limiter.forget(&action, &key) {
+            Err(e) => check_error(e),
+            Ok(changed) => {
+                return later(id, changed, |changed| Response::Done { changed });
+            }
+        },
         Request::AuthFailure { addr } => Response::Escalation(limiter.report_auth_failure(addr)),
         Request::Ban { addr, ttl } => match ban_ttl(ttl) {
             Err(e) => error(ErrorCode::BanFailed, e.to_string()),
@@ -388,5 +416,34 @@ fn answer(limiter: &Limiter, received: Received<Request>, peer: Peer) -> (u32, R
             Err(e) => error(ErrorCode::BanFailed, e.to_string()),
         },
     };
-    (id, response)
+    Pending::ready((id, response))
+}
+
+fn verdict(
+    id: u32,
+    limiter: &Arc<Limiter>,
+    action: &str,
+    key: &[u8],
+    cost: u32,
+    how: Submit,
+) -> Pending<(u32, Response)> {
+    match limiter
+        .action_id(action)
+        .and_then(|action| limiter.submit(action, key, cost, how))
+    {
+        Ok(verdict) => later(id, verdict, Response::Verdict),
+        Err(e) => Pending::ready((id, check_error(e))),
+    }
+}
+
+/// The reply `reply` makes of an answer, now or when it comes.
+fn later<T: Unpin + Send + 'static>(
+    id: u32,
+    answer: Pending<T>,
+    reply: fn(T) -> Response,
+) -> Pending<(u32, Response)> {
+    match answer.now() {
+        Ok(value) => Pending::ready((id, reply(value))),
+        Err(waiting) => Pending::Waiting(Box::pin(async move { (id, reply(waiting.await)) })),
+    }
 }

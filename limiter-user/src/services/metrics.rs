@@ -276,6 +276,10 @@ struct Broker {
     overflow: IntCounterVec,
     key_memory: IntGaugeVec,
     escalation_bans: IntCounter,
+    /// The fleet's four, last in [`Scraped::families`] order: exposed only with a fleet.
+    redis_up: IntGauge,
+    fallbacks: IntCounter,
+    switches: IntCounterVec,
     fleet_bans: IntCounterVec,
 }
 
@@ -351,6 +355,24 @@ impl BrokerMetrics {
                 &["change"],
             )
             .map_err(r)?,
+            redis_up: IntGauge::new(
+                "limiter_fleet_redis_up",
+                "1 while shared checks go to the fleet's Redis, 0 while they are decided locally.",
+            )
+            .map_err(r)?,
+            fallbacks: IntCounter::new(
+                "limiter_fleet_fallback_total",
+                "Shared checks decided locally at limit / expected replicas because Redis failed, was too slow or was down.",
+            )
+            .map_err(r)?,
+            switches: IntCounterVec::new(
+                Opts::new(
+                    "limiter_fleet_switches_total",
+                    "Switches of the shared checks from Redis to local decisions (to=local) and back (to=redis).",
+                ),
+                &["to"],
+            )
+            .map_err(r)?,
         };
         Ok(Self { limiter, families })
     }
@@ -366,6 +388,9 @@ impl Scraped for BrokerMetrics {
             &b.overflow,
             &b.key_memory,
             &b.escalation_bans,
+            &b.redis_up,
+            &b.fallbacks,
+            &b.switches,
             &b.fleet_bans,
         ]
     }
@@ -416,7 +441,24 @@ impl Scraped for BrokerMetrics {
         if let Some(escalation) = self.limiter.escalation_stats() {
             b.escalation_bans.inc_by(escalation.bans);
         }
-        self.families()
+        let mut families = self.families();
+        match self.limiter.shared_status() {
+            Some(fleet) => {
+                b.redis_up.set(i64::from(fleet.redis_up));
+                b.fallbacks.reset();
+                b.fallbacks.inc_by(fleet.fallback_checks);
+                b.switches.reset();
+                b.switches
+                    .with_label_values(&["local"])
+                    .inc_by(fleet.switches_to_local);
+                b.switches
+                    .with_label_values(&["redis"])
+                    .inc_by(fleet.switches_to_redis);
+            }
+            // Without a fleet these series would only say nothing.
+            None => families.truncate(families.len() - 4),
+        }
+        families
     }
 }
 

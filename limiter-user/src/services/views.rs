@@ -58,6 +58,7 @@ pub fn kernel_status(maps: &impl ReadMaps) -> Result<Status, MapsError> {
         limits: KernelLimits::from_config(&config),
         pinned: None,
         restart_required: None,
+        fleet: None,
     })
 }
 

@@ -19,7 +19,7 @@ use super::{
 };
 use crate::{
     api::{CheckAnswer, CheckRequest},
-    buckets::CheckError,
+    buckets::{CheckError, Submit},
 };
 
 const RATE_LIMIT_LIMIT: HeaderName = HeaderName::from_static("x-ratelimit-limit");
@@ -47,9 +47,10 @@ pub(super) async fn check(
 ) -> Result<Response, Problem> {
     let Json(request) = body.map_err(json_rejection)?;
     let cost = request.cost.unwrap_or(1);
-    let verdict = state
-        .limiter
-        .check_unescalated(&request.action, request.key.as_bytes(), cost)
+    let limiter = &state.limiter;
+    let verdict = limiter
+        .action_id(&request.action)
+        .and_then(|id| limiter.submit(id, request.key.as_bytes(), cost, Submit::CheckUnescalated))
         .map_err(|error| match error {
             CheckError::UnknownAction(action) => Problem::new(
                 StatusCode::NOT_FOUND,
@@ -58,7 +59,8 @@ pub(super) async fn check(
             .with("field", "action"),
             CheckError::InvalidKey { source, .. } => Problem::bad_request("key", source),
             CheckError::ZeroCost => Problem::bad_request("cost", "must be at least 1"),
-        })?;
+        })?
+        .await;
     let never = |ms: u64| (ms != NEVER_MS).then_some(ms);
     let answer = CheckAnswer {
         action: request.action,
