@@ -76,6 +76,40 @@ impl Drop for PinDir {
     }
 }
 
+/// One HTTP request to an agent's listener at `url` inside `ns`, made from a thread in that
+/// namespace; the status and the body, or `None` when nothing answered.
+pub fn http_in(
+    ns: &Netns,
+    method: reqwest::Method,
+    url: &str,
+    token: Option<&str>,
+    body: Option<serde_json::Value>,
+) -> Option<(u16, String)> {
+    ns.run(|| {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let client = reqwest::Client::builder()
+                .no_proxy()
+                .timeout(Duration::from_secs(10))
+                .build()
+                .unwrap();
+            let mut request = client.request(method, url);
+            if let Some(token) = token {
+                request = request.bearer_auth(token);
+            }
+            if let Some(body) = body {
+                request = request.json(&body);
+            }
+            let answer = request.send().await.ok()?;
+            Some((answer.status().as_u16(), answer.text().await.ok()?))
+        })
+    })
+    .unwrap()
+}
+
 /// A running agent; killed on drop. Its log lines are collected as they come.
 pub struct AgentProcess {
     child: Child,

@@ -69,6 +69,18 @@ impl FleetAgent {
         })
     }
 
+    /// Polls the agent's fleet status until Redis is (or is not) up, bounded.
+    pub async fn wait_redis_up(&self, up: bool) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+        while self.limiter.shared_status().map(|s| s.redis_up) != Some(up) {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "redis_up never became {up}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// A new pipelined client on the agent's socket.
     pub async fn client(&self) -> Result<Client> {
         Ok(Client::connect_unix(&self.socket).await?)

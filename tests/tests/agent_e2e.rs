@@ -9,7 +9,7 @@ use std::{
 
 use limiter_common::{Direction, Reason, Verdict};
 use limiter_tests::{
-    agent::{AgentProcess, PinDir},
+    agent::{AgentProcess, PinDir, http_in},
     kernel::wait_for,
     netns::{CLIENT_V4, Pair, SERVER_V4, Server, connect},
 };
@@ -358,8 +358,8 @@ fn repeated_auth_refusals_become_a_kernel_ban() {
     );
 }
 
-/// One HTTP request to the agent's listener (127.0.0.1:9090 inside the server namespace),
-/// made from a thread in that namespace; returns the status and the body.
+/// One HTTP request to the agent's listener (127.0.0.1:9090 inside the server namespace);
+/// returns the status and the body.
 fn http(
     s: &Setup,
     method: reqwest::Method,
@@ -367,31 +367,8 @@ fn http(
     token: Option<&str>,
     body: Option<serde_json::Value>,
 ) -> (u16, String) {
-    s.pair
-        .server
-        .run(|| {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
-            runtime.block_on(async {
-                let client = reqwest::Client::builder()
-                    .no_proxy()
-                    .timeout(Duration::from_secs(10))
-                    .build()
-                    .unwrap();
-                let mut request = client.request(method, format!("http://127.0.0.1:9090{path}"));
-                if let Some(token) = token {
-                    request = request.bearer_auth(token);
-                }
-                if let Some(body) = body {
-                    request = request.json(&body);
-                }
-                let answer = request.send().await.expect("the agent answers");
-                (answer.status().as_u16(), answer.text().await.unwrap())
-            })
-        })
-        .unwrap()
+    let url = format!("http://127.0.0.1:9090{path}");
+    http_in(&s.pair.server, method, &url, token, body).expect("the agent answers")
 }
 
 /// The value of one sample in a Prometheus text exposition.

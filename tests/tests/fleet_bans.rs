@@ -15,7 +15,7 @@ use limiter::{
     fleet::{BanChange, FleetBans, LogId, Redis, RedisTarget},
 };
 use limiter_tests::{
-    agent::{AgentProcess, PinDir},
+    agent::{AgentProcess, PinDir, http_in},
     netns::{Netns, unique_name},
     redis::{RedisCluster, RedisServer},
 };
@@ -216,7 +216,8 @@ impl Fleet {
         }
     }
 
-    /// One HTTP request to agent `i`, from a thread in the fleet's namespace.
+    /// One HTTP request to agent `i`, from a thread in the fleet's namespace; status 0 when
+    /// nothing answers (yet).
     fn http(
         &self,
         i: usize,
@@ -225,29 +226,7 @@ impl Fleet {
         body: Option<serde_json::Value>,
     ) -> (u16, String) {
         let url = format!("http://127.0.0.1:{}{path}", Self::http_port(i));
-        self.ns
-            .run(|| {
-                let runtime = tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                    .unwrap();
-                runtime.block_on(async {
-                    let client = reqwest::Client::builder()
-                        .no_proxy()
-                        .timeout(Duration::from_secs(10))
-                        .build()
-                        .unwrap();
-                    let mut request = client.request(method, url).bearer_auth(TOKEN);
-                    if let Some(body) = body {
-                        request = request.json(&body);
-                    }
-                    match request.send().await {
-                        Ok(answer) => (answer.status().as_u16(), answer.text().await.unwrap()),
-                        Err(_) => (0, String::new()),
-                    }
-                })
-            })
-            .unwrap()
+        http_in(&self.ns, method, &url, Some(TOKEN), body).unwrap_or_default()
     }
 }
 

@@ -149,18 +149,6 @@ async fn four_agents_on_a_three_master_cluster_spend_a_quota_all_or_nothing() {
     }
 }
 
-/// Polls `agent`'s status until `up` is as wanted, bounded.
-async fn wait_redis_up(agent: &FleetAgent, up: bool) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
-    while agent.limiter.shared_status().unwrap().redis_up != up {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "redis_up never became {up}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_redis_leaves_each_agent_its_share_of_the_quota() {
     let mut server = RedisServer::start().unwrap();
@@ -184,7 +172,7 @@ async fn a_dead_redis_leaves_each_agent_its_share_of_the_quota() {
     assert_eq!(never.outcome, Outcome::CostExceedsLimit);
     assert!(!agent.limiter.shared_status().unwrap().redis_up);
     server.restart().unwrap();
-    wait_redis_up(&agent, true).await;
+    agent.wait_redis_up(true).await;
     // Redis decides again: the whole quota of its (restarted, empty) count.
     let back = client.check("sends", "t", 10).await.unwrap();
     assert_eq!((back.allowed, back.limit, back.remaining), (true, 10, 0));

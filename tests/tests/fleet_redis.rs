@@ -238,18 +238,6 @@ async fn shared_verdicts_carry_the_local_buckets_numbers() {
     assert_eq!(agent.limiter.shared_status().unwrap().fallback_checks, 0);
 }
 
-/// Polls `agent`'s status until `up` is as wanted, bounded.
-async fn wait_redis_up(agent: &FleetAgent, up: bool) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
-    while agent.limiter.shared_status().unwrap().redis_up != up {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "redis_up never became {up}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_redis_is_replaced_by_local_shares_and_comes_back() {
     let mut server = RedisServer::start().unwrap();
@@ -289,7 +277,7 @@ async fn a_dead_redis_is_replaced_by_local_shares_and_comes_back() {
     assert_eq!(down.switches_to_local, 1);
 
     server.restart().unwrap();
-    wait_redis_up(&agent, true).await;
+    agent.wait_redis_up(true).await;
     let back = agent.limiter.shared_status().unwrap();
     assert_eq!(back.switches_to_redis, start.switches_to_redis + 1);
     // Redis decides again: the whole limit, from its own (empty, restarted) bucket.
@@ -328,5 +316,5 @@ async fn a_dead_redis_is_replaced_by_local_shares_and_comes_back() {
     assert_eq!(stalled.fallback_checks, 11);
     assert_eq!(stalled.switches_to_local, 2);
     server.resume().unwrap();
-    wait_redis_up(&agent, true).await;
+    agent.wait_redis_up(true).await;
 }
