@@ -3,8 +3,10 @@
 //!
 //! Layers, each importing only from those below it:
 //! - `errors` and `api`: shared error types, and the HTTP API's documents (server and CLI).
-//! - `datapath`, `buckets` and `admission`, side by side: the kernel programs and maps, the
-//!   broker's token buckets, and the listeners' connection slots. None knows the others.
+//! - `datapath`, `buckets`, `fleet` and `admission`, side by side: the kernel programs and
+//!   maps, the broker's token buckets, the fleet's Redis (which implements the buckets'
+//!   `SharedBuckets` contract, the one link between them), and the listeners' connection
+//!   slots.
 //! - `settings`: flags, file and defaults, resolved into what the two layers below take.
 //! - `protocol` and `services`: the broker socket, HTTP, metrics and the sweeper, each given
 //!   the narrow handles it uses.

@@ -248,6 +248,20 @@ impl Drop for Harness {
 }
 
 /// The samples of a text exposition, keyed `name{label="value",...}` with labels sorted.
+/// The metric names the README's table documents, without `limiter_`: those of fleet mode, or
+/// the others.
+fn documented_metrics(fleet: bool) -> Vec<String> {
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md")).unwrap();
+    readme
+        .lines()
+        .filter(|l| l.contains("fleet mode only") == fleet)
+        .filter_map(|l| l.strip_prefix("| `limiter_"))
+        .filter_map(|l| l.split('`').next())
+        .map(str::to_owned)
+        .collect()
+}
+
 fn samples(text: &str) -> HashMap<String, f64> {
     let mut out = HashMap::new();
     for line in text
@@ -1179,14 +1193,9 @@ fn the_first_scrape_passes_promtool_and_has_every_documented_series_and_no_impos
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
-    // Every metric the README documents, from the first scrape.
-    let readme =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md")).unwrap();
-    let documented: Vec<&str> = readme
-        .lines()
-        .filter_map(|l| l.strip_prefix("| `limiter_"))
-        .filter_map(|l| l.split('`').next())
-        .collect();
+    // Every metric the README documents, from the first scrape (the fleet's are checked by
+    // the fleet's test: this agent has no fleet).
+    let documented = documented_metrics(false);
     assert!(documented.len() > 15, "{documented:?}");
     for name in documented {
         let name = format!("limiter_{name}");
@@ -1225,4 +1234,108 @@ fn the_first_scrape_passes_promtool_and_has_every_documented_series_and_no_impos
             "{impossible} is exported"
         );
     }
+}
+
+#[test]
+fn check_goes_to_the_fleets_redis_for_a_shared_action_and_status_and_metrics_say_so() {
+    use limiter_tests::{fleet::FleetAgent, redis::RedisServer};
+
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let redis = RedisServer::start().unwrap();
+    // Two agents of one fleet: one checked over the broker socket, one over HTTP.
+    let actions = "[actions.export]\nlimit = 3\nwindow = \"60s\"\nkey = \"user\"\n";
+    let url = redis.url();
+    let (other, fleet) = runtime.block_on(async {
+        let start = || FleetAgent::start(&url, actions, Duration::from_secs(2), 2);
+        (start().await.unwrap(), start().await.unwrap())
+    });
+    let agent = limiter_tests::kernel::agent(&["--http", "127.0.0.1:0"], limiter_config(), None);
+    agent.set_ready();
+    let server = runtime
+        .block_on(HttpServer::bind(
+            Arc::clone(&agent.enforcer),
+            Arc::clone(&fleet.limiter),
+            agent.settings.clone(),
+            &agent.sweep,
+        ))
+        .unwrap();
+    let addr = server.local_addr().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let served = runtime.spawn(server.run(async move {
+        let _ = stopped.await;
+    }));
+    let http = reqwest::Client::builder().no_proxy().build().unwrap();
+    let post = |body: Value| {
+        runtime.block_on(async {
+            let response = http
+                .post(format!("http://{addr}/v1/check"))
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            (
+                response.status().as_u16(),
+                response.json::<Value>().await.unwrap(),
+            )
+        })
+    };
+    // The other agent spends one of the three; this one gets the other two, then 429.
+    let spent = runtime.block_on(async {
+        other
+            .client()
+            .await
+            .unwrap()
+            .check("export", "alice", 1)
+            .await
+            .unwrap()
+    });
+    assert_eq!(spent.remaining, 2);
+    for remaining in [1, 0] {
+        let (status, body) = post(json!({"action": "export", "key": "alice"}));
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(body["remaining"], remaining);
+    }
+    let (status, body) = post(json!({"action": "export", "key": "alice"}));
+    assert_eq!(status, 429, "{body}");
+    assert!(
+        (1..=20_000).contains(&body["retry_after_ms"].as_u64().unwrap()),
+        "{body}"
+    );
+    let exists: i64 = redis
+        .query(redis::cmd("EXISTS").arg("limiter:export:{alice}"))
+        .unwrap();
+    assert_eq!(exists, 1);
+    let get = |path: &str| {
+        runtime.block_on(async {
+            http.get(format!("http://{addr}{path}"))
+                .send()
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap()
+        })
+    };
+    let status: Value = serde_json::from_str(&get("/v1/status")).unwrap();
+    assert_eq!(status["fleet"]["redis_up"], true, "{status}");
+    assert_eq!(status["fleet"]["fallback_checks"], 0, "{status}");
+    assert_eq!(status["fleet"]["redis"], redis.url(), "{status}");
+    let text = get("/metrics");
+    let fleet_metrics = documented_metrics(true);
+    assert_eq!(fleet_metrics.len(), 3, "{fleet_metrics:?}");
+    for name in fleet_metrics {
+        assert!(
+            text.contains(&format!("\nlimiter_{name}")),
+            "limiter_{name} missing"
+        );
+    }
+    let metrics = samples(&text);
+    assert_eq!(value(&metrics, "limiter_fleet_redis_up", &[]), 1.0);
+    assert_eq!(value(&metrics, "limiter_fleet_fallback_total", &[]), 0.0);
+    stop.send(()).unwrap();
+    runtime.block_on(served).unwrap().unwrap();
 }

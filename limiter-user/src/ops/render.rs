@@ -61,6 +61,24 @@ pub fn render_status(status: &Status, http: SocketAddr) -> String {
         .map(|(reason, n)| format!("{reason} {n}"))
         .collect();
     let _ = writeln!(out, "refused     {}", refused.join(", "));
+    if let Some(fleet) = &status.fleet {
+        let _ = writeln!(
+            out,
+            "fleet       {} {}; {} checks decided locally, {} switches to local, {} back",
+            fleet.redis,
+            if fleet.redis_up {
+                "up".to_owned()
+            } else {
+                format!(
+                    "DOWN (deciding locally at limit / {})",
+                    fleet.expected_replicas
+                )
+            },
+            fleet.fallback_checks,
+            fleet.switches_to_local,
+            fleet.switches_to_redis,
+        );
+    }
     out
 }
 

@@ -250,44 +250,60 @@ impl Served {
         let evicted = ticket.evicted();
         tokio::pin!(evicted);
         let mut wait = self.clients.header_timeout;
+        // Replies still waiting on Redis, and those behind them, which keep their order.
+        let mut waiting = Waiting::new();
         loop {
             let first = tokio::select! {
                 () = &mut evicted => {
                     tracing::debug!("connection closed to make room for a newer one");
                     return;
                 }
-                next = tokio::time::timeout(wait, framed.next()) => match next {
-                    Ok(Some(first)) => first,
-                    Ok(None) => return,
-                    Err(_) => {
-                        tracing::debug!(?wait, "connection closed: no whole frame in time");
+                Some(reply) = waiting.next(), if !waiting.is_empty() => {
+                    if !self.send_ready(&mut framed, reply, &mut waiting).await {
                         return;
                     }
-                },
+                    continue;
+                }
+                next = tokio::time::timeout(wait, framed.next()), if waiting.len() < MAX_WAITING => {
+                    match next {
+                        Ok(Some(first)) => first,
+                        Ok(None) => {
+                            // The client is done sending; what it asked is still answered.
+                            self.finish(&mut framed, &mut waiting).await;
+                            return;
+                        }
+                        Err(_) => {
+                            tracing::debug!(?wait, "connection closed: no whole frame in time");
+                            return;
+                        }
+                    }
+                }
             };
             ticket.proven();
             wait = self.clients.idle_timeout;
-            if !self.answer_buffered(&mut framed, first, peer).await {
+            if !self
+                .answer_buffered(&mut framed, first, peer, &mut waiting)
+                .await
+            {
                 return;
             }
         }
     }
 
-    /// Answers `first` and everything already buffered behind it, then flushes once; false
-    /// when the connection is over.
+    /// Answers `first` and everything already buffered behind it: replies that need no wait
+    /// are sent, in order, then flushed once; checks waiting on Redis join `waiting`, and so
+    /// does every reply behind them. False when the connection is over.
     async fn answer_buffered<S>(
         &self,
         framed: &mut Framed<S, ServerCodec>,
         first: Result<Received<Request>, CodecError>,
         peer: Peer,
+        waiting: &mut Waiting,
     ) -> bool
     where
         S: AsyncRead + AsyncWrite + Unpin,
     {
         let mut next = Some(first);
-        // Replies still waiting on Redis, and those behind them, which keep their order.
-        let mut waiting = FuturesOrdered::new();
-        let mut open = true;
         while let Some(item) = next.take() {
             let (reply, fatal) = match item {
                 Ok(received) => (answer(&self.limiter, received, peer), false),
@@ -304,8 +320,8 @@ impl Served {
                 Err(CodecError::Io(error)) => {
                     tracing::debug!(%error, "connection ended mid-frame or failed");
                     // Requests that arrived whole before the break are still answered.
-                    open = false;
-                    break;
+                    self.finish(framed, waiting).await;
+                    return false;
                 }
             };
             match reply.now() {
@@ -318,27 +334,67 @@ impl Served {
                 Err(later) => waiting.push_back(later),
             }
             if fatal {
-                open = false;
-                break;
+                self.finish(framed, waiting).await;
+                return false;
             }
-            next = framed.next().now_or_never().flatten();
+            if waiting.len() < MAX_WAITING {
+                next = framed.next().now_or_never().flatten();
+            }
         }
-        while let Some(reply) = waiting.next().await {
+        self.flush(framed).await
+    }
+
+    /// Sends `reply` and every reply ready behind it, then flushes.
+    async fn send_ready<S>(
+        &self,
+        framed: &mut Framed<S, ServerCodec>,
+        reply: (u32, Response),
+        waiting: &mut Waiting,
+    ) -> bool
+    where
+        S: AsyncRead + AsyncWrite + Unpin,
+    {
+        let mut next = Some(reply);
+        while let Some(reply) = next.take() {
             if framed.feed(reply).await.is_err() {
                 return false;
             }
+            next = waiting.next().now_or_never().flatten();
         }
-        if !open {
-            let _ = framed.flush().await;
-            return false;
+        self.flush(framed).await
+    }
+
+    /// Sends every reply still to come, as it comes, and flushes: the connection is ending.
+    async fn finish<S>(&self, framed: &mut Framed<S, ServerCodec>, waiting: &mut Waiting)
+    where
+        S: AsyncRead + AsyncWrite + Unpin,
+    {
+        while let Some(reply) = waiting.next().await {
+            if framed.feed(reply).await.is_err() {
+                return;
+            }
         }
-        // A reader that never drains its replies cannot hold the connection past the timeout.
+        self.flush(framed).await;
+    }
+
+    /// A reader that never drains its replies cannot hold the connection past the timeout.
+    async fn flush<S>(&self, framed: &mut Framed<S, ServerCodec>) -> bool
+    where
+        S: AsyncRead + AsyncWrite + Unpin,
+    {
         matches!(
             tokio::time::timeout(self.clients.idle_timeout, framed.flush()).await,
             Ok(Ok(()))
         )
     }
 }
+
+/// Replies of one connection not yet sent, in the order of their requests.
+type Waiting = FuturesOrdered<Pending<(u32, Response)>>;
+
+/// Requests of one connection waiting on Redis at most; past it the connection is not read
+/// until some are answered (each within the check timeout).
+const MAX_WAITING: usize = 1024;
 
 fn error(code: ErrorCode, message: impl Into<String>) -> Response {
     Response::Error {
