@@ -8,6 +8,7 @@ use std::time::Duration;
 use limiter_client::{Client, Verdict};
 use limiter_tests::{
     agent::{AgentProcess, PinDir},
+    fleet::assert_exactly,
     netns::{Pair, unique_name},
     redis::RedisServer,
 };
@@ -126,17 +127,6 @@ impl Fleet {
             .filter(|l| l.contains(needle))
             .count()
     }
-}
-
-/// Exactly `limit` admitted, each seeing a different number of tokens left.
-fn assert_exactly(verdicts: &[Verdict], limit: u32) {
-    let mut remaining: Vec<u32> = verdicts
-        .iter()
-        .filter(|v| v.allowed)
-        .map(|v| v.remaining)
-        .collect();
-    remaining.sort_unstable();
-    assert_eq!(remaining, (0..limit).collect::<Vec<_>>());
 }
 
 #[test]
