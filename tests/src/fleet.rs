@@ -11,7 +11,7 @@ use limiter::{
     protocol::Server,
     settings::ServeConfig,
 };
-use limiter_client::Client;
+use limiter_client::{Client, Verdict};
 use tempfile::TempDir;
 use tokio_util::sync::CancellationToken;
 
@@ -91,4 +91,16 @@ impl Drop for FleetAgent {
     fn drop(&mut self) {
         self.stop.cancel();
     }
+}
+
+/// Exactly `limit` checks admitted, and each admitted one saw a different count of tokens
+/// left: one bucket, spent one token at a time, however the checks interleaved.
+pub fn assert_exactly(verdicts: &[Verdict], limit: u32) {
+    let mut remaining: Vec<u32> = verdicts
+        .iter()
+        .filter(|v| v.allowed)
+        .map(|v| v.remaining)
+        .collect();
+    remaining.sort_unstable();
+    assert_eq!(remaining, (0..limit).collect::<Vec<_>>());
 }

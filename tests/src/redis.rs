@@ -13,6 +13,8 @@ use std::{
 use anyhow::{Context, Result, bail};
 use tempfile::TempDir;
 
+use crate::netns::{Netns, command_in, run_in};
+
 /// How long a server gets to answer PING, and a cluster to report `cluster_state:ok`.
 const READY_WITHIN: Duration = Duration::from_secs(20);
 
@@ -50,41 +52,33 @@ fn free_port() -> Result<u16> {
 pub struct RedisServer {
     port: u16,
     cluster: bool,
+    /// The network namespace it runs in (its loopback), or the test's own.
+    netns: Option<String>,
     dir: TempDir,
     child: Option<Child>,
-    /// The network namespace it listens in (`None`: the test's own).
-    netns: Option<String>,
 }
 
 impl RedisServer {
     /// A standalone server, answering PING when this returns.
     pub fn start() -> Result<Self> {
-        Self::start_as(false)
+        Self::start_as(false, None)
     }
 
-    /// A standalone server on the loopback of `ns`, for agents that run there: the test's
-    /// own loopback is not theirs.
-    pub fn start_in(ns: &crate::netns::Netns) -> Result<Self> {
-        require_binaries()?;
-        let mut server = Self {
-            port: free_port()?,
-            cluster: false,
-            dir: tempfile::tempdir()?,
-            child: None,
-            netns: Some(ns.name().to_owned()),
-        };
-        server.spawn()?;
-        Ok(server)
+    /// A standalone server on the loopback of the network namespace `ns`, for agents that
+    /// run there; this handle still queries it (from a thread inside `ns`).
+    pub fn start_in(ns: &Netns) -> Result<Self> {
+        Self::start_as(false, Some(ns.name().to_owned()))
     }
 
-    fn start_as(cluster: bool) -> Result<Self> {
+    fn start_as(cluster: bool, netns: Option<String>) -> Result<Self> {
         require_binaries()?;
         let mut server = Self {
+            // A namespace of the test's own has every port free.
             port: free_port()?,
             cluster,
+            netns,
             dir: tempfile::tempdir()?,
             child: None,
-            netns: None,
         };
         server.spawn()?;
         Ok(server)
@@ -135,7 +129,7 @@ impl RedisServer {
     fn spawn(&mut self) -> Result<()> {
         let dir = self.dir.path();
         let mut cmd = match &self.netns {
-            Some(ns) => crate::netns::command_in(ns, "redis-server")?,
+            Some(ns) => command_in(ns, "redis-server")?,
             None => Command::new("redis-server"),
         };
         cmd.args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
@@ -182,16 +176,16 @@ impl RedisServer {
         }
     }
 
-    /// One command on a fresh connection to this server alone (from its namespace).
+    /// One command on a fresh connection to this server alone.
     pub fn query<T: redis::FromRedisValue + Send>(&self, cmd: &redis::Cmd) -> Result<T> {
-        let query = || -> Result<T> {
+        let ask = || -> Result<T> {
             let client = redis::Client::open(self.url())?;
             let mut connection = client.get_connection_with_timeout(Duration::from_secs(1))?;
             Ok(cmd.query(&mut connection)?)
         };
         match &self.netns {
-            Some(ns) => crate::netns::run_in(ns, query)?,
-            None => query(),
+            Some(ns) => run_in(ns, ask)?,
+            None => ask(),
         }
     }
 
@@ -222,7 +216,7 @@ pub struct RedisCluster {
 impl RedisCluster {
     pub fn start(masters: usize) -> Result<Self> {
         let nodes = (0..masters)
-            .map(|_| RedisServer::start_as(true))
+            .map(|_| RedisServer::start_as(true, None))
             .collect::<Result<Vec<_>>>()?;
         let out = Command::new("redis-cli")
             .arg("--cluster")

@@ -91,7 +91,7 @@ async fn pub_sub_connections_come_from_the_same_config() {
 // ---- Shared buckets: agents of one fleet on one Redis -------------------------------------
 
 use limiter_client::{NEVER_MS, Outcome, Verdict};
-use limiter_tests::fleet::FleetAgent;
+use limiter_tests::fleet::{FleetAgent, assert_exactly};
 
 const LOGIN_50: &str = "[actions.login]\nlimit = 50\nwindow = \"60s\"\nkey = \"user\"\n";
 /// The fallback test's check timeout: the default (50 ms) would also fall back on a check
@@ -115,16 +115,10 @@ async fn two_hundred_at_once(agents: &[FleetAgent], key: &str) -> Vec<Verdict> {
     futures::future::join_all(checks).await
 }
 
-/// Exactly `limit` admitted, and each admitted check saw a different count of tokens left:
-/// one bucket, spent one token at a time, however the checks interleaved.
-fn assert_exactly(verdicts: &[Verdict], limit: u32) {
-    let mut remaining: Vec<u32> = verdicts
-        .iter()
-        .filter(|v| v.allowed)
-        .map(|v| v.remaining)
-        .collect();
-    remaining.sort_unstable();
-    assert_eq!(remaining, (0..limit).collect::<Vec<_>>());
+/// Exactly `limit` admitted, and every refusal's numbers those of a bucket of `limit` per
+/// minute just emptied.
+fn assert_exactly_per_minute(verdicts: &[Verdict], limit: u32) {
+    assert_exactly(verdicts, limit);
     for refused in verdicts.iter().filter(|v| !v.allowed) {
         assert_eq!(refused.outcome, Outcome::Limited);
         assert_eq!(refused.remaining, 0);
@@ -150,7 +144,7 @@ async fn four_agents_on_one_redis_admit_exactly_the_limit() {
     let server = RedisServer::start().unwrap();
     let agents = four_agents(&server.url()).await;
     let verdicts = two_hundred_at_once(&agents, "alice").await;
-    assert_exactly(&verdicts, 50);
+    assert_exactly_per_minute(&verdicts, 50);
     // Every check went to Redis: none was decided locally, where 4 agents would each have
     // admitted 12.
     for agent in &agents {
@@ -174,7 +168,7 @@ async fn four_agents_on_a_three_master_cluster_admit_exactly_the_limit() {
     // Keys on every master: each one's bucket is exact on its own node.
     let users = ["alice", "bob", "carol", "dave", "erin", "frank"];
     for user in users {
-        assert_exactly(&two_hundred_at_once(&agents, user).await, 50);
+        assert_exactly_per_minute(&two_hundred_at_once(&agents, user).await, 50);
     }
     let held: Vec<i64> = cluster
         .nodes()
