@@ -320,10 +320,34 @@ fn banned(source: &SourceKey, now: u64) -> bool {
     unsafe { BANS.get(source) }.is_some_and(|ban| ban.expires_ns > now)
 }
 
-/// A SYN: a retransmission passes at once; else the rate bucket, then the caps as they stand
-/// (no slot is taken), then a half-open entry.
+/// A SYN: refused if its source has no SYN token left; else a retransmission (of a half-open
+/// or tracked connection) passes without taking one; else it takes a token, passes the caps
+/// as they stand (no slot is taken) and is recorded half-open.
 #[inline(never)]
 fn syn(seg: &Segment, config: &Config, now: u64) -> Action {
+    let source = source_of(seg, config);
+    // The rate first: a SYN over it is refused before any lookup of its 4-tuple, so a flood's
+    // refusals cost one hash lookup (the bucket's). A retransmission still takes no token:
+    // tokens are only taken after the lookups below.
+    // Read once: the config lives in a map the agent may rewrite meanwhile.
+    let rate = Gcra::of(config);
+    let bucket = if rate.limited() {
+        match syn_bucket(&source, rate, now) {
+            Bucket::Spent(bucket) => {
+                return refuse(
+                    seg,
+                    Blame::Bucket(bucket),
+                    Reason::SynRate,
+                    config.reject_rate,
+                    config,
+                );
+            }
+            Bucket::Tokens(bucket) => Some(bucket),
+            Bucket::Unmetered => None,
+        }
+    } else {
+        None
+    };
     let key = inbound(seg);
     if let Some(flow) = FLOWS.get_ptr_mut(key) {
         // SAFETY: pointer from a successful lookup.
@@ -340,9 +364,8 @@ fn syn(seg: &Segment, config: &Config, now: u64) -> Action {
     if HALF_OPEN.get_ptr(key).is_some() {
         return pass(Direction::Ingress, Reason::Retransmit);
     }
-    let source = source_of(seg, config);
-    if config.syn_rate != 0
-        && let Err(bucket) = take_syn_token(&source, config, now)
+    if let Some(bucket) = bucket
+        && !take_syn_token(bucket, rate, now)
     {
         return refuse(
             seg,
@@ -411,35 +434,82 @@ fn table_full(seg: &Segment, source: &SourceKey, config: &Config) -> Action {
     }
 }
 
-/// GCRA: the bucket is the theoretical arrival time of the next SYN. A SYN is allowed while
-/// that time is no further ahead of now than the burst; taking a token moves it one emission
-/// interval on, by compare-and-swap so racing CPUs each pay for their own token. Refused,
-/// it hands back the bucket, which counts the refusal.
+/// A source's SYN bucket, as [`syn_bucket`] finds it.
+enum Bucket {
+    /// At least one token left: the SYN may take it ([`take_syn_token`]).
+    Tokens(*mut SynBucket),
+    /// No token: the SYN is refused.
+    Spent(*mut SynBucket),
+    /// No bucket could be made (the LRU insert failed): the SYN is not metered.
+    Unmetered,
+}
+
+/// GCRA: the bucket is the theoretical arrival time (TAT) of the next SYN. A SYN is allowed
+/// while that time is no further ahead of now than the burst. Finds (or makes) the source's
+/// bucket and says whether a token is left, without taking it.
 #[inline(always)]
-fn take_syn_token(source: &SourceKey, config: &Config, now: u64) -> Result<(), *mut SynBucket> {
-    let interval = 1_000_000_000 / config.syn_rate as u64;
-    let tolerance = interval * config.syn_burst.max(1) as u64;
+fn syn_bucket(source: &SourceKey, rate: Gcra, now: u64) -> Bucket {
     let fresh = SynBucket {
         tat_ns: now,
         refused: 0,
     };
     let Some(bucket) = maps::lru_get_or_insert(&SYN_BUCKETS, source, &fresh) else {
-        return Ok(());
+        return Bucket::Unmetered;
     };
+    // SAFETY: pointer from a successful lookup.
+    let current = atomics::load(unsafe { &(*bucket).tat_ns });
+    if current.max(now) + rate.interval - now > rate.tolerance {
+        Bucket::Spent(bucket)
+    } else {
+        Bucket::Tokens(bucket)
+    }
+}
+
+/// The SYN rate's emission interval and burst tolerance, in nanoseconds; an interval of 0
+/// when the rate is not limited. (Not an `Option`: LLVM spills the fields of a `None` it
+/// never initialised, and the verifier rejects reads of uninitialised registers.)
+#[derive(Clone, Copy)]
+struct Gcra {
+    interval: u64,
+    tolerance: u64,
+}
+
+impl Gcra {
+    #[inline(always)]
+    fn of(config: &Config) -> Gcra {
+        let interval = 1_000_000_000u64
+            .checked_div(config.syn_rate as u64)
+            .unwrap_or(0);
+        Gcra {
+            interval,
+            tolerance: interval * config.syn_burst.max(1) as u64,
+        }
+    }
+
+    #[inline(always)]
+    fn limited(self) -> bool {
+        self.interval != 0
+    }
+}
+
+/// Takes a token: moves the TAT one emission interval on, by compare-and-swap so racing CPUs
+/// each pay for their own token. False if the bucket ran dry meanwhile.
+#[inline(always)]
+fn take_syn_token(bucket: *mut SynBucket, rate: Gcra, now: u64) -> bool {
     // SAFETY: pointer from a successful lookup.
     let tat = unsafe { &mut (*bucket).tat_ns };
     for _ in 0..8 {
         let current = atomics::load(tat);
-        let next = current.max(now) + interval;
-        if next - now > tolerance {
-            return Err(bucket);
+        let next = current.max(now) + rate.interval;
+        if next - now > rate.tolerance {
+            return false;
         }
         if atomics::compare_exchange(tat, current, next) {
-            return Ok(());
+            return true;
         }
     }
     // Eight CPUs beat us to the same source's bucket: it is being flooded.
-    Err(bucket)
+    false
 }
 
 /// How long after the last SYN-ACK carrying an ISN an ACK of it is still looked for, in units

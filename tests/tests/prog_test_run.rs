@@ -275,10 +275,34 @@ fn syn_rate_admits_exactly_the_burst() {
     assert_eq!(passed, 3);
     assert_eq!(k.ingress(Verdict::Drop, Reason::SynRate), 7);
     assert_eq!(half_open(&k).len(), 3);
-    // A retransmission of a half-open connection costs no token.
-    assert_eq!(k.xdp(&syn(v4(2), 1000).build()).action, XDP_PASS);
-    assert_eq!(k.ingress(Verdict::Pass, Reason::Retransmit), 1);
+    // Past its rate, a source's SYNs are refused before their 4-tuple is looked up, so a
+    // retransmission too (the host's own SYN-ACK retransmissions still complete it).
+    assert_eq!(k.xdp(&syn(v4(2), 1000).build()).action, XDP_DROP);
+    assert_eq!(k.ingress(Verdict::Drop, Reason::SynRate), 8);
+    assert_eq!(k.ingress(Verdict::Pass, Reason::Retransmit), 0);
     assert_eq!(k.global(), 0);
+}
+
+#[test]
+fn a_retransmitted_syn_takes_no_token() {
+    let k = Kernel::new(&["--syn-rate", "1", "--syn-burst", "2"]);
+    let first = syn(v4(2), 1000);
+    assert_eq!(k.xdp(&first.build()).action, XDP_PASS);
+    // With a token left, retransmissions pass without taking it...
+    for _ in 0..3 {
+        assert_eq!(k.xdp(&first.build()).action, XDP_PASS);
+    }
+    assert_eq!(k.ingress(Verdict::Pass, Reason::Retransmit), 3);
+    // ...so it is still there for a second connection, and only the third is refused.
+    assert_eq!(k.xdp(&syn(v4(2), 1001).build()).action, XDP_PASS);
+    assert_eq!(k.xdp(&syn(v4(2), 1002).build()).action, XDP_DROP);
+    assert_eq!(half_open(&k).len(), 2);
+    // A tracked connection's 4-tuple likewise, while tokens are left.
+    let k = Kernel::new(&["--syn-rate", "1", "--syn-burst", "2"]);
+    k.connect(&first);
+    assert_eq!(k.xdp(&first.build()).action, XDP_PASS);
+    assert_eq!(k.ingress(Verdict::Pass, Reason::Retransmit), 1);
+    assert_eq!(k.xdp(&syn(v4(2), 1001).build()).action, XDP_PASS);
 }
 
 /// Keeps the calling thread on the CPU it runs on: the programs remember the last refused
