@@ -338,6 +338,7 @@ fn metrics_read_the_kernel_maps_the_sweeper_and_the_broker_limiter_at_scrape_tim
         "limiter_rate_limit_keys",
         "limiter_escalation_bans_total",
         "limiter_flow_events_total",
+        "limiter_refused_connections_total",
     ] {
         assert!(
             text.contains(&format!("# HELP {name} ")),

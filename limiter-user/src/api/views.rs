@@ -19,8 +19,13 @@ pub struct Status {
     pub flow_table_entries: usize,
     pub flow_table_capacity: u32,
     pub bans_active: usize,
-    /// Refused SYNs and packets by refusal reason, since the maps were created.
+    /// Refused connection attempts by refusal reason, since the maps were created: a SYN
+    /// retransmitted after its refusal counts once, a handshake refused at its ACK once.
     pub refused: BTreeMap<String, u64>,
+    /// Refused packets by refusal reason (every retransmitted SYN, and packets other than
+    /// SYNs from banned or denylisted sources), since the maps were created.
+    #[serde(default)]
+    pub refused_packets: BTreeMap<String, u64>,
     pub limits: KernelLimits,
     /// Settings a flag or `LIMITER_*` variable sets, which the file cannot change; `None`
     /// when read from pinned maps.

@@ -55,12 +55,23 @@ pub fn render_status(status: &Status, http: SocketAddr) -> String {
     );
     let _ = writeln!(out, "bans        {} active", status.bans_active);
     let _ = writeln!(out, "limits      {}", render_limits(&status.limits));
-    let refused: Vec<String> = status
-        .refused
-        .iter()
-        .map(|(reason, n)| format!("{reason} {n}"))
-        .collect();
-    let _ = writeln!(out, "refused     {}", refused.join(", "));
+    let by_reason = |counts: &std::collections::BTreeMap<String, u64>| {
+        counts
+            .iter()
+            .map(|(reason, n)| format!("{reason} {n}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let _ = writeln!(
+        out,
+        "refused     connections: {}",
+        by_reason(&status.refused)
+    );
+    let _ = writeln!(
+        out,
+        "            packets: {}",
+        by_reason(&status.refused_packets)
+    );
     if let Some(fleet) = &status.fleet {
         let _ = writeln!(
             out,
@@ -97,7 +108,10 @@ pub fn render_top(connections: &Connections, limits: &RateLimits) -> String {
             let _ = writeln!(out, "  {:<40} {:>11}", s.source, s.connections);
         }
     }
-    let _ = writeln!(out, "\nSources refused by the kernel, by reason");
+    let _ = writeln!(
+        out,
+        "\nSources refused by the kernel, by reason (connection attempts)"
+    );
     let mut any = false;
     for (reason, top) in &limits.kernel.top_blocked {
         if top.is_empty() {

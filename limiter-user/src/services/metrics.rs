@@ -131,6 +131,7 @@ impl<T: Scraped> Collector for AtScrape<T> {
 
 struct Kernel {
     packets: IntCounterVec,
+    refused_connections: IntCounterVec,
     events: IntCounterVec,
     connections: IntGauge,
     tracked_sources: IntGauge,
@@ -157,6 +158,14 @@ impl KernelMetrics {
                     "Packets the kernel programs handled, by direction, verdict and reason.",
                 ),
                 &["direction", "verdict", "reason"],
+            )
+            .map_err(r)?,
+            refused_connections: IntCounterVec::new(
+                Opts::new(
+                    "limiter_refused_connections_total",
+                    "Connection attempts the kernel refused, by reason: a refused SYN counts once however often it is retransmitted, and a handshake refused at its ACK counts once.",
+                ),
+                &["reason"],
             )
             .map_err(r)?,
             events: IntCounterVec::new(
@@ -209,6 +218,12 @@ impl KernelMetrics {
                 ])
                 .inc_by(count.packets);
         }
+        for &reason in &Reason::ALL[..Reason::REFUSAL_COUNT] {
+            let n = enforcer.with_maps(|m| m.refused_connections(reason))?;
+            k.refused_connections
+                .with_label_values(&[reason.label()])
+                .inc_by(n);
+        }
         for event in Event::ALL {
             let n = enforcer.with_maps(|m| m.events(event))?;
             k.events.with_label_values(&[event.label()]).inc_by(n);
@@ -238,6 +253,7 @@ impl Scraped for KernelMetrics {
         let k = &self.families;
         vec![
             &k.packets,
+            &k.refused_connections,
             &k.events,
             &k.connections,
             &k.tracked_sources,
@@ -251,6 +267,7 @@ impl Scraped for KernelMetrics {
     fn refill(&self) -> Vec<&dyn Collector> {
         let k = &self.families;
         k.packets.reset();
+        k.refused_connections.reset();
         k.events.reset();
         let readable = match self.fill(k) {
             Ok(()) => true,
