@@ -109,13 +109,16 @@ fn main() {
             .find_map(|l| l.strip_prefix("redis_version:"))
             .unwrap_or("?")
             .to_owned();
-        let agent = FleetAgent::start(&server.url(), ACTION, Duration::from_secs(2), 2)
+        // The longest check timeout: on a loaded machine a check may wait, never fall back.
+        let agent = FleetAgent::start(&server.url(), ACTION, Duration::from_secs(10), 2)
             .await
             .expect("starting the agent");
         let client = agent.client().await.unwrap();
         let anchor = redis::Client::open(server.url())
             .unwrap()
-            .get_multiplexed_async_connection()
+            .get_multiplexed_async_connection_with_config(
+                &redis::AsyncConnectionConfig::new().set_response_timeout(None),
+            )
             .await
             .unwrap();
         println!("redis-server {version} on loopback; {ROUNDS} rounds interleaved, medians");

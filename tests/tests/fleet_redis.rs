@@ -312,3 +312,41 @@ async fn a_dead_redis_is_replaced_by_local_shares_and_comes_back() {
     server.resume().unwrap();
     agent.wait_redis_up(true).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_check_waits_for_a_slow_redis_up_to_its_own_timeout() {
+    let server = RedisServer::start().unwrap();
+    let agent = FleetAgent::start(
+        &server.url(),
+        "[actions.login]\nlimit = 10\nwindow = \"60s\"\nkey = \"user\"\n",
+        Duration::from_secs(3),
+        2,
+    )
+    .await
+    .unwrap();
+    let client = agent.client().await.unwrap();
+    // Redis answers after 800 ms: later than the client library's own default (500 ms), well
+    // within this agent's check timeout, so Redis decides.
+    server.pause().unwrap();
+    let resume = std::thread::scope(|scope| {
+        let resumer = scope.spawn(|| {
+            std::thread::sleep(Duration::from_millis(800));
+            server.resume()
+        });
+        let verdict = tokio::task::block_in_place(|| {
+            tokio::runtime::Handle::current().block_on(client.check("login", "slow", 1))
+        })
+        .unwrap();
+        (resumer.join().unwrap(), verdict)
+    });
+    resume.0.unwrap();
+    let verdict = resume.1;
+    assert!(verdict.allowed);
+    assert_eq!(
+        verdict.limit, 10,
+        "decided by Redis, not locally: {verdict:?}"
+    );
+    let status = agent.limiter.shared_status().unwrap();
+    assert!(status.redis_up);
+    assert_eq!(status.fallback_checks, 0);
+}

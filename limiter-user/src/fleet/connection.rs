@@ -17,6 +17,10 @@ use super::config::RedisTarget;
 /// How long one attempt to (re)connect to a server may take. Checks never wait for it
 /// longer than their own timeout; it bounds the background reconnection.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+/// How long redis-rs lets one command wait for its answer: callers set their own, shorter
+/// timeouts (a check's is `check-timeout`, at most 10 s), which the library's default
+/// (500 ms) would otherwise cut short.
+const RESPONSE_TIMEOUT: Duration = Duration::from_secs(10);
 
 #[derive(Debug, thiserror::Error)]
 pub enum FleetError {
@@ -90,15 +94,20 @@ impl Redis {
             let client = ClusterClientBuilder::new(target.nodes().to_vec())
                 .build()
                 .map_err(failed)?;
-            Connection::Cluster(client.get_pending_async_connection_with_config(
-                ClusterConfig::new().set_connection_timeout(CONNECT_TIMEOUT),
-            ))
+            Connection::Cluster(
+                client.get_pending_async_connection_with_config(
+                    ClusterConfig::new()
+                        .set_connection_timeout(CONNECT_TIMEOUT)
+                        .set_response_timeout(RESPONSE_TIMEOUT),
+                ),
+            )
         } else {
             let client = Client::open(target.nodes()[0].clone()).map_err(failed)?;
             // Few, quick retries: while Redis is away, checks are decided locally and a
             // background probe brings the connection back.
             let config = ConnectionManagerConfig::new()
                 .set_connection_timeout(Some(CONNECT_TIMEOUT))
+                .set_response_timeout(Some(RESPONSE_TIMEOUT))
                 .set_number_of_retries(1)
                 .set_max_delay(Duration::from_millis(200));
             Connection::Server(
