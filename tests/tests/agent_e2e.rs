@@ -587,3 +587,42 @@ fn a_private_mount_namespace_is_refused_with_an_explanation() {
     assert!(!s.pins.0.exists());
     assert!(!s.socket().exists());
 }
+
+#[test]
+fn pins_of_another_layout_are_refused_naming_the_map_and_the_way_out() {
+    let s = Setup::new();
+    limiter::datapath::pins::ensure_bpffs(&s.pins.0).unwrap();
+    let maps = s.pins.0.join("maps");
+    std::fs::create_dir_all(&maps).unwrap();
+    // What another build could have left: STATS with 4-byte counters where this one keeps 8.
+    aya::maps::PerCpuArray::<aya::maps::MapData, u32>::create(4, 0)
+        .unwrap()
+        .pin(maps.join("STATS"))
+        .unwrap();
+    let mut agent = s.agent(&["--http", "127.0.0.1:0"]);
+    let status = agent.wait_exit(STARTUP).unwrap();
+    assert!(!status.success());
+    let log = agent.log();
+    assert!(log.contains("pinned map STATS"), "{log}");
+    assert!(
+        log.contains("value size 4") && log.contains("value size 8"),
+        "{log}"
+    );
+    assert!(log.contains("limiter detach"), "{log}");
+    // Checked before anything was loaded: the stale pin is left for the operator, and nothing
+    // was added beside it.
+    let pinned: Vec<String> = std::fs::read_dir(&maps)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    assert_eq!(pinned, ["STATS"]);
+    assert!(!s.socket().exists());
+    // The way out the message names works.
+    let out = std::process::Command::new(limiter_tests::agent::binary())
+        .args(["detach", "--pin-dir", s.pins.arg()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let agent = s.agent(&["--http", "127.0.0.1:0"]);
+    agent.wait_for("limiter is ready", STARTUP).unwrap();
+}
