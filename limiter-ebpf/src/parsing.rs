@@ -83,8 +83,12 @@ pub struct Segment {
     pub ipv6: bool,
     /// The first fragment of a fragmented datagram: ports readable, the rest arrives later.
     pub fragment: bool,
-    /// Where the IP header starts, after Ethernet and VLAN tags.
-    pub l3_offset: usize,
+    /// Where the IP header starts, after Ethernet and VLAN tags (at most
+    /// [`MAX_L3_OFFSET`]). A byte, not a `usize`: a value loaded from a byte is bounded by its
+    /// width wherever the compiler keeps it, while a bound learned by comparison is lost on
+    /// kernels before 6.8 if the compiler spilled the value to the stack before comparing
+    /// (their verifier then refuses the reply's packet pointer arithmetic as unbounded).
+    pub l3_offset: u8,
 }
 
 impl Segment {
@@ -290,6 +294,7 @@ fn parse_tcp(w: &Window, ip: &Ip, src: [u8; 16], dst: [u8; 16]) -> Result<Segmen
         flags: tcp[13],
         ipv6: ip.ipv6,
         fragment: ip.fragment,
-        l3_offset: ip.l3,
+        // At most MAX_L3_OFFSET (two VLAN tags), which fits a byte.
+        l3_offset: ip.l3 as u8,
     })
 }

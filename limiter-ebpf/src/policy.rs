@@ -89,13 +89,21 @@ fn refuse(seg: &Segment, source: &SourceKey, reason: Reason, mode: u8, config: &
     }
 }
 
+/// A source's counts before its first refusal. A static, not a local: a zeroed 48-byte local
+/// compiles to a call of `memset`, a subprogram of its own, and kernels before 6.7 round every
+/// frame on a call chain up to 32 bytes, which took the deepest chain (`limiter_xdp` →
+/// `ingress` → `syn` or `complete` → `memset`) past BPF's 512 bytes of stack.
+static NO_REFUSALS: Blocked = Blocked {
+    counts: [0; Reason::REFUSAL_COUNT],
+};
+
 /// Counts a refusal against its source, for the agent's top-blocked lists.
 #[inline(always)]
 fn record_blocked(source: &SourceKey, reason: Reason) {
     let Some(slot) = reason.blocked_slot() else {
         return;
     };
-    if let Some(blocked) = maps::lru_get_or_insert(&BLOCKED, source, &Blocked::default()) {
+    if let Some(blocked) = maps::lru_get_or_insert(&BLOCKED, source, &NO_REFUSALS) {
         // SAFETY: pointer from a successful lookup; the slot index is below REFUSAL_COUNT.
         atomics::fetch_add(unsafe { &mut (*blocked).counts[slot] }, 1);
     }
