@@ -300,12 +300,13 @@ fn qemu_user_row(target: Target) -> Result<Row> {
         "limiter-tests",
         "--lib",
         "--bins",
-        "--",
     ]);
+    cross::configure(&mut cmd, target);
+    // After `--target`: what follows `--` goes to the test binaries.
+    cmd.arg("--");
     for (test, _) in QEMU_USER_SKIPS {
         cmd.args(["--skip", test]);
     }
-    cross::configure(&mut cmd, target);
     let out = cmd
         .stderr(Stdio::inherit())
         .output()
