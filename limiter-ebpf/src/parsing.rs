@@ -85,9 +85,9 @@ pub struct Segment {
     pub fragment: bool,
     /// Where the IP header starts, after Ethernet and VLAN tags (at most
     /// [`MAX_L3_OFFSET`]). A byte, not a `usize`: a value loaded from a byte is bounded by its
-    /// width wherever the compiler keeps it, while a bound learned by comparison is lost on
-    /// kernels before 6.8 if the compiler spilled the value to the stack before comparing
-    /// (their verifier then refuses the reply's packet pointer arithmetic as unbounded).
+    /// width wherever the compiler keeps it, while a bound learned by comparison is lost by
+    /// older verifiers (Debian's 6.1; 6.12 keeps it) if the compiler spilled the value to the
+    /// stack before comparing: 6.1 refused the reply's packet pointer arithmetic as unbounded.
     pub l3_offset: u8,
 }
 

@@ -90,9 +90,9 @@ fn refuse(seg: &Segment, source: &SourceKey, reason: Reason, mode: u8, config: &
 }
 
 /// A source's counts before its first refusal. A static, not a local: a zeroed 48-byte local
-/// compiles to a call of `memset`, a subprogram of its own, and kernels before 6.7 round every
-/// frame on a call chain up to 32 bytes, which took the deepest chain (`limiter_xdp` →
-/// `ingress` → `syn` or `complete` → `memset`) past BPF's 512 bytes of stack.
+/// compiles to a call of `memset`, a subprogram of its own, and older verifiers (Debian's 6.1)
+/// round every frame on a call chain up to 32 bytes, which took the deepest chain
+/// (`limiter_xdp` → `ingress` → `syn` or `complete` → `memset`) past BPF's 512 bytes of stack.
 static NO_REFUSALS: Blocked = Blocked {
     counts: [0; Reason::REFUSAL_COUNT],
 };
