@@ -83,8 +83,12 @@ pub struct Segment {
     pub ipv6: bool,
     /// The first fragment of a fragmented datagram: ports readable, the rest arrives later.
     pub fragment: bool,
-    /// Where the IP header starts, after Ethernet and VLAN tags.
-    pub l3_offset: usize,
+    /// Where the IP header starts, after Ethernet and VLAN tags (at most
+    /// [`MAX_L3_OFFSET`]). A byte, not a `usize`: a value loaded from a byte is bounded by its
+    /// width wherever the compiler keeps it, while a bound learned by comparison is lost by
+    /// older verifiers (Debian's 6.1; 6.12 keeps it) if the compiler spilled the value to the
+    /// stack before comparing: 6.1 refused the reply's packet pointer arithmetic as unbounded.
+    pub l3_offset: u8,
 }
 
 impl Segment {
@@ -387,6 +391,7 @@ fn parse_tcp(w: &Window, ip: &Ip, src: [u8; 16], dst: [u8; 16]) -> Result<Segmen
         flags: tcp[13],
         ipv6: ip.ipv6,
         fragment: ip.fragment,
-        l3_offset: ip.l3,
+        // At most MAX_L3_OFFSET (two VLAN tags), which fits a byte.
+        l3_offset: ip.l3 as u8,
     })
 }

@@ -126,8 +126,11 @@ fn refused_attempt(blame: Blame, reason: Reason) {
     }
 }
 
-/// A static, so that inserting it copies from the object's read-only data instead of
-/// zeroing 48 bytes of stack (which LLVM does with a byte-by-byte `memset` call).
+/// A source's counts before its first refusal. A static, not a local: a zeroed 48-byte local
+/// compiles to a byte-by-byte call of `memset`, a subprogram of its own, and older verifiers
+/// (Debian's 6.1) round every frame on a call chain up to 32 bytes, which took the deepest
+/// chain (`limiter_xdp` → `ingress` → `syn` or `complete` → `memset`) past BPF's 512 bytes of
+/// stack.
 static NO_REFUSALS: Blocked = Blocked {
     counts: [0; Reason::REFUSAL_COUNT],
 };
