@@ -15,10 +15,12 @@ pub enum Outcome {
     CostExceedsBurst = 3,
     /// A security action configured with limit 0: every attempt is refused.
     Closed = 4,
+    /// The cost is larger than a quota's whole allowance per period: waiting will not help.
+    CostExceedsLimit = 5,
 }
 
 impl Outcome {
-    /// Whether the request may go ahead. Two outcomes allow, three refuse; callers that only
+    /// Whether the request may go ahead. Two outcomes allow, four refuse; callers that only
     /// need yes or no should not have to know which are which.
     pub fn allowed(self) -> bool {
         matches!(self, Outcome::Allowed | Outcome::Unlimited)
@@ -32,6 +34,7 @@ impl Outcome {
             2 => Outcome::Limited,
             3 => Outcome::CostExceedsBurst,
             4 => Outcome::Closed,
+            5 => Outcome::CostExceedsLimit,
             _ => return None,
         })
     }
@@ -45,11 +48,13 @@ impl Outcome {
             Outcome::Limited => "limited",
             Outcome::CostExceedsBurst => "cost_exceeds_burst",
             Outcome::Closed => "closed",
+            Outcome::CostExceedsLimit => "cost_exceeds_limit",
         }
     }
 }
 
-/// `u64::MAX` milliseconds stands for "never" (a cost above the burst, a closed action).
+/// `u64::MAX` milliseconds stands for "never" (a cost above the burst or a quota's limit, a
+/// closed action).
 pub const NEVER_MS: u64 = u64::MAX;
 
 /// The answer to a check or a peek: the outcome and the numbers an HTTP front end turns into
@@ -134,6 +139,7 @@ mod tests {
                 assert_eq!(outcome as u8, value);
             }
         }
-        assert_eq!(Outcome::from_wire(5), None);
+        assert_eq!(Outcome::from_wire(5), Some(Outcome::CostExceedsLimit));
+        assert_eq!(Outcome::from_wire(6), None);
     }
 }

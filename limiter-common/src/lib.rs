@@ -48,8 +48,14 @@ pub mod map_names {
     pub const STATS: &str = maps::STATS.name;
     /// Per-CPU flow event counters, indexed by [`Event`](crate::Event).
     pub const EVENTS: &str = maps::EVENTS.name;
-    /// Refusals per source and reason ([`Blocked`](crate::Blocked)), for the top-blocked lists.
+    /// Refused connection attempts per source and reason ([`Blocked`](crate::Blocked)), for
+    /// the top-blocked lists (those refused for their SYN rate count in their bucket).
     pub const BLOCKED: &str = maps::BLOCKED.name;
+    /// Per CPU, the signature of the last refused SYN per slot, so that a retransmitted SYN
+    /// does not count as another connection attempt.
+    pub const REFUSED_SEEN: &str = maps::REFUSED_SEEN.name;
+    /// Per-CPU refused connection attempts by refusal reason.
+    pub const REFUSED_CONNS: &str = maps::REFUSED_CONNS.name;
 }
 
 /// How a refused SYN is answered.
@@ -236,9 +242,13 @@ const _: () = assert!(core::mem::size_of::<HalfOpen>() == 32);
 pub struct SynBucket {
     /// Theoretical arrival time, `CLOCK_BOOTTIME` nanoseconds.
     pub tat_ns: u64,
+    /// Connection attempts of this source refused for its SYN rate, for the top-blocked lists.
+    /// Kept here rather than in `BLOCKED` so that a SYN refused for its rate, the one refusal
+    /// a flood is made of, costs one hash lookup: the bucket's, whose cache line it shares.
+    pub refused: u64,
 }
 
-const _: () = assert!(core::mem::size_of::<SynBucket>() == 8);
+const _: () = assert!(core::mem::size_of::<SynBucket>() == 16);
 
 /// A ban set by the agent; it stops applying by itself at `expires_ns` (`CLOCK_BOOTTIME`).
 #[repr(C)]
@@ -256,8 +266,9 @@ pub type Ipv4Bits = [u8; 4];
 /// Key of the IPv6 allow / deny LPM tries' data part.
 pub type Ipv6Bits = [u8; 16];
 
-/// Per-source refusal counts, for the agent's top-blocked lists; one slot per refusal reason,
-/// indexed by [`Reason::blocked_slot`].
+/// Per-source refused connection attempts, for the agent's top-blocked lists; one slot per
+/// refusal reason, indexed by [`Reason::blocked_slot`]. The `syn_rate` slot stays zero: those
+/// refusals are counted in the source's [`SynBucket`].
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct Blocked {

@@ -185,8 +185,8 @@ pub const EVENTS: MapDef = MapDef {
     default_entries: crate::Event::COUNT as u32,
 };
 
-/// Refusals per source key, for the top-blocked lists. An LRU: losing an entry only shortens
-/// a list. Sized like `FLOWS`.
+/// Refused connection attempts per source key, for the top-blocked lists. An LRU: losing an
+/// entry only shortens a list. Sized like `FLOWS`.
 pub const BLOCKED: MapDef = MapDef {
     name: "BLOCKED",
     kind: MapKind::LruHash,
@@ -195,8 +195,35 @@ pub const BLOCKED: MapDef = MapDef {
     default_entries: FLOWS.default_entries,
 };
 
+/// Bits of a `REFUSED_SEEN` index.
+pub const REFUSED_SEEN_BITS: u32 = 14;
+
+/// Per CPU, the signature of the last refused SYN (a hash of its 4-tuple and sequence number)
+/// in each of 2^14 slots: a SYN whose signature is already in its slot is a retransmission of
+/// a refused connection attempt, not a new one. Per CPU, so it is read and written without
+/// atomics; 128 KiB a CPU, small enough to stay in cache under a flood. A retransmission
+/// counts again only if another refused SYN took its slot meanwhile, or it arrives on
+/// another CPU.
+pub const REFUSED_SEEN: MapDef = MapDef {
+    name: "REFUSED_SEEN",
+    kind: MapKind::PerCpuArray,
+    key: "u32",
+    value: "u64",
+    default_entries: 1 << REFUSED_SEEN_BITS,
+};
+
+/// Refused connection attempts (a refused SYN that is not a retransmission of the last one
+/// refused in its slot, or a handshake refused at its ACK) by refusal reason, per CPU.
+pub const REFUSED_CONNS: MapDef = MapDef {
+    name: "REFUSED_CONNS",
+    kind: MapKind::PerCpuArray,
+    key: "u32",
+    value: "u64",
+    default_entries: crate::Reason::REFUSAL_COUNT as u32,
+};
+
 /// Every map of the kernel object.
-pub const ALL: [MapDef; 16] = [
+pub const ALL: [MapDef; 18] = [
     CONFIG,
     PORTS,
     FLOWS,
@@ -213,6 +240,8 @@ pub const ALL: [MapDef; 16] = [
     STATS,
     EVENTS,
     BLOCKED,
+    REFUSED_SEEN,
+    REFUSED_CONNS,
 ];
 
 #[cfg(test)]

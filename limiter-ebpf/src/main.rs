@@ -28,14 +28,17 @@ pub fn limiter_xdp(ctx: XdpContext) -> u32 {
         start: ctx.data(),
         end: ctx.data_end(),
     };
-    let segment = match parsing::parse(&window, true) {
-        Ok(segment) => segment,
-        Err(reason) => {
-            return match policy::unparsed(Direction::Ingress, reason) {
-                Action::Drop => xdp_action::XDP_DROP,
-                _ => xdp_action::XDP_PASS,
-            };
-        }
+    let segment = match parsing::parse_common(&window) {
+        Some(segment) => segment,
+        None => match parsing::parse(&window, true) {
+            Ok(segment) => segment,
+            Err(reason) => {
+                return match policy::unparsed(Direction::Ingress, reason) {
+                    Action::Drop => xdp_action::XDP_DROP,
+                    _ => xdp_action::XDP_PASS,
+                };
+            }
+        },
     };
     let action = policy::ingress(&segment);
     match action {

@@ -70,13 +70,21 @@ pub static EVENTS: PerCpuArray<u64> =
 pub static BLOCKED: LruHashMap<SourceKey, Blocked> =
     LruHashMap::with_max_entries(catalogue::BLOCKED.default_entries, 0);
 
-/// The live configuration, or the unconfigured default before the agent writes one.
+#[map]
+pub static REFUSED_SEEN: PerCpuArray<u64> =
+    PerCpuArray::with_max_entries(catalogue::REFUSED_SEEN.default_entries, 0);
+
+#[map]
+pub static REFUSED_CONNS: PerCpuArray<u64> =
+    PerCpuArray::with_max_entries(catalogue::REFUSED_CONNS.default_entries, 0);
+
+static UNCONFIGURED: Config = Config::UNCONFIGURED;
+
+/// The live configuration, or the unconfigured default before the agent writes one. A
+/// reference into the map: the programs read the few fields they need, not a copy of all.
 #[inline(always)]
-pub fn config() -> Config {
-    match CONFIG.get(0) {
-        Some(config) => *config,
-        None => Config::UNCONFIGURED,
-    }
+pub fn config() -> &'static Config {
+    CONFIG.get(0).unwrap_or(&UNCONFIGURED)
 }
 
 /// Adds one to a per-CPU slot. No other CPU writes it, so a plain add is exact.

@@ -17,14 +17,17 @@
 use aya_ebpf::{helpers::bpf_ktime_get_boot_ns, maps::lpm_trie::Key};
 use limiter_common::{
     Blocked, Config, Direction, Event, Flow, FlowKey, HalfOpen, Reason, Refusal, SourceKey,
-    SynBucket, Verdict, flow_state, maps::ACK_HINT_BITS, source_key, stats::stat_slot,
+    SynBucket, Verdict, flow_state,
+    maps::{ACK_HINT_BITS, REFUSED_SEEN_BITS},
+    source_key,
+    stats::stat_slot,
 };
 
 use crate::{
     atomics,
     maps::{
-        self, ACK_HINTS, BANS, BLOCKED, EVENTS, FLOWS, GLOBAL_CONNS, HALF_OPEN, SOURCE_CONNS,
-        STATS, SYN_BUCKETS,
+        self, ACK_HINTS, BANS, BLOCKED, EVENTS, FLOWS, GLOBAL_CONNS, HALF_OPEN, REFUSED_CONNS,
+        REFUSED_SEEN, SOURCE_CONNS, STATS, SYN_BUCKETS,
     },
     parsing::{Segment, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
 };
@@ -73,11 +76,24 @@ pub fn unparsed(direction: Direction, reason: Reason) -> Action {
     pass(direction, reason)
 }
 
-/// Refuses an ingress packet of `source`. Only a SYN gets an RST: a reset in the middle of a
-/// flow would need the flow's sequence numbers, so other refused packets are dropped.
+/// Who a refused connection attempt is counted against, for the top-blocked lists.
+#[derive(Clone, Copy)]
+enum Blame<'a> {
+    /// Its source, in `BLOCKED`.
+    Source(&'a SourceKey),
+    /// Its source's SYN bucket, already looked up (refused for the SYN rate).
+    Bucket(*mut SynBucket),
+}
+
+/// Refuses an ingress packet. Only a SYN gets an RST: a reset in the middle of a flow would
+/// need the flow's sequence numbers, so other refused packets are dropped. Every packet
+/// counts in `STATS`; a SYN that is not a retransmission of one just refused also counts as a
+/// refused connection attempt, in `REFUSED_CONNS` and against its source.
 #[inline(always)]
-fn refuse(seg: &Segment, source: &SourceKey, reason: Reason, mode: u8, config: &Config) -> Action {
-    record_blocked(source, reason);
+fn refuse(seg: &Segment, blame: Blame, reason: Reason, mode: u8, config: &Config) -> Action {
+    if seg.is_syn() && new_attempt(seg) {
+        refused_attempt(blame, reason);
+    }
     if Refusal::from_u8(mode) == Refusal::Rst && seg.is_syn() {
         count(Direction::Ingress, Verdict::Rst, reason);
         Action::Rst {
@@ -89,16 +105,76 @@ fn refuse(seg: &Segment, source: &SourceKey, reason: Reason, mode: u8, config: &
     }
 }
 
-/// Counts a refusal against its source, for the agent's top-blocked lists.
+/// Counts a refused connection attempt, by reason and against its source.
 #[inline(always)]
-fn record_blocked(source: &SourceKey, reason: Reason) {
+fn refused_attempt(blame: Blame, reason: Reason) {
     let Some(slot) = reason.blocked_slot() else {
         return;
     };
-    if let Some(blocked) = maps::lru_get_or_insert(&BLOCKED, source, &Blocked::default()) {
-        // SAFETY: pointer from a successful lookup; the slot index is below REFUSAL_COUNT.
-        atomics::fetch_add(unsafe { &mut (*blocked).counts[slot] }, 1);
+    maps::bump(&REFUSED_CONNS, slot as u32);
+    match blame {
+        Blame::Source(source) => {
+            if let Some(blocked) = maps::lru_get_or_insert(&BLOCKED, source, &NO_REFUSALS) {
+                // SAFETY: pointer from a successful lookup; the slot is below REFUSAL_COUNT.
+                atomics::fetch_add(unsafe { &mut (*blocked).counts[slot] }, 1);
+            }
+        }
+        // SAFETY: pointer from a successful lookup.
+        Blame::Bucket(bucket) => {
+            atomics::fetch_add(unsafe { &mut (*bucket).refused }, 1);
+        }
     }
+}
+
+/// A source's counts before its first refusal. A static, not a local: a zeroed 48-byte local
+/// compiles to a byte-by-byte call of `memset`, a subprogram of its own, and older verifiers
+/// (Debian's 6.1) round every frame on a call chain up to 32 bytes, which took the deepest
+/// chain (`limiter_xdp` → `ingress` → `syn` or `complete` → `memset`) past BPF's 512 bytes of
+/// stack.
+static NO_REFUSALS: Blocked = Blocked {
+    counts: [0; Reason::REFUSAL_COUNT],
+};
+
+/// Whether this refused SYN starts a new connection attempt rather than retransmitting the
+/// last one refused in its `REFUSED_SEEN` slot (same 4-tuple, same sequence number). A
+/// client retries a refused connect with the same SYN; a new `connect` has a new ISN.
+#[inline(always)]
+fn new_attempt(seg: &Segment) -> bool {
+    let signature = attempt_signature(seg);
+    let Some(seen) = REFUSED_SEEN.get_ptr_mut((signature >> (64 - REFUSED_SEEN_BITS)) as u32)
+    else {
+        return true;
+    };
+    // SAFETY: this CPU's slot, from a successful lookup; no other CPU writes it.
+    unsafe {
+        if *seen == signature {
+            return false;
+        }
+        *seen = signature;
+    }
+    true
+}
+
+/// A 64-bit hash of the SYN's 4-tuple and sequence number; never 0, which marks a slot
+/// never written. Multiply-xorshift rounds: cheap, and spread over the high bits that pick
+/// the slot.
+#[inline(always)]
+fn attempt_signature(seg: &Segment) -> u64 {
+    const K: u64 = 0x9E37_79B9_7F4A_7C15;
+    let src = u128::from_ne_bytes(seg.src);
+    let dst = u128::from_ne_bytes(seg.dst);
+    let mut h =
+        ((seg.sport as u64) << 48 | (seg.dport as u64) << 32 | seg.seq as u64).wrapping_mul(K);
+    for word in [
+        src as u64,
+        (src >> 64) as u64,
+        dst as u64,
+        (dst >> 64) as u64,
+    ] {
+        h = (h ^ word).wrapping_mul(K);
+        h ^= h >> 29;
+    }
+    h | 1
 }
 
 #[inline(always)]
@@ -142,7 +218,7 @@ fn now() -> u64 {
 #[inline(never)]
 pub fn ingress(seg: &Segment) -> Action {
     let config = maps::config();
-    if !protected(&config, seg.dport) {
+    if !protected(config, seg.dport) {
         return pass(Direction::Ingress, Reason::UnprotectedPort);
     }
     if seg.fragment {
@@ -154,30 +230,36 @@ pub fn ingress(seg: &Segment) -> Action {
         return pass(Direction::Ingress, Reason::Allowlisted);
     }
     if config.has_deny != 0 && listed(seg, false) {
-        let source = source_of(seg, &config);
+        let source = source_of(seg, config);
         return refuse(
             seg,
-            &source,
+            Blame::Source(&source),
             Reason::Denylisted,
             config.reject_deny,
-            &config,
+            config,
         );
     }
     if config.has_bans != 0 {
-        let source = source_of(seg, &config);
+        let source = source_of(seg, config);
         if banned(&source, now()) {
-            return refuse(seg, &source, Reason::Banned, config.reject_ban, &config);
+            return refuse(
+                seg,
+                Blame::Source(&source),
+                Reason::Banned,
+                config.reject_ban,
+                config,
+            );
         }
     }
     if seg.is_syn() {
-        return syn(seg, &config, now());
+        return syn(seg, config, now());
     }
     if seg.has(TCP_RST) {
         return reset(seg, Direction::Ingress);
     }
     let mut reason = Reason::Segment;
     if seg.has(TCP_ACK) && !seg.has(TCP_SYN) && hinted(seg.ack) {
-        match complete(seg, &config, now()) {
+        match complete(seg, config, now()) {
             Completion::Admitted => reason = Reason::Admitted,
             Completion::Refused(action) => return action,
             Completion::NotAHandshake => {}
@@ -193,7 +275,7 @@ pub fn ingress(seg: &Segment) -> Action {
 #[inline(never)]
 pub fn egress(seg: &Segment) -> Action {
     let config = maps::config();
-    if !protected(&config, seg.sport) {
+    if !protected(config, seg.sport) {
         return pass(Direction::Egress, Reason::UnprotectedPort);
     }
     if seg.flags & (TCP_SYN | TCP_ACK | TCP_RST) == TCP_SYN | TCP_ACK {
@@ -241,10 +323,34 @@ fn banned(source: &SourceKey, now: u64) -> bool {
     unsafe { BANS.get(source) }.is_some_and(|ban| ban.expires_ns > now)
 }
 
-/// A SYN: a retransmission passes at once; else the rate bucket, then the caps as they stand
-/// (no slot is taken), then a half-open entry.
+/// A SYN: refused if its source has no SYN token left; else a retransmission (of a half-open
+/// or tracked connection) passes without taking one; else it takes a token, passes the caps
+/// as they stand (no slot is taken) and is recorded half-open.
 #[inline(never)]
 fn syn(seg: &Segment, config: &Config, now: u64) -> Action {
+    let source = source_of(seg, config);
+    // The rate first: a SYN over it is refused before any lookup of its 4-tuple, so a flood's
+    // refusals cost one hash lookup (the bucket's). A retransmission still takes no token:
+    // tokens are only taken after the lookups below.
+    // Read once: the config lives in a map the agent may rewrite meanwhile.
+    let rate = Gcra::of(config);
+    let bucket = if rate.limited() {
+        match syn_bucket(&source, rate, now) {
+            Bucket::Spent(bucket) => {
+                return refuse(
+                    seg,
+                    Blame::Bucket(bucket),
+                    Reason::SynRate,
+                    config.reject_rate,
+                    config,
+                );
+            }
+            Bucket::Tokens(bucket) => Some(bucket),
+            Bucket::Unmetered => None,
+        }
+    } else {
+        None
+    };
     let key = inbound(seg);
     if let Some(flow) = FLOWS.get_ptr_mut(key) {
         // SAFETY: pointer from a successful lookup.
@@ -261,12 +367,25 @@ fn syn(seg: &Segment, config: &Config, now: u64) -> Action {
     if HALF_OPEN.get_ptr(key).is_some() {
         return pass(Direction::Ingress, Reason::Retransmit);
     }
-    let source = source_of(seg, config);
-    if config.syn_rate != 0 && !take_syn_token(&source, config, now) {
-        return refuse(seg, &source, Reason::SynRate, config.reject_rate, config);
+    if let Some(bucket) = bucket
+        && !take_syn_token(bucket, rate, now)
+    {
+        return refuse(
+            seg,
+            Blame::Bucket(bucket),
+            Reason::SynRate,
+            config.reject_rate,
+            config,
+        );
     }
     if let Some(reason) = at_cap(&source, config) {
-        return refuse(seg, &source, reason, config.reject_conn, config);
+        return refuse(
+            seg,
+            Blame::Source(&source),
+            reason,
+            config.reject_conn,
+            config,
+        );
     }
     let half_open = HalfOpen {
         source,
@@ -308,7 +427,7 @@ fn table_full(seg: &Segment, source: &SourceKey, config: &Config) -> Action {
     if config.fail_closed != 0 {
         refuse(
             seg,
-            source,
+            Blame::Source(source),
             Reason::FlowTableFull,
             config.reject_conn,
             config,
@@ -318,23 +437,74 @@ fn table_full(seg: &Segment, source: &SourceKey, config: &Config) -> Action {
     }
 }
 
-/// GCRA: the bucket is the theoretical arrival time of the next SYN. A SYN is allowed while
-/// that time is no further ahead of now than the burst; taking a token moves it one emission
-/// interval on, by compare-and-swap so racing CPUs each pay for their own token.
+/// A source's SYN bucket, as [`syn_bucket`] finds it.
+enum Bucket {
+    /// At least one token left: the SYN may take it ([`take_syn_token`]).
+    Tokens(*mut SynBucket),
+    /// No token: the SYN is refused.
+    Spent(*mut SynBucket),
+    /// No bucket could be made (the LRU insert failed): the SYN is not metered.
+    Unmetered,
+}
+
+/// GCRA: the bucket is the theoretical arrival time (TAT) of the next SYN. A SYN is allowed
+/// while that time is no further ahead of now than the burst. Finds (or makes) the source's
+/// bucket and says whether a token is left, without taking it.
 #[inline(always)]
-fn take_syn_token(source: &SourceKey, config: &Config, now: u64) -> bool {
-    let interval = 1_000_000_000 / config.syn_rate as u64;
-    let tolerance = interval * config.syn_burst.max(1) as u64;
-    let Some(bucket) = maps::lru_get_or_insert(&SYN_BUCKETS, source, &SynBucket { tat_ns: now })
-    else {
-        return true;
+fn syn_bucket(source: &SourceKey, rate: Gcra, now: u64) -> Bucket {
+    let fresh = SynBucket {
+        tat_ns: now,
+        refused: 0,
     };
+    let Some(bucket) = maps::lru_get_or_insert(&SYN_BUCKETS, source, &fresh) else {
+        return Bucket::Unmetered;
+    };
+    // SAFETY: pointer from a successful lookup.
+    let current = atomics::load(unsafe { &(*bucket).tat_ns });
+    if current.max(now) + rate.interval - now > rate.tolerance {
+        Bucket::Spent(bucket)
+    } else {
+        Bucket::Tokens(bucket)
+    }
+}
+
+/// The SYN rate's emission interval and burst tolerance, in nanoseconds; an interval of 0
+/// when the rate is not limited. (Not an `Option`: LLVM spills the fields of a `None` it
+/// never initialised, and the verifier rejects reads of uninitialised registers.)
+#[derive(Clone, Copy)]
+struct Gcra {
+    interval: u64,
+    tolerance: u64,
+}
+
+impl Gcra {
+    #[inline(always)]
+    fn of(config: &Config) -> Gcra {
+        let interval = 1_000_000_000u64
+            .checked_div(config.syn_rate as u64)
+            .unwrap_or(0);
+        Gcra {
+            interval,
+            tolerance: interval * config.syn_burst.max(1) as u64,
+        }
+    }
+
+    #[inline(always)]
+    fn limited(self) -> bool {
+        self.interval != 0
+    }
+}
+
+/// Takes a token: moves the TAT one emission interval on, by compare-and-swap so racing CPUs
+/// each pay for their own token. False if the bucket ran dry meanwhile.
+#[inline(always)]
+fn take_syn_token(bucket: *mut SynBucket, rate: Gcra, now: u64) -> bool {
     // SAFETY: pointer from a successful lookup.
     let tat = unsafe { &mut (*bucket).tat_ns };
     for _ in 0..8 {
         let current = atomics::load(tat);
-        let next = current.max(now) + interval;
-        if next - now > tolerance {
+        let next = current.max(now) + rate.interval;
+        if next - now > rate.tolerance {
             return false;
         }
         if atomics::compare_exchange(tat, current, next) {
@@ -500,7 +670,8 @@ fn complete(seg: &Segment, config: &Config, now: u64) -> Completion {
 /// the last slot between this one's SYN and its ACK. The ACK becomes a RST to the host.
 #[inline(always)]
 fn refuse_at_ack(source: &SourceKey, reason: Reason) -> Completion {
-    record_blocked(source, reason);
+    // Always a new attempt: only the ACK that deleted the half-open entry gets here.
+    refused_attempt(Blame::Source(source), reason);
     count(Direction::Ingress, Verdict::Rst, reason);
     event(Event::RefusedAtAck);
     Completion::Refused(Action::ResetHost)

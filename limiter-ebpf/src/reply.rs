@@ -36,7 +36,8 @@ struct Rst {
     ack: u32,
     flags: u8,
     ipv6: bool,
-    l3_offset: usize,
+    /// A byte, as in [`Segment`], so the verifier knows its bound however it is kept.
+    l3_offset: u8,
     /// Back to the sender (MACs swapped), or on towards the host.
     answer: bool,
 }
@@ -159,7 +160,7 @@ pub fn tc_answer(ctx: &TcContext, syn: &Segment) -> bool {
 /// could not hold it (then the caller drops it instead).
 #[inline(always)]
 fn write(w: &Window, rst: &Rst) -> Option<usize> {
-    let l3 = rst.l3_offset;
+    let l3 = usize::from(rst.l3_offset);
     if l3 > MAX_L3_OFFSET {
         return None;
     }

@@ -46,7 +46,7 @@ fn limiter() -> Arc<Limiter> {
     );
     Arc::new(Limiter::new(
         LimiterConfig {
-            actions: resolve_actions(&table, &[]).unwrap(),
+            actions: resolve_actions(&table, &[], false).unwrap(),
             escalation: None,
         },
         Arc::new(MonotonicClock::new()),

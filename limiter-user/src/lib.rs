@@ -4,8 +4,10 @@
 //! Layers, each importing only from those below it:
 //! - `errors`, `api` and `secret`: shared error types, the HTTP API's documents (server and
 //!   CLI), and the one constant-time token comparison.
-//! - `datapath`, `buckets` and `admission`, side by side: the kernel programs and maps, the
-//!   broker's token buckets, and the listeners' connection slots. None knows the others.
+//! - `datapath`, `buckets`, `fleet` and `admission`, side by side: the kernel programs and
+//!   maps, the broker's token buckets, the fleet's Redis (which implements the buckets'
+//!   `SharedBuckets` contract, the one link between them), and the listeners' connection
+//!   slots.
 //! - `settings`: flags, file and defaults, resolved into what the two layers below take.
 //! - `protocol` and `services`: the broker socket, HTTP, metrics and the sweeper, each given
 //!   the narrow handles it uses.
@@ -26,6 +28,7 @@ pub mod buckets;
 pub mod cli;
 pub mod datapath;
 pub mod errors;
+pub mod fleet;
 pub mod ops;
 pub mod protocol;
 pub mod run;

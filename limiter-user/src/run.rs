@@ -16,8 +16,10 @@ use crate::{
     admission::Admission,
     buckets::{BanError, Banner, Limiter, MonotonicClock},
     datapath::{Datapath, Enforcer, KernelLogger, LoadOptions, default_route_interface, pins},
+    fleet::{FleetBans, FleetConfig, Redis, SharedGcra},
     protocol::{ServeControl, Server},
     services::{
+        fleet_bans::FleetBanning,
         http::HttpServer,
         sweeper::{self, SweepStats, SweepTargets},
     },
@@ -44,6 +46,32 @@ impl Banner for KernelBans {
             reason: e.to_string(),
         })
     }
+}
+
+/// The longest a starting agent waits for the fleet's bans in force before it reports ready
+/// without them (they are applied as soon as Redis answers).
+const FLEET_BANS_WITHIN: Duration = Duration::from_secs(5);
+
+/// The fleet's shared bans, written through `redis` (the agent's shared connection), and the
+/// log reader's own connection (reading blocks it).
+fn fleet_banning(
+    fleet: &FleetConfig,
+    redis: Redis,
+    local: Arc<dyn Banner>,
+    escalation: Option<crate::buckets::EscalationConfig>,
+) -> anyhow::Result<(FleetBanning, FleetBans)> {
+    // Tells this agent's entries in the ban log apart from the others'.
+    let origin = format!(
+        "{}:{}",
+        std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .unwrap_or_default()
+            .trim(),
+        std::process::id()
+    );
+    let bans = FleetBans::new(redis, &fleet.key_prefix, origin);
+    let reader = bans
+        .with_connection(Redis::connect(&fleet.redis).context("connecting to the fleet's Redis")?);
+    Ok((FleetBanning::new(local, bans, escalation), reader))
 }
 
 /// The running agent as the signal handlers see it.
@@ -97,6 +125,7 @@ impl Agent {
                 "broker.listen",
                 new.broker.serve.listen != old.broker.serve.listen,
             ),
+            ("cluster", new.fleet != old.fleet),
         ]
         .into_iter()
         .filter(|(_, changed)| *changed)
@@ -147,6 +176,7 @@ impl Agent {
                 serve,
                 limiter: new.broker.limiter.clone(),
             },
+            fleet: old.fleet,
             restart_required: restart,
             ..new
         });
@@ -327,11 +357,39 @@ async fn serve(
         enforcer
             .set_policy(settings.policy.clone())
             .context("writing the settings to the kernel maps")?;
-        let limiter = Arc::new(Limiter::new(
+        let kernel_bans: Arc<dyn Banner> = Arc::new(KernelBans(Arc::clone(&enforcer)));
+        let mut banner = Arc::clone(&kernel_bans);
+        let mut shared = None;
+        let mut fleet_bans = None;
+        if let Some(fleet) = &settings.fleet {
+            let gcra = SharedGcra::start(fleet)
+                .await
+                .context("setting up the fleet's Redis")?;
+            tracing::info!(
+                redis = %fleet.redis,
+                expected_replicas = fleet.expected_replicas,
+                check_timeout = ?fleet.check_timeout,
+                "fleet mode: shared actions are checked in Redis"
+            );
+            let (banning, reader) = fleet_banning(
+                fleet,
+                gcra.redis().clone(),
+                Arc::clone(&kernel_bans),
+                settings.broker.limiter.escalation,
+            )?;
+            banner = banning.banner.clone();
+            fleet_bans = Some((banning, reader));
+            shared = Some(gcra);
+        }
+        let mut limiter = Limiter::new(
             settings.broker.limiter.clone(),
             Arc::new(MonotonicClock::new()),
-            Arc::new(KernelBans(Arc::clone(&enforcer))),
-        ));
+            banner,
+        );
+        if let Some(shared) = shared {
+            limiter = limiter.shared_by(shared);
+        }
+        let limiter = Arc::new(limiter);
         let mode = settings.xdp_mode;
         let serve = settings.broker.serve.clone();
         let pin_dir = settings.pin_dir.clone();
@@ -359,6 +417,14 @@ async fn serve(
                 .map_err(|e| explain_attach(e, iface, &pin_dir))?;
             tracing::info!(iface, ?how, "enforcing");
         }
+        // The fleet's bans are in the kernel before the agent says it is ready.
+        let fleet_bans = match fleet_bans {
+            Some((banning, reader)) => {
+                let start = banning.load(FLEET_BANS_WITHIN).await;
+                Some((banning, reader, start))
+            }
+            None => None,
+        };
         pins::write_pid_file(&pin_dir).context("writing the pid file")?;
         leftovers.started = true;
         enforcer.set_ready();
@@ -377,6 +443,9 @@ async fn serve(
             stop.clone().cancelled_owned(),
         ));
         tasks.spawn(protocol.run(stop.clone().cancelled_owned()));
+        if let Some((banning, reader, start)) = fleet_bans {
+            tasks.spawn(banning.run(reader, start, stop.clone()));
+        }
         {
             let stop = stop.clone();
             tasks.spawn(async move {

@@ -3,7 +3,7 @@
 use std::{collections::BTreeMap, process::Command, sync::Arc, time::Duration};
 
 use limiter::{
-    buckets::{Limiter, LimiterConfig, MonotonicClock, NoBans, resolve_actions},
+    buckets::{ActionConfig, Limiter, LimiterConfig, MonotonicClock, NoBans, resolve_actions},
     protocol::Server,
     settings::ServeConfig,
 };
@@ -24,6 +24,16 @@ fn limiter_check(socket: &std::path::Path, args: &[&str]) -> (i32, String, Strin
     )
 }
 
+fn quota_table() -> BTreeMap<String, ActionConfig> {
+    #[derive(serde::Deserialize)]
+    struct File {
+        actions: BTreeMap<String, ActionConfig>,
+    }
+    toml::from_str::<File>("[actions.sends]\nkind = \"quota\"\nlimit = 5\n")
+        .unwrap()
+        .actions
+}
+
 #[test]
 fn exit_status_is_the_verdict() {
     let dir = tempfile::tempdir().unwrap();
@@ -31,7 +41,7 @@ fn exit_status_is_the_verdict() {
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let limiter = Arc::new(Limiter::new(
         LimiterConfig {
-            actions: resolve_actions(&BTreeMap::new(), &[]).unwrap(),
+            actions: resolve_actions(&quota_table(), &[], false).unwrap(),
             escalation: None,
         },
         Arc::new(MonotonicClock::new()),
@@ -55,6 +65,15 @@ fn exit_status_is_the_verdict() {
     assert_eq!(code, 1);
     assert!(
         out.contains("cost_exceeds_burst") && out.contains("retry_after_ms=never"),
+        "{out}"
+    );
+    let (code, out, _) = limiter_check(&socket, &["sends", "tenant", "--cost", "5"]);
+    assert_eq!(code, 0);
+    assert!(out.starts_with("allowed remaining=0 limit=5"), "{out}");
+    let (code, out, _) = limiter_check(&socket, &["sends", "tenant", "--cost", "6"]);
+    assert_eq!(code, 1);
+    assert!(
+        out.starts_with("cost_exceeds_limit remaining=0") && out.contains("retry_after_ms=never"),
         "{out}"
     );
     let (code, _, err) = limiter_check(&socket, &["nope", "x"]);

@@ -31,7 +31,14 @@ fn the_default_config_mentions_every_flag_of_limiter_run() {
 #[test]
 fn the_default_config_is_valid_toml_with_every_setting_commented_out() {
     let table: toml::Table = toml::from_str(DIST_CONFIG).unwrap();
-    // Only the empty [broker] table is live: the file changes nothing until edited.
-    assert_eq!(table.keys().collect::<Vec<_>>(), ["broker"], "{table:?}");
-    assert!(table["broker"].as_table().unwrap().is_empty());
+    // Only the empty [broker] and [cluster] tables are live: the file changes nothing until
+    // edited.
+    assert_eq!(
+        table.keys().collect::<Vec<_>>(),
+        ["broker", "cluster"],
+        "{table:?}"
+    );
+    for name in ["broker", "cluster"] {
+        assert!(table[name].as_table().unwrap().is_empty(), "{name}");
+    }
 }

@@ -75,6 +75,11 @@ key = "user"
 
 [actions.auth]
 limit = 3
+
+[actions.sends]
+kind = "quota"
+limit = 5
+key = "user"
 "#;
 
 async fn start_with(listen: bool, escalation: Option<EscalationConfig>) -> Running {
@@ -99,7 +104,7 @@ async fn start_configured(
     let banner = Arc::new(RecordingBanner::default());
     let limiter = Arc::new(Limiter::new(
         LimiterConfig {
-            actions: resolve_actions(&file.actions, &[]).unwrap(),
+            actions: resolve_actions(&file.actions, &[], false).unwrap(),
             escalation,
         },
         clock,
@@ -128,6 +133,31 @@ async fn start_configured(
 
 async fn start() -> Running {
     start_with(false, None).await
+}
+
+#[tokio::test]
+async fn a_quota_is_checked_all_or_nothing_over_the_socket() {
+    // The manual clock reads the epoch: the first UTC day, with a whole day to go.
+    let server = start().await;
+    let client = Client::connect_unix(&server.socket).await.unwrap();
+    let v = client.check("sends", "tenant", 3).await.unwrap();
+    assert_eq!(
+        (v.outcome, v.limit, v.remaining, v.reset_after_ms),
+        (Outcome::Allowed, 5, 2, 86_400_000)
+    );
+    let refused = client.check("sends", "tenant", 3).await.unwrap();
+    assert_eq!(
+        (refused.outcome, refused.remaining, refused.retry_after_ms),
+        (Outcome::Limited, 2, 86_400_000)
+    );
+    let over = client.check("sends", "tenant", 6).await.unwrap();
+    assert_eq!(over.outcome, Outcome::CostExceedsLimit, "outcome byte 5");
+    assert_eq!(over.retry_after_ms, u64::MAX);
+    assert_eq!(
+        client.check("sends", "tenant", 2).await.unwrap().remaining,
+        0
+    );
+    server.stop().await;
 }
 
 #[tokio::test]
@@ -482,7 +512,7 @@ async fn the_socket_is_0660_a_live_one_is_not_stolen_and_it_is_removed_at_shutdo
     assert_eq!(mode & 0o777, 0o660);
     let limiter = Arc::new(Limiter::new(
         LimiterConfig {
-            actions: resolve_actions(&BTreeMap::new(), &[]).unwrap(),
+            actions: resolve_actions(&BTreeMap::new(), &[], false).unwrap(),
             escalation: None,
         },
         Arc::new(ManualClock::new()),

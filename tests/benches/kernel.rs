@@ -1,9 +1,10 @@
 //! `cargo xtask bench kernel`: nanoseconds per packet of each datapath path under
 //! BPF_PROG_TEST_RUN, each beside an XDP program that only passes, measured in the same run.
 //!
-//! Paths that leave no state behind (established segments, a refused SYN) run with the
-//! kernel's own repeat loop; paths that change state (a SYN recorded half-open, an ACK that
-//! completes a handshake) run once per call on fresh frames, and so does their anchor.
+//! Paths that leave no state behind (established segments, a retransmitted refused SYN) run
+//! with the kernel's own repeat loop; paths that change state (a SYN recorded half-open, an
+//! ACK that completes a handshake, a refused new connection attempt) run once per call on
+//! fresh frames, and so does their anchor.
 
 use std::net::{IpAddr, Ipv4Addr};
 
@@ -135,26 +136,40 @@ fn main() {
         single(pass, &acks),
     ));
 
-    // A source past its SYN rate: the SYN is refused (dropped) and nothing changes.
+    // A source past its SYN rate: the SYN is refused (dropped). Repeated, the same SYN is a
+    // retransmission of a refused attempt, which changes nothing; fresh SYNs (a new ISN
+    // each) are new attempts, each counted against the source, one run per call.
     let rate = Kernel::new(&["--syn-rate", "1", "--syn-burst", "1"]);
     rate.xdp(&syn(1).build());
     let mut over = syn(1);
     over.sport += 1;
+    let attempts: Vec<Vec<u8>> = (0..SINGLE_RUNS as u32)
+        .map(|i| {
+            let mut attempt = over.clone();
+            attempt.seq = over.seq.wrapping_add(i.wrapping_mul(0x9E37_79B9));
+            attempt.build()
+        })
+        .collect();
     let over = over.build();
     rows.push((
-        "refused SYN (rate)",
+        "refused SYN (rate), retransmitted",
         repeated(limiter(&rate), &over),
         repeated(pass, &over),
+    ));
+    rows.push((
+        "refused SYN (rate), new attempts",
+        single(limiter(&rate), &attempts),
+        single(pass, &attempts),
     ));
 
     println!(
         "kernel datapath, ns per packet under BPF_PROG_TEST_RUN (anchor: XDP_PASS-only program, same run)"
     );
     println!(
-        "{:<34} {:>10} {:>10} {:>8}",
+        "{:<36} {:>10} {:>10} {:>8}",
         "path", "ns/packet", "anchor ns", "ratio"
     );
     for (path, ns, anchor) in rows {
-        println!("{path:<34} {ns:>10.1} {anchor:>10.1} {:>8.2}", ns / anchor);
+        println!("{path:<36} {ns:>10.1} {anchor:>10.1} {:>8.2}", ns / anchor);
     }
 }

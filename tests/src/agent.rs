@@ -24,6 +24,25 @@ pub fn binary() -> PathBuf {
         .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/release/limiter"))
 }
 
+/// Multiplies the startup deadline where the machine is known to be slower than the ones the
+/// tests were written on: `cargo xtask test-kernels` sets it in its emulated guests, where the
+/// kernel (the verifier above all) runs many times slower. A positive integer; unset is 1.
+pub const SLOWDOWN_VAR: &str = "LIMITER_TEST_SLOWDOWN";
+
+/// How long an agent may take to load, verify and attach its programs before a test gives up
+/// on it: 20 s, times [`SLOWDOWN_VAR`]. A bound for failing, not a measured figure.
+pub fn startup_deadline() -> Duration {
+    let slowdown = match std::env::var(SLOWDOWN_VAR) {
+        Err(std::env::VarError::NotPresent) => 1,
+        Ok(text) => match text.trim().parse::<u32>() {
+            Ok(n) if n > 0 => n,
+            _ => panic!("{SLOWDOWN_VAR}={text:?}: expected a positive integer"),
+        },
+        Err(error) => panic!("{SLOWDOWN_VAR}: {error}"),
+    };
+    Duration::from_secs(20) * slowdown
+}
+
 /// A pin directory of this test's own under /sys/fs/bpf, detached and removed on drop.
 pub struct PinDir(pub PathBuf);
 
@@ -76,6 +95,40 @@ impl Drop for PinDir {
     }
 }
 
+/// One HTTP request to an agent's listener at `url` inside `ns`, made from a thread in that
+/// namespace; the status and the body, or `None` when nothing answered.
+pub fn http_in(
+    ns: &Netns,
+    method: reqwest::Method,
+    url: &str,
+    token: Option<&str>,
+    body: Option<serde_json::Value>,
+) -> Option<(u16, String)> {
+    ns.run(|| {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let client = reqwest::Client::builder()
+                .no_proxy()
+                .timeout(Duration::from_secs(10))
+                .build()
+                .unwrap();
+            let mut request = client.request(method, url);
+            if let Some(token) = token {
+                request = request.bearer_auth(token);
+            }
+            if let Some(body) = body {
+                request = request.json(&body);
+            }
+            let answer = request.send().await.ok()?;
+            Some((answer.status().as_u16(), answer.text().await.ok()?))
+        })
+    })
+    .unwrap()
+}
+
 /// A running agent; killed on drop. Its log lines are collected as they come.
 pub struct AgentProcess {
     child: Child,
@@ -88,15 +141,30 @@ impl AgentProcess {
     /// `limiter run ARGS` inside `ns`'s network namespace. Only the network namespace is
     /// entered (`ip netns exec` would also remount /sys, hiding the BPF filesystem and so
     /// every pin).
-    pub fn start(ns: &Netns, args: &[&str]) -> Result<Self> {
+    pub fn start(ns: &Netns, args: &[impl AsRef<std::ffi::OsStr>]) -> Result<Self> {
+        Self::spawn(ns, args, false)
+    }
+
+    /// [`start`](Self::start) with the `UNAME26` personality, which survives exec: `uname`
+    /// tells the agent it runs on Linux 2.6, as a kernel below its floor would.
+    pub fn start_on_linux_2_6(ns: &Netns, args: &[impl AsRef<std::ffi::OsStr>]) -> Result<Self> {
+        Self::spawn(ns, args, true)
+    }
+
+    fn spawn(ns: &Netns, args: &[impl AsRef<std::ffi::OsStr>], linux_2_6: bool) -> Result<Self> {
+        use nix::sys::personality::{self, Persona};
         use std::os::unix::process::CommandExt;
         let netns = std::fs::File::open(format!("/run/netns/{}", ns.name()))?;
         let mut command = Command::new(binary());
-        // SAFETY: only async-signal-safe work between fork and exec: one setns call.
+        // SAFETY: only async-signal-safe work between fork and exec: one setns call, and two
+        // personality calls.
         unsafe {
             command.pre_exec(move || {
-                nix::sched::setns(&netns, nix::sched::CloneFlags::CLONE_NEWNET)
-                    .map_err(std::io::Error::from)
+                nix::sched::setns(&netns, nix::sched::CloneFlags::CLONE_NEWNET)?;
+                if linux_2_6 {
+                    personality::set(personality::get()? | Persona::UNAME26)?;
+                }
+                Ok(())
             });
         }
         let mut child = command

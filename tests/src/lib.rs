@@ -5,8 +5,10 @@
 //! so a failing test leaves nothing behind.
 
 pub mod agent;
+pub mod fleet;
 pub mod frames;
 pub mod kernel;
 pub mod model;
 pub mod mosquitto;
 pub mod netns;
+pub mod redis;

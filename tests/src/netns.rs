@@ -62,34 +62,43 @@ impl Netns {
     /// A command that will run inside the namespace. Only the network namespace is entered
     /// (`ip netns exec` would also remount /sys, hiding the BPF filesystem).
     pub fn command(&self, program: &str) -> Result<Command> {
-        use std::os::unix::process::CommandExt;
-        let file = File::open(format!("/run/netns/{}", self.name))
-            .with_context(|| format!("opening namespace {}", self.name))?;
-        let mut command = Command::new(program);
-        // SAFETY: only async-signal-safe work between fork and exec: one setns call.
-        unsafe {
-            command.pre_exec(move || {
-                setns(&file, CloneFlags::CLONE_NEWNET).map_err(std::io::Error::from)
-            });
-        }
-        Ok(command)
+        command_in(&self.name, program)
     }
 
     /// Runs `f` on a thread that has entered this namespace: sockets it creates and
     /// interfaces it names belong to the namespace, while the rest of the test stays outside.
     pub fn run<T: Send>(&self, f: impl FnOnce() -> T + Send) -> Result<T> {
-        let file = File::open(format!("/run/netns/{}", self.name))
-            .with_context(|| format!("opening namespace {}", self.name))?;
-        thread::scope(|scope| {
-            scope
-                .spawn(move || {
-                    setns(&file, CloneFlags::CLONE_NEWNET).context("entering the namespace")?;
-                    Ok(f())
-                })
-                .join()
-                .map_err(|_| anyhow::anyhow!("thread in namespace panicked"))?
-        })
+        run_in(&self.name, f)
     }
+}
+
+/// [`Netns::command`] for the namespace named `name`.
+pub fn command_in(name: &str, program: &str) -> Result<Command> {
+    use std::os::unix::process::CommandExt;
+    let file = File::open(format!("/run/netns/{name}"))
+        .with_context(|| format!("opening namespace {name}"))?;
+    let mut command = Command::new(program);
+    // SAFETY: only async-signal-safe work between fork and exec: one setns call.
+    unsafe {
+        command
+            .pre_exec(move || setns(&file, CloneFlags::CLONE_NEWNET).map_err(std::io::Error::from));
+    }
+    Ok(command)
+}
+
+/// [`Netns::run`] for the namespace named `name`.
+pub fn run_in<T: Send>(name: &str, f: impl FnOnce() -> T + Send) -> Result<T> {
+    let file = File::open(format!("/run/netns/{name}"))
+        .with_context(|| format!("opening namespace {name}"))?;
+    thread::scope(|scope| {
+        scope
+            .spawn(move || {
+                setns(&file, CloneFlags::CLONE_NEWNET).context("entering the namespace")?;
+                Ok(f())
+            })
+            .join()
+            .map_err(|_| anyhow::anyhow!("thread in namespace panicked"))?
+    })
 }
 
 impl Drop for Netns {

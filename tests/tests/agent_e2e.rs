@@ -9,13 +9,11 @@ use std::{
 
 use limiter_common::{Direction, Reason, Verdict};
 use limiter_tests::{
-    agent::{AgentProcess, PinDir},
+    agent::{AgentProcess, PinDir, http_in, startup_deadline},
     kernel::wait_for,
     netns::{CLIENT_V4, Pair, SERVER_V4, Server, connect},
 };
 use nix::sys::signal::Signal;
-
-const STARTUP: Duration = Duration::from_secs(20);
 
 /// Namespaces, a server holding connections, a pin directory and a socket directory.
 struct Setup {
@@ -46,6 +44,17 @@ impl Setup {
 
     /// The same on another interface of the server's namespace.
     fn agent_on(&self, iface: &str, args: &[&str]) -> AgentProcess {
+        AgentProcess::start(&self.pair.server, &self.args(iface, args)).expect("starting the agent")
+    }
+
+    /// [`agent`](Self::agent), told by `uname` that it runs on Linux 2.6.
+    fn agent_on_linux_2_6(&self, args: &[&str]) -> AgentProcess {
+        let args = self.args(&self.pair.server_if, args);
+        AgentProcess::start_on_linux_2_6(&self.pair.server, &args).expect("starting the agent")
+    }
+
+    /// This setup's interface, pins and socket, then `args`.
+    fn args(&self, iface: &str, args: &[&str]) -> Vec<String> {
         let socket = self.socket();
         let mut all = vec![
             "--iface",
@@ -56,7 +65,7 @@ impl Setup {
             socket.to_str().unwrap(),
         ];
         all.extend_from_slice(args);
-        AgentProcess::start(&self.pair.server, &all).expect("starting the agent")
+        all.into_iter().map(str::to_string).collect()
     }
 
     fn socket(&self) -> std::path::PathBuf {
@@ -83,7 +92,9 @@ impl Setup {
 fn a_killed_agent_leaves_enforcement_on_and_a_new_one_adopts_the_counts() {
     let s = Setup::new();
     let mut agent = s.agent(&["--max-conn-per-ip", "2"]);
-    agent.wait_for("limiter is ready", STARTUP).unwrap();
+    agent
+        .wait_for("limiter is ready", startup_deadline())
+        .unwrap();
     let first = s.connect().expect("first connection");
     let _second = s.connect().expect("second connection");
     assert!(s.refused(), "the cap is 2");
@@ -94,9 +105,10 @@ fn a_killed_agent_leaves_enforcement_on_and_a_new_one_adopts_the_counts() {
     assert_eq!(s.pins.global(), 2);
 
     let next = s.agent(&["--max-conn-per-ip", "2"]);
-    let line = next.wait_for("enforcing", STARTUP).unwrap();
+    let line = next.wait_for("enforcing", startup_deadline()).unwrap();
     assert!(line.contains("Adopted"), "{line}");
-    next.wait_for("limiter is ready", STARTUP).unwrap();
+    next.wait_for("limiter is ready", startup_deadline())
+        .unwrap();
     assert_eq!(
         s.pins.global(),
         2,
@@ -120,7 +132,9 @@ fn sighup_lowers_a_cap_live_and_a_bad_file_changes_nothing() {
     let file = s.sockets.path().join("limiter.toml");
     std::fs::write(&file, "max-conn-per-ip = 5\n").unwrap();
     let agent = s.agent(&["--config", file.to_str().unwrap()]);
-    agent.wait_for("limiter is ready", STARTUP).unwrap();
+    agent
+        .wait_for("limiter is ready", startup_deadline())
+        .unwrap();
     let conns: Vec<_> = (0..3)
         .map(|_| s.connect().expect("under the cap"))
         .collect();
@@ -149,7 +163,7 @@ fn sighup_applies_actions_escalation_and_tokens_live_and_names_what_waits_for_a_
     let file = s.sockets.path().join("limiter.toml");
     std::fs::write(&file, "max-conn-total = 10\n[actions.auth]\nlimit = 2\n").unwrap();
     let agent = s.agent(&["--config", file.to_str().unwrap(), "--max-conn-total", "50"]);
-    agent.wait_for("limiter is ready", STARTUP).unwrap();
+    agent.wait_for("limiter is ready", startup_deadline()).unwrap();
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -271,7 +285,9 @@ fn sighup_applies_actions_escalation_and_tokens_live_and_names_what_waits_for_a_
 fn a_half_open_client_holds_no_slot() {
     let s = Setup::new();
     let agent = s.agent(&["--max-conn-per-ip", "1", "--max-conn-total", "1"]);
-    agent.wait_for("limiter is ready", STARTUP).unwrap();
+    agent
+        .wait_for("limiter is ready", startup_deadline())
+        .unwrap();
     // A SYN from an address nobody answers for: the SYN-ACK finds no one and the handshake
     // never completes, as with a spoofed source or a client that vanished.
     let ghost = Ipv4Addr::new(10, 77, 0, 50);
@@ -329,7 +345,7 @@ fn bad_configuration_exits_2_and_attaches_nothing() {
         (vec!["--iface", "missing0"], "iface"),
     ] {
         let mut agent = s.agent(&args);
-        let status = agent.wait_exit(STARTUP).unwrap();
+        let status = agent.wait_exit(startup_deadline()).unwrap();
         assert_eq!(status.code(), Some(2), "{args:?}: {}", agent.log());
         assert!(
             agent.log().contains(named),
@@ -339,7 +355,38 @@ fn bad_configuration_exits_2_and_attaches_nothing() {
         assert!(!s.pins.0.exists(), "nothing pinned");
         assert!(!s.socket().exists(), "no socket left");
     }
-    let links = std::process::Command::new("ip")
+    assert!(!link_shows(&s, "xdp"), "nothing attached");
+}
+
+#[test]
+fn a_kernel_older_than_the_floor_is_refused_with_the_reason_and_nothing_attached() {
+    let s = Setup::new();
+    let mut agent = s.agent_on_linux_2_6(&["--max-conn-per-ip", "1"]);
+    let status = agent.wait_exit(startup_deadline()).unwrap();
+    let log = agent.log();
+    assert!(!status.success(), "{log}");
+    for words in [
+        "Linux 2.6 is too old",
+        "5.15 or newer",
+        "compare-and-swap",
+        "BPF ring buffer",
+    ] {
+        assert!(
+            log.contains(words),
+            "the refusal should say {words:?}: {log}"
+        );
+    }
+    assert!(!log.contains("limiter is ready"), "{log}");
+    assert!(!s.pins.0.exists(), "nothing pinned: {log}");
+    assert!(!s.socket().exists(), "no socket left");
+    assert!(!link_shows(&s, "xdp"), "nothing attached");
+    let _first = s.connect().expect("a connection");
+    assert!(s.connect().is_ok(), "the cap of 1 is not enforced");
+}
+
+/// Whether `ip link show` of the server's veth mentions `what` (an XDP program, a qdisc).
+fn link_shows(s: &Setup, what: &str) -> bool {
+    let out = std::process::Command::new("ip")
         .args([
             "netns",
             "exec",
@@ -351,17 +398,16 @@ fn bad_configuration_exits_2_and_attaches_nothing() {
         ])
         .output()
         .unwrap();
-    assert!(
-        !String::from_utf8_lossy(&links.stdout).contains("xdp"),
-        "nothing attached"
-    );
+    String::from_utf8_lossy(&out.stdout).contains(what)
 }
 
 #[test]
 fn detach_removes_programs_links_and_pins() {
     let s = Setup::new();
     let mut agent = s.agent(&["--max-conn-per-ip", "1"]);
-    agent.wait_for("limiter is ready", STARTUP).unwrap();
+    agent
+        .wait_for("limiter is ready", startup_deadline())
+        .unwrap();
     let _held = s.connect().unwrap();
     assert!(s.refused());
     agent.signal(Signal::SIGTERM);
@@ -371,7 +417,9 @@ fn detach_removes_programs_links_and_pins() {
     // An agent given another interface (the namespace's own loopback) says the veth is still
     // enforced through the earlier agent's links.
     let mut other = s.agent_on("lo", &["--xdp-mode", "skb", "--max-conn-per-ip", "1"]);
-    let line = other.wait_for("still enforcing", STARTUP).unwrap();
+    let line = other
+        .wait_for("still enforcing", startup_deadline())
+        .unwrap();
     assert!(line.contains(&s.pair.server_if), "{line}");
     assert!(s.refused());
     other.signal(Signal::SIGTERM);
@@ -408,7 +456,9 @@ fn repeated_auth_refusals_become_a_kernel_ban() {
         "--reject-ban",
         "rst",
     ]);
-    agent.wait_for("limiter is ready", STARTUP).unwrap();
+    agent
+        .wait_for("limiter is ready", startup_deadline())
+        .unwrap();
     assert!(s.connect().is_ok(), "not banned yet");
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -446,8 +496,8 @@ fn repeated_auth_refusals_become_a_kernel_ban() {
     );
 }
 
-/// One HTTP request to the agent's listener (127.0.0.1:9090 inside the server namespace),
-/// made from a thread in that namespace; returns the status and the body.
+/// One HTTP request to the agent's listener (127.0.0.1:9090 inside the server namespace);
+/// returns the status and the body.
 fn http(
     s: &Setup,
     method: reqwest::Method,
@@ -455,31 +505,8 @@ fn http(
     token: Option<&str>,
     body: Option<serde_json::Value>,
 ) -> (u16, String) {
-    s.pair
-        .server
-        .run(|| {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
-            runtime.block_on(async {
-                let client = reqwest::Client::builder()
-                    .no_proxy()
-                    .timeout(Duration::from_secs(10))
-                    .build()
-                    .unwrap();
-                let mut request = client.request(method, format!("http://127.0.0.1:9090{path}"));
-                if let Some(token) = token {
-                    request = request.bearer_auth(token);
-                }
-                if let Some(body) = body {
-                    request = request.json(&body);
-                }
-                let answer = request.send().await.expect("the agent answers");
-                (answer.status().as_u16(), answer.text().await.unwrap())
-            })
-        })
-        .unwrap()
+    let url = format!("http://127.0.0.1:9090{path}");
+    http_in(&s.pair.server, method, &url, token, body).expect("the agent answers")
 }
 
 /// The value of one sample in a Prometheus text exposition.
@@ -493,7 +520,9 @@ fn sample(text: &str, series: &str) -> f64 {
 fn metrics_move_with_traffic_and_admin_calls_need_the_token() {
     let s = Setup::new();
     let agent = s.agent(&["--max-conn-per-ip", "1", "--admin-token", "s3cret"]);
-    agent.wait_for("limiter is ready", STARTUP).unwrap();
+    agent
+        .wait_for("limiter is ready", startup_deadline())
+        .unwrap();
     let admitted = r#"limiter_packets_total{direction="ingress",reason="admitted",verdict="pass"}"#;
     let refused =
         r#"limiter_packets_total{direction="ingress",reason="conn_per_ip",verdict="rst"}"#;
@@ -567,9 +596,11 @@ fn a_failed_attach_leaves_no_pins_links_or_socket() {
         ],
     )
     .unwrap();
-    first.wait_for("limiter is ready", STARTUP).unwrap();
+    first
+        .wait_for("limiter is ready", startup_deadline())
+        .unwrap();
     let mut second = s.agent(&["--http", "127.0.0.1:0"]);
-    let status = second.wait_exit(STARTUP).unwrap();
+    let status = second.wait_exit(startup_deadline()).unwrap();
     assert!(!status.success(), "{}", second.log());
     let log = second.log();
     assert!(log.contains("already enforced"), "{log}");
@@ -587,7 +618,9 @@ fn a_failed_attach_leaves_no_pins_links_or_socket() {
 fn a_second_agent_for_the_same_pins_names_the_first_and_leaves_it_alone() {
     let s = Setup::new();
     let first = s.agent(&["--max-conn-per-ip", "1", "--http", "127.0.0.1:0"]);
-    first.wait_for("limiter is ready", STARTUP).unwrap();
+    first
+        .wait_for("limiter is ready", startup_deadline())
+        .unwrap();
     let _held = s.connect().unwrap();
     assert!(s.refused());
     let pid = std::fs::read_dir(&s.pins.0)
@@ -615,7 +648,7 @@ fn a_second_agent_for_the_same_pins_names_the_first_and_leaves_it_alone() {
         ],
     )
     .unwrap();
-    let status = second.wait_exit(STARTUP).unwrap();
+    let status = second.wait_exit(startup_deadline()).unwrap();
     assert_eq!(status.code(), Some(1), "{}", second.log());
     let log = second.log();
     assert!(log.contains(&format!("pid {}", pid.trim())), "{log}");
@@ -671,7 +704,7 @@ fn a_private_mount_namespace_is_refused_with_an_explanation() {
         .spawn()
         .unwrap();
     // Bounded: an agent that did not refuse would run until killed.
-    let deadline = std::time::Instant::now() + STARTUP;
+    let deadline = std::time::Instant::now() + startup_deadline();
     let status = loop {
         if let Some(status) = child.try_wait().unwrap() {
             break Some(status);
@@ -705,7 +738,7 @@ fn admin_requests_over_tcp_need_the_broker_admin_token() {
     let file = s.sockets.path().join("limiter.toml");
     std::fs::write(&file, "[broker]\nlisten = \"127.0.0.1:7171\"\n").unwrap();
     let agent = s.agent(&["--config", file.to_str().unwrap()]);
-    agent.wait_for("limiter is ready", STARTUP).unwrap();
+    agent.wait_for("limiter is ready", startup_deadline()).unwrap();
     let addr = IpAddr::V4(CLIENT_V4);
     let code = |result: Result<(), limiter_client::ClientError>| match result {
         Err(limiter_client::ClientError::Server { code, .. }) => Some(code),
@@ -774,4 +807,43 @@ fn admin_requests_over_tcp_need_the_broker_admin_token() {
     let bans = s.pins.maps().bans().unwrap();
     assert_eq!(bans.len(), 1, "a kernel ban");
     assert_eq!(limiter::datapath::keys::key_address(&bans[0].0), addr);
+}
+
+#[test]
+fn pins_of_another_layout_are_refused_naming_the_map_and_the_way_out() {
+    let s = Setup::new();
+    limiter::datapath::pins::ensure_bpffs(&s.pins.0).unwrap();
+    let maps = s.pins.0.join("maps");
+    std::fs::create_dir_all(&maps).unwrap();
+    // What another build could have left: STATS with 4-byte counters where this one keeps 8.
+    aya::maps::PerCpuArray::<aya::maps::MapData, u32>::create(4, 0)
+        .unwrap()
+        .pin(maps.join("STATS"))
+        .unwrap();
+    let mut agent = s.agent(&["--http", "127.0.0.1:0"]);
+    let status = agent.wait_exit(startup_deadline()).unwrap();
+    assert!(!status.success());
+    let log = agent.log();
+    assert!(log.contains("pinned map STATS"), "{log}");
+    assert!(
+        log.contains("value size 4") && log.contains("value size 8"),
+        "{log}"
+    );
+    assert!(log.contains("limiter detach"), "{log}");
+    // Checked before anything was loaded: the stale pin is left for the operator, and nothing
+    // was added beside it.
+    let pinned: Vec<String> = std::fs::read_dir(&maps)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    assert_eq!(pinned, ["STATS"]);
+    assert!(!s.socket().exists());
+    // The way out the message names works.
+    let out = std::process::Command::new(limiter_tests::agent::binary())
+        .args(["detach", "--pin-dir", s.pins.arg()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let agent = s.agent(&["--http", "127.0.0.1:0"]);
+    agent.wait_for("limiter is ready", startup_deadline()).unwrap();
 }

@@ -13,7 +13,9 @@ use std::{
 
 use limiter::{
     api::ListKind,
-    buckets::{ActionConfig, EscalationConfig, KeyKind, LimiterConfig, Window, resolve_actions},
+    buckets::{
+        ActionConfig, ActionKind, EscalationConfig, KeyKind, LimiterConfig, Window, resolve_actions,
+    },
     ops::{self, AdminConnect, Connect, Fallback},
     services::{
         http::{HttpError, HttpServer},
@@ -40,9 +42,19 @@ fn v6(text: &str) -> IpAddr {
 }
 
 /// The broker limiter the tests configure: `export` (2 per minute, keyed by user), `auth`
-/// closed (limit 0 on a security action), and escalation to a kernel ban after one failure.
+/// closed (limit 0 on a security action), `sends` (a quota of 5 per UTC day), and escalation
+/// to a kernel ban after one failure.
 fn limiter_config() -> LimiterConfig {
     let mut table = BTreeMap::new();
+    table.insert(
+        "sends".to_owned(),
+        ActionConfig {
+            kind: Some(ActionKind::Quota),
+            limit: Some(5),
+            key: Some(KeyKind::User),
+            ..ActionConfig::default()
+        },
+    );
     table.insert(
         "export".to_owned(),
         ActionConfig {
@@ -60,7 +72,7 @@ fn limiter_config() -> LimiterConfig {
         },
     );
     LimiterConfig {
-        actions: resolve_actions(&table, &[]).expect("valid actions"),
+        actions: resolve_actions(&table, &[], false).expect("valid actions"),
         escalation: Some(EscalationConfig {
             after: 1,
             window: Duration::from_secs(60),
@@ -236,6 +248,20 @@ impl Drop for Harness {
 }
 
 /// The samples of a text exposition, keyed `name{label="value",...}` with labels sorted.
+/// The metric names the README's table documents, without `limiter_`: those of fleet mode, or
+/// the others.
+fn documented_metrics(fleet: bool) -> Vec<String> {
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md")).unwrap();
+    readme
+        .lines()
+        .filter(|l| l.contains("fleet mode only") == fleet)
+        .filter_map(|l| l.strip_prefix("| `limiter_"))
+        .filter_map(|l| l.split('`').next())
+        .map(str::to_owned)
+        .collect()
+}
+
 fn samples(text: &str) -> HashMap<String, f64> {
     let mut out = HashMap::new();
     for line in text
@@ -312,6 +338,7 @@ fn metrics_read_the_kernel_maps_the_sweeper_and_the_broker_limiter_at_scrape_tim
         "limiter_rate_limit_keys",
         "limiter_escalation_bans_total",
         "limiter_flow_events_total",
+        "limiter_refused_connections_total",
     ] {
         assert!(
             text.contains(&format!("# HELP {name} ")),
@@ -513,6 +540,12 @@ fn rate_limits_show_limits_refusals_bans_and_broker_actions() {
         export["top_blocked"],
         json!([{"key": "bob", "blocked": 2}, {"key": "carol", "blocked": 1}])
     );
+    assert_eq!(export["kind"], "rate");
+    let sends = actions.iter().find(|a| a["name"] == "sends").unwrap();
+    assert_eq!(
+        (sends["kind"].clone(), sends["window_ms"].clone()),
+        (json!("quota"), json!(86_400_000))
+    );
     let auth = actions.iter().find(|a| a["name"] == "auth").unwrap();
     assert_eq!(auth["mode"], "closed");
     assert_eq!(body["broker"]["escalation"]["after"], 1);
@@ -587,6 +620,65 @@ fn check_answers_429_with_retry_after_and_problem_details() {
     assert_eq!(answer.status, 200);
     assert_eq!(answer.json()["outcome"], "unlimited");
     assert_eq!(answer.header("x-ratelimit-limit"), None);
+}
+
+/// Milliseconds from now to the next midnight UTC, by the wall clock.
+fn until_midnight_utc_ms() -> u64 {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    86_400_000 - now % 86_400_000
+}
+
+#[test]
+fn a_quota_is_answered_with_its_day_and_the_cost_it_can_never_fit() {
+    let h = Harness::new(&[]);
+    let answer = h.check(json!({"action": "sends", "key": "tenant", "cost": 4}));
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    assert_eq!(answer.header("x-ratelimit-limit"), Some("5"));
+    assert_eq!(answer.header("x-ratelimit-remaining"), Some("1"));
+    let reset: u64 = answer.header("x-ratelimit-reset").unwrap().parse().unwrap();
+    let midnight_s = until_midnight_utc_ms().div_ceil(1000);
+    assert!(
+        reset.abs_diff(midnight_s) <= 1,
+        "{reset} s, midnight in {midnight_s} s"
+    );
+
+    // A batch of 2 does not fit the 1 left: refused until midnight, nothing spent.
+    let answer = h.check(json!({"action": "sends", "key": "tenant", "cost": 2}));
+    answer.assert_problem(429, "sends");
+    let body = answer.json();
+    assert_eq!(
+        (body["reason"].clone(), body["remaining"].clone()),
+        (json!("limited"), json!(1))
+    );
+    let retry_ms = body["retry_after_ms"].as_u64().unwrap();
+    assert!(
+        retry_ms.abs_diff(until_midnight_utc_ms()) <= 1_000,
+        "{retry_ms}"
+    );
+    let retry_after: u64 = answer.header("retry-after").unwrap().parse().unwrap();
+    assert_eq!(retry_after, retry_ms.div_ceil(1000));
+
+    let answer = h.check(json!({"action": "sends", "key": "tenant", "cost": 6}));
+    answer.assert_problem(422, "cost");
+    assert_eq!(answer.json()["reason"], "cost_exceeds_limit");
+    assert_eq!(answer.header("retry-after"), None);
+    assert_eq!(
+        h.check(json!({"action": "sends", "key": "tenant"})).status,
+        200,
+        "the one left"
+    );
+    let metrics = h.get("/metrics").body;
+    for series in [
+        "limiter_rate_limit_checks_total{action=\"sends\",outcome=\"allowed\"} 2",
+        "limiter_rate_limit_checks_total{action=\"sends\",outcome=\"limited\"} 1",
+        "limiter_rate_limit_checks_total{action=\"sends\",outcome=\"cost_exceeds_limit\"} 1",
+        "limiter_rate_limit_keys{action=\"sends\"} 1",
+    ] {
+        assert!(metrics.contains(series), "{series} not in\n{metrics}");
+    }
 }
 
 #[test]
@@ -773,6 +865,8 @@ fn operator_commands_talk_to_the_running_agent() {
     );
     assert!(status.contains("conn_per_ip 1"), "{status}");
 
+    h.check(json!({"action": "sends", "key": "tenant", "cost": 6}))
+        .assert_problem(422, "cost");
     let top = ops::TopArgs {
         connect: h.connect(),
         fallback: fallback.clone(),
@@ -780,6 +874,10 @@ fn operator_commands_talk_to_the_running_agent() {
     }
     .output()
     .expect("top");
+    assert!(
+        top.contains("sends (quota 5 per 1day, 1 refused in all)\n    tenant "),
+        "{top}"
+    );
     // Both addresses are in 2001:db8::/64, the default IPv6 source prefix, and the key is
     // shown as the network it stands for, not as one host.
     assert!(top.contains("2001:db8::/64"), "{top}");
@@ -1103,14 +1201,9 @@ fn the_first_scrape_passes_promtool_and_has_every_documented_series_and_no_impos
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
-    // Every metric the README documents, from the first scrape.
-    let readme =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md")).unwrap();
-    let documented: Vec<&str> = readme
-        .lines()
-        .filter_map(|l| l.strip_prefix("| `limiter_"))
-        .filter_map(|l| l.split('`').next())
-        .collect();
+    // Every metric the README documents, from the first scrape (the fleet's are checked by
+    // the fleet's test: this agent has no fleet).
+    let documented = documented_metrics(false);
     assert!(documented.len() > 15, "{documented:?}");
     for name in documented {
         let name = format!("limiter_{name}");
@@ -1149,4 +1242,108 @@ fn the_first_scrape_passes_promtool_and_has_every_documented_series_and_no_impos
             "{impossible} is exported"
         );
     }
+}
+
+#[test]
+fn check_goes_to_the_fleets_redis_for_a_shared_action_and_status_and_metrics_say_so() {
+    use limiter_tests::{fleet::FleetAgent, redis::RedisServer};
+
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let redis = RedisServer::start().unwrap();
+    // Two agents of one fleet: one checked over the broker socket, one over HTTP.
+    let actions = "[actions.export]\nlimit = 3\nwindow = \"60s\"\nkey = \"user\"\n";
+    let url = redis.url();
+    let (other, fleet) = runtime.block_on(async {
+        let start = || FleetAgent::start(&url, actions, Duration::from_secs(2), 2);
+        (start().await.unwrap(), start().await.unwrap())
+    });
+    let agent = limiter_tests::kernel::agent(&["--http", "127.0.0.1:0"], limiter_config(), None);
+    agent.set_ready();
+    let server = runtime
+        .block_on(HttpServer::bind(
+            Arc::clone(&agent.enforcer),
+            Arc::clone(&fleet.limiter),
+            agent.settings.clone(),
+            &agent.sweep,
+        ))
+        .unwrap();
+    let addr = server.local_addr().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let served = runtime.spawn(server.run(async move {
+        let _ = stopped.await;
+    }));
+    let http = reqwest::Client::builder().no_proxy().build().unwrap();
+    let post = |body: Value| {
+        runtime.block_on(async {
+            let response = http
+                .post(format!("http://{addr}/v1/check"))
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            (
+                response.status().as_u16(),
+                response.json::<Value>().await.unwrap(),
+            )
+        })
+    };
+    // The other agent spends one of the three; this one gets the other two, then 429.
+    let spent = runtime.block_on(async {
+        other
+            .client()
+            .await
+            .unwrap()
+            .check("export", "alice", 1)
+            .await
+            .unwrap()
+    });
+    assert_eq!(spent.remaining, 2);
+    for remaining in [1, 0] {
+        let (status, body) = post(json!({"action": "export", "key": "alice"}));
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(body["remaining"], remaining);
+    }
+    let (status, body) = post(json!({"action": "export", "key": "alice"}));
+    assert_eq!(status, 429, "{body}");
+    assert!(
+        (1..=20_000).contains(&body["retry_after_ms"].as_u64().unwrap()),
+        "{body}"
+    );
+    let exists: i64 = redis
+        .query(redis::cmd("EXISTS").arg("limiter:export:{alice}"))
+        .unwrap();
+    assert_eq!(exists, 1);
+    let get = |path: &str| {
+        runtime.block_on(async {
+            http.get(format!("http://{addr}{path}"))
+                .send()
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap()
+        })
+    };
+    let status: Value = serde_json::from_str(&get("/v1/status")).unwrap();
+    assert_eq!(status["fleet"]["redis_up"], true, "{status}");
+    assert_eq!(status["fleet"]["fallback_checks"], 0, "{status}");
+    assert_eq!(status["fleet"]["redis"], redis.url(), "{status}");
+    let text = get("/metrics");
+    let fleet_metrics = documented_metrics(true);
+    assert_eq!(fleet_metrics.len(), 3, "{fleet_metrics:?}");
+    for name in fleet_metrics {
+        assert!(
+            text.contains(&format!("\nlimiter_{name}")),
+            "limiter_{name} missing"
+        );
+    }
+    let metrics = samples(&text);
+    assert_eq!(value(&metrics, "limiter_fleet_redis_up", &[]), 1.0);
+    assert_eq!(value(&metrics, "limiter_fleet_fallback_total", &[]), 0.0);
+    stop.send(()).unwrap();
+    runtime.block_on(served).unwrap().unwrap();
 }

@@ -9,13 +9,12 @@ use std::{
 };
 
 use limiter_tests::{
-    agent::{AgentProcess, PinDir},
+    agent::{AgentProcess, PinDir, startup_deadline},
     mosquitto::{self, Broker},
     netns::{CLIENT_V4, Pair, SERVER_V4, connect},
 };
 use nix::sys::signal::Signal;
 
-const STARTUP: Duration = Duration::from_secs(20);
 /// A second address of the client namespace, so the ban of the guessing address leaves the
 /// well-behaved one alone.
 const GUESSER: Ipv4Addr = Ipv4Addr::new(10, 77, 0, 3);
@@ -84,7 +83,9 @@ fn the_plugin_limits_logins_and_publishes_and_escalates_to_a_kernel_ban() {
         ],
     )
     .unwrap();
-    agent.wait_for("limiter is ready", STARTUP).unwrap();
+    agent
+        .wait_for("limiter is ready", startup_deadline())
+        .unwrap();
 
     let server = IpAddr::V4(SERVER_V4);
     let broker = Broker::start(

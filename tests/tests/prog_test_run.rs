@@ -275,10 +275,118 @@ fn syn_rate_admits_exactly_the_burst() {
     assert_eq!(passed, 3);
     assert_eq!(k.ingress(Verdict::Drop, Reason::SynRate), 7);
     assert_eq!(half_open(&k).len(), 3);
-    // A retransmission of a half-open connection costs no token.
-    assert_eq!(k.xdp(&syn(v4(2), 1000).build()).action, XDP_PASS);
-    assert_eq!(k.ingress(Verdict::Pass, Reason::Retransmit), 1);
+    // Past its rate, a source's SYNs are refused before their 4-tuple is looked up, so a
+    // retransmission too (the host's own SYN-ACK retransmissions still complete it).
+    assert_eq!(k.xdp(&syn(v4(2), 1000).build()).action, XDP_DROP);
+    assert_eq!(k.ingress(Verdict::Drop, Reason::SynRate), 8);
+    assert_eq!(k.ingress(Verdict::Pass, Reason::Retransmit), 0);
     assert_eq!(k.global(), 0);
+}
+
+#[test]
+fn a_retransmitted_syn_takes_no_token() {
+    let k = Kernel::new(&["--syn-rate", "1", "--syn-burst", "2"]);
+    let first = syn(v4(2), 1000);
+    assert_eq!(k.xdp(&first.build()).action, XDP_PASS);
+    // With a token left, retransmissions pass without taking it...
+    for _ in 0..3 {
+        assert_eq!(k.xdp(&first.build()).action, XDP_PASS);
+    }
+    assert_eq!(k.ingress(Verdict::Pass, Reason::Retransmit), 3);
+    // ...so it is still there for a second connection, and only the third is refused.
+    assert_eq!(k.xdp(&syn(v4(2), 1001).build()).action, XDP_PASS);
+    assert_eq!(k.xdp(&syn(v4(2), 1002).build()).action, XDP_DROP);
+    assert_eq!(half_open(&k).len(), 2);
+    // A tracked connection's 4-tuple likewise, while tokens are left.
+    let k = Kernel::new(&["--syn-rate", "1", "--syn-burst", "2"]);
+    k.connect(&first);
+    assert_eq!(k.xdp(&first.build()).action, XDP_PASS);
+    assert_eq!(k.ingress(Verdict::Pass, Reason::Retransmit), 1);
+    assert_eq!(k.xdp(&syn(v4(2), 1001).build()).action, XDP_PASS);
+}
+
+/// Keeps the calling thread on the CPU it runs on: the programs remember the last refused
+/// SYNs per CPU, so a retransmission run on another CPU would count as a new attempt.
+fn stay_on_this_cpu() {
+    // SAFETY: plain libc calls on a zeroed cpu_set_t of the size passed.
+    unsafe {
+        let cpu = libc::sched_getcpu();
+        assert!(
+            cpu >= 0,
+            "sched_getcpu: {}",
+            std::io::Error::last_os_error()
+        );
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu as usize, &mut set);
+        let rc = libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+        assert_eq!(
+            rc,
+            0,
+            "sched_setaffinity: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+}
+
+#[test]
+fn refused_connection_attempts_count_apart_from_refused_packets() {
+    stay_on_this_cpu();
+    let k = Kernel::new(&["--syn-rate", "1", "--syn-burst", "1"]);
+    assert_eq!(k.xdp(&syn(v4(2), 1000).build()).action, XDP_PASS);
+    let attempts = |reason| k.dp.maps.refused_connections(reason).unwrap();
+    let top = |k: &Kernel, reason: Reason| {
+        let blocked = k.dp.maps.blocked().unwrap();
+        assert_eq!(blocked.len(), 1, "{blocked:?}");
+        blocked[0].1.counts[reason.blocked_slot().unwrap()]
+    };
+    // One refused connect, its SYN retransmitted four times: five packets, one attempt.
+    let refused = syn(v4(2), 1001);
+    for _ in 0..5 {
+        assert_eq!(k.xdp(&refused.build()).action, XDP_DROP);
+    }
+    assert_eq!(k.ingress(Verdict::Drop, Reason::SynRate), 5);
+    assert_eq!(attempts(Reason::SynRate), 1);
+    assert_eq!(top(&k, Reason::SynRate), 1);
+    // A new connect on the same 4-tuple has a new ISN: a second attempt, retransmitted once.
+    let mut again = refused.clone();
+    again.seq = refused.seq.wrapping_add(0x0100_0000);
+    k.xdp(&again.build());
+    k.xdp(&again.build());
+    // And one from another port.
+    k.xdp(&syn(v4(2), 1002).build());
+    assert_eq!(k.ingress(Verdict::Drop, Reason::SynRate), 8);
+    assert_eq!(attempts(Reason::SynRate), 3);
+    assert_eq!(top(&k, Reason::SynRate), 3);
+    // Going back to the first ISN after others counts it again only if its slot was
+    // overwritten; the slots are 16,384 per CPU, so here it was not.
+    k.xdp(&refused.build());
+    assert_eq!(attempts(Reason::SynRate), 3);
+    assert_eq!(attempts(Reason::ConnPerIp), 0);
+
+    // A cap refusal answered with RST, retransmitted: three RSTs, one attempt; and a
+    // handshake refused at its ACK is one attempt too.
+    let k = Kernel::new(&["--max-conn-per-ip", "1"]);
+    let first = syn(v4(3), 1);
+    k.connect(&first);
+    let over = syn(v4(3), 2);
+    for _ in 0..3 {
+        k.xdp(&over.build());
+    }
+    assert_eq!(k.ingress(Verdict::Rst, Reason::ConnPerIp), 3);
+    assert_eq!(k.dp.maps.refused_connections(Reason::ConnPerIp).unwrap(), 1);
+    assert_eq!(top(&k, Reason::ConnPerIp), 1);
+    k.xdp(&first.with_flags(RST).build());
+    let (a, b) = (syn(v4(3), 3), syn(v4(3), 4));
+    let (ha, hb) = (handshake(&a, 7000), handshake(&b, 8000));
+    for (s, h) in [(&a, &ha), (&b, &hb)] {
+        k.xdp(&s.build());
+        k.tc(&h.syn_ack);
+    }
+    k.xdp(&ha.ack);
+    k.xdp(&hb.ack);
+    assert_eq!(k.dp.maps.events(Event::RefusedAtAck).unwrap(), 1);
+    assert_eq!(k.dp.maps.refused_connections(Reason::ConnPerIp).unwrap(), 2);
+    assert_eq!(top(&k, Reason::ConnPerIp), 2);
 }
 
 #[test]

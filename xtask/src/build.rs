@@ -12,6 +12,11 @@ use crate::{
 };
 
 /// Builds the kernel programs with BPF CPU v3 (atomic fetch-add and compare-and-swap) and BTF.
+///
+/// `allows-misaligned-mem-access`: packet headers sit at any alignment (the IPv4 addresses of
+/// an untagged frame at 2 mod 4), and without it LLVM reads every multi-byte field a byte at a
+/// time. The kernels the agent supports run on x86_64 and arm64, which have efficient
+/// unaligned access, so the verifier accepts misaligned packet and map-value reads.
 pub fn ebpf() -> Result<PathBuf> {
     setup::ensure()?;
     let bin = paths::bpf_toolchain().join("bin");
@@ -26,7 +31,13 @@ pub fn ebpf() -> Result<PathBuf> {
             .env("PATH", path)
             .env(
                 "CARGO_ENCODED_RUSTFLAGS",
-                ["-Cdebuginfo=2", "-Clink-arg=--btf", "-Ctarget-cpu=v3"].join("\x1f"),
+                [
+                    "-Cdebuginfo=2",
+                    "-Clink-arg=--btf",
+                    "-Ctarget-cpu=v3",
+                    "-Ctarget-feature=+allows-misaligned-mem-access",
+                ]
+                .join("\x1f"),
             ),
     )?;
     Ok(paths::ebpf_object())

@@ -31,8 +31,8 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Install what is missing: the pinned nightly with rust-src, bpf-linker, cargo-deb, the
-    /// tools the tests drive (iproute2, mosquitto, systemd-analyze, promtool), and what
-    /// test-kernels needs (qemu, busybox, cpio, Debian's kernel packages).
+    /// tools the tests drive (iproute2, mosquitto, systemd-analyze, promtool, redis-server,
+    /// redis-cli), and what test-kernels needs (qemu, busybox, cpio, Debian's kernel packages).
     Setup,
     /// Build the eBPF object and the agent (release) into target/release/limiter, or with
     /// `--target aarch64` into target/aarch64-unknown-linux-gnu/release/limiter.

@@ -125,14 +125,17 @@ fn link_libllvm(sysroot: &Path, soname: &str, dir: &Path) -> Result<()> {
 
 /// Programs the tests drive, and the Debian package of each: `ip` for the network
 /// namespaces, the broker and its clients for the plugin's end-to-end test, `systemd-analyze`
-/// to verify the unit, `promtool` to check and unit-test the alert rules. A minimal image may
-/// lack any of them.
+/// to verify the unit, `promtool` to check and unit-test the alert rules, `redis-server` and
+/// `redis-cli` for the fleet tests' own Redis servers and cluster. A minimal image may lack
+/// any of them.
 const TEST_TOOLS: &[(&str, &str)] = &[
     ("ip", "iproute2"),
     ("mosquitto", "mosquitto"),
     ("mosquitto_pub", "mosquitto-clients"),
     ("systemd-analyze", "systemd"),
     ("promtool", "prometheus"),
+    ("redis-server", "redis-server"),
+    ("redis-cli", "redis-tools"),
 ];
 
 /// Installs the Debian packages of whichever [`TEST_TOOLS`] are missing, in one apt run.

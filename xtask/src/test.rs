@@ -135,10 +135,16 @@ pub fn bench_flood() -> Result<()> {
     )
 }
 
-/// The application-layer limiter needs no privileges: it is measured from the agent's crate.
+/// The application-layer limiter needs no privileges: it is measured from the agent's crate,
+/// and its fleet mode against a `redis-server` the bench starts (from the tests' harness).
 pub fn bench_app() -> Result<()> {
     build::ebpf()?;
-    status(cargo("stable").args(["bench", "-p", "limiter-user", "--bench", "app"]))
+    status(cargo("stable").args(["bench", "-p", "limiter-user", "--bench", "app"]))?;
+    crate::setup::ensure_tools(&[
+        ("redis-server", "redis-server"),
+        ("redis-cli", "redis-tools"),
+    ])?;
+    status(cargo("stable").args(["bench", "-p", PRIVILEGED, "--bench", "fleet"]))
 }
 
 fn step(name: &str) {

@@ -12,5 +12,6 @@ pub use admin::{
 pub use check::{CheckAnswer, CheckRequest};
 pub use views::{
     ActionCounts, ActionView, BanEntry, BlockedKey, BlockedSource, BrokerRateLimits, Connections,
-    EscalationView, KernelLimits, KernelRateLimits, RateLimits, SourceConnections, Status, millis,
+    EscalationView, FleetStatus, KernelLimits, KernelRateLimits, RateLimits, SourceConnections,
+    Status, millis,
 };

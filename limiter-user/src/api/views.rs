@@ -19,8 +19,13 @@ pub struct Status {
     pub flow_table_entries: usize,
     pub flow_table_capacity: u32,
     pub bans_active: usize,
-    /// Refused SYNs and packets by refusal reason, since the maps were created.
+    /// Refused connection attempts by refusal reason, since the maps were created: a SYN
+    /// retransmitted after its refusal counts once, a handshake refused at its ACK once.
     pub refused: BTreeMap<String, u64>,
+    /// Refused packets by refusal reason (every retransmitted SYN, and packets other than
+    /// SYNs from banned or denylisted sources), since the maps were created.
+    #[serde(default)]
+    pub refused_packets: BTreeMap<String, u64>,
     pub limits: KernelLimits,
     /// Settings a flag or `LIMITER_*` variable sets, which the file cannot change; `None`
     /// when read from pinned maps.
@@ -29,6 +34,24 @@ pub struct Status {
     /// Settings the file changed since the start that apply only on a restart.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub restart_required: Option<Vec<String>>,
+    /// The fleet's shared buckets; `None` without a fleet (or from pinned maps).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fleet: Option<FleetStatus>,
+}
+
+/// Fleet mode at a glance: where the shared buckets are and whether they answer.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FleetStatus {
+    /// The Redis, without credentials.
+    pub redis: String,
+    /// Shared checks go to Redis (true) or are decided locally at limit / expected replicas.
+    pub redis_up: bool,
+    pub expected_replicas: u32,
+    /// Shared checks decided locally because Redis failed, was too slow, or was down.
+    pub fallback_checks: u64,
+    /// Switches from Redis to local decisions, and back.
+    pub switches_to_local: u64,
+    pub switches_to_redis: u64,
 }
 
 /// The kernel's limits as the programs read them (the `CONFIG` map).
@@ -143,11 +166,15 @@ pub struct BrokerRateLimits {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ActionView {
     pub name: String,
+    /// `rate` (a GCRA bucket) or `quota` (a fixed allowance per period, `window_ms`).
+    pub kind: String,
     /// `limited`, `unlimited` (limit 0 on an ordinary action) or `closed` (limit 0 on a
     /// security action: everything refused).
     pub mode: String,
     pub limit: u32,
+    /// A rate's window, or a quota's period.
     pub window_ms: u64,
+    /// A rate's bucket capacity; for a quota, its limit.
     pub burst: u32,
     /// What the keys identify: `ip`, `session`, `user` or `other`.
     pub key: String,
@@ -168,8 +195,9 @@ pub struct ActionCounts {
     pub unlimited: u64,
     pub limited: u64,
     pub cost_exceeds_burst: u64,
+    pub cost_exceeds_limit: u64,
     pub closed: u64,
-    /// Every refusal: limited + cost_exceeds_burst + closed.
+    /// Every refusal: limited + cost_exceeds_burst + cost_exceeds_limit + closed.
     pub blocked: u64,
     pub tracked_keys: usize,
     /// Checks for new keys made while the action was at its key cap with every bucket still

@@ -9,7 +9,29 @@ use std::{collections::BTreeMap, fmt, time::Duration};
 use limiter_client::MAX_ACTION_NAME;
 use serde::{Deserialize, Deserializer, Serialize, de};
 
-use super::gcra::Rate;
+use super::{
+    gcra::Rate,
+    quota::{self, Quota},
+};
+
+/// How an action counts: a GCRA bucket refilled continuously (`rate`, the default), or a fixed
+/// allowance per calendar window (`quota`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ActionKind {
+    #[default]
+    Rate,
+    Quota,
+}
+
+impl ActionKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ActionKind::Rate => "rate",
+            ActionKind::Quota => "quota",
+        }
+    }
+}
 
 /// What an action's keys identify. It decides how a key is checked and stored: addresses are
 /// parsed and stored in canonical form (so `::ffff:10.0.0.1` and `10.0.0.1` share a bucket),
@@ -44,11 +66,15 @@ pub const DEFAULT_MAX_KEYS: usize = 250_000;
 #[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
 pub struct ActionConfig {
-    /// Requests per window; 0 switches the action off, except for the security actions
+    /// `rate` (default) or `quota`.
+    pub kind: Option<ActionKind>,
+    /// Requests per window (per period for a quota); 0 switches the action off, except for the security actions
     /// (`auth`, `dashboard_auth`), where 0 refuses everything.
     pub limit: Option<u32>,
     /// `"60s"`, `"1m 30s"`, `"500ms"`, or a whole number of milliseconds.
     pub window: Option<Window>,
+    /// A quota's window, aligned to the UNIX epoch; default one day, the UTC day.
+    pub period: Option<Window>,
     /// Bucket capacity: how many may arrive at once after a quiet spell. Default: the limit.
     pub burst: Option<u32>,
     pub key: Option<KeyKind>,
@@ -56,6 +82,9 @@ pub struct ActionConfig {
     pub max_keys: Option<usize>,
     /// Whether refusals count towards a kernel ban of the address (ip-keyed actions only).
     pub escalate: Option<bool>,
+    /// Whether the action's buckets live in the fleet's Redis, one limit for every agent.
+    /// Default: true when a Redis is configured.
+    pub shared: Option<bool>,
 }
 
 /// A window length read from TOML as either a humantime string or milliseconds.
@@ -92,15 +121,20 @@ impl<'de> Deserialize<'de> for Window {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct ActionSpec {
     pub name: String,
+    pub kind: ActionKind,
     pub limit: u32,
+    /// A rate's window, or a quota's period.
     #[serde(rename = "window_ms", serialize_with = "as_millis")]
     pub window: Duration,
+    /// A rate's bucket capacity; a quota's is its limit.
     pub burst: u32,
     pub key: KeyKind,
     pub max_keys: usize,
     pub escalate: bool,
     /// A security control: a limit of 0 refuses every attempt instead of switching it off.
     pub security: bool,
+    /// Checked against the fleet's buckets in Redis rather than this agent's.
+    pub shared: bool,
 }
 
 fn as_millis<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
@@ -115,12 +149,17 @@ pub enum Mode {
     /// Limit 0 on a security action: every check is refused.
     Closed,
     Limited(Rate),
+    Quota(Quota),
 }
 
 impl ActionSpec {
     pub fn mode(&self) -> Mode {
-        match Rate::new(self.limit, self.window, self.burst) {
-            Some(rate) => Mode::Limited(rate),
+        let limited = match self.kind {
+            ActionKind::Rate => Rate::new(self.limit, self.window, self.burst).map(Mode::Limited),
+            ActionKind::Quota => Quota::new(self.limit, self.window).map(Mode::Quota),
+        };
+        match limited {
+            Some(mode) => mode,
             None if self.security => Mode::Closed,
             None => Mode::Unlimited,
         }
@@ -131,6 +170,7 @@ impl ActionSpec {
 pub fn builtin_actions() -> Vec<ActionSpec> {
     let spec = |name: &str, limit, window_s, key, security| ActionSpec {
         name: name.to_owned(),
+        kind: ActionKind::Rate,
         limit,
         window: Duration::from_secs(window_s),
         burst: limit,
@@ -138,6 +178,7 @@ pub fn builtin_actions() -> Vec<ActionSpec> {
         max_keys: DEFAULT_MAX_KEYS,
         escalate: name == "auth",
         security,
+        shared: false,
     };
     vec![
         spec("auth", 10, 60, KeyKind::Ip, true),
@@ -153,16 +194,28 @@ pub use crate::errors::ConfigError;
 
 /// Applies the config file's tables, then the flag overrides, over the built-ins.
 /// `overrides` is keyed by action name; their errors name the action's flags as a group.
+/// With a `fleet` (a Redis configured) actions are shared unless their table says
+/// `shared = false`; without one, none can be.
 pub fn resolve_actions(
     table: &BTreeMap<String, ActionConfig>,
     overrides: &[(&str, ActionConfig)],
+    fleet: bool,
 ) -> Result<Vec<ActionSpec>, ConfigError> {
     let mut specs = builtin_actions();
+    for spec in &mut specs {
+        spec.shared = fleet;
+    }
     for (name, config) in table {
-        apply(&mut specs, name, config, &format!("actions.{name}"))?;
+        apply(&mut specs, name, config, &format!("actions.{name}"), fleet)?;
     }
     for (name, config) in overrides {
-        apply(&mut specs, name, config, &format!("flags for {name}"))?;
+        apply(
+            &mut specs,
+            name,
+            config,
+            &format!("flags for {name}"),
+            fleet,
+        )?;
     }
     Ok(specs)
 }
@@ -172,6 +225,7 @@ fn apply(
     name: &str,
     config: &ActionConfig,
     origin: &str,
+    fleet: bool,
 ) -> Result<(), ConfigError> {
     let valid_name = !name.is_empty()
         && name.len() <= MAX_ACTION_NAME
@@ -190,23 +244,57 @@ fn apply(
             let missing = |field: &str| {
                 ConfigError::new(format!("{origin}.{field}"), "required for a new action")
             };
+            let kind = config.kind.unwrap_or_default();
             specs.push(ActionSpec {
                 name: name.to_owned(),
+                kind,
                 limit: config.limit.ok_or_else(|| missing("limit"))?,
-                window: config.window.ok_or_else(|| missing("window"))?.0,
+                window: match kind {
+                    ActionKind::Rate => config.window.ok_or_else(|| missing("window"))?.0,
+                    ActionKind::Quota => quota::DAY,
+                },
                 burst: 0,
                 key: config.key.unwrap_or(KeyKind::Other),
                 max_keys: DEFAULT_MAX_KEYS,
                 escalate: false,
                 security: false,
+                shared: fleet,
             });
             specs.len() - 1
         }
     };
     let spec = &mut specs[index];
-    let limit_changed = config.limit.is_some_and(|l| l != spec.limit);
+    let mut limit_changed = config.limit.is_some_and(|l| l != spec.limit);
+    if let Some(kind) = config.kind
+        && kind != spec.kind
+    {
+        // A rate's window is no quota's period, nor the other way round: a changed kind
+        // starts from its own defaults.
+        spec.kind = kind;
+        spec.window = match kind {
+            ActionKind::Quota => quota::DAY,
+            ActionKind::Rate => {
+                config
+                    .window
+                    .ok_or_else(|| {
+                        ConfigError::new(format!("{origin}.window"), "required for a rate")
+                    })?
+                    .0
+            }
+        };
+        limit_changed = true;
+    }
     if let Some(limit) = config.limit {
         spec.limit = limit;
+    }
+    if spec.kind == ActionKind::Quota {
+        return apply_quota(spec, config, origin, fleet);
+    }
+    if config.period.is_some() {
+        return Err(ConfigError::new(
+            format!("{origin}.period"),
+            "only a quota has a period (kind = \"quota\"); a rate has a window",
+        ));
     }
     if let Some(window) = config.window {
         spec.window = window.0;
@@ -223,21 +311,6 @@ fn apply(
         None if limit_changed || spec.burst == 0 => spec.burst = spec.limit,
         None => {}
     }
-    if let Some(key) = config.key {
-        spec.key = key;
-    }
-    if let Some(max_keys) = config.max_keys {
-        if max_keys == 0 {
-            return Err(ConfigError::new(
-                format!("{origin}.max-keys"),
-                "must be at least 1",
-            ));
-        }
-        spec.max_keys = max_keys;
-    }
-    if let Some(escalate) = config.escalate {
-        spec.escalate = escalate;
-    }
     if spec.window.is_zero() {
         return Err(ConfigError::new(
             format!("{origin}.window"),
@@ -253,13 +326,99 @@ fn apply(
             ),
         ));
     }
+    apply_common(spec, config, origin, fleet)?;
+    // The fleet's buckets count in microseconds (Redis's clock), exactly.
+    if spec.shared && spec.limit > 0 && spec.window.as_nanos() / u128::from(spec.limit) < 1_000 {
+        return Err(ConfigError::new(
+            format!("{origin}.limit"),
+            format!(
+                "{} per {:?} is finer than one per microsecond, which a shared bucket cannot \
+                 express (or set shared = false)",
+                spec.limit, spec.window
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The settings both kinds share: the key, the key cap, escalation, sharing.
+fn apply_common(
+    spec: &mut ActionSpec,
+    config: &ActionConfig,
+    origin: &str,
+    fleet: bool,
+) -> Result<(), ConfigError> {
+    if let Some(key) = config.key {
+        spec.key = key;
+    }
+    if let Some(max_keys) = config.max_keys {
+        if max_keys == 0 {
+            return Err(ConfigError::new(
+                format!("{origin}.max-keys"),
+                "must be at least 1",
+            ));
+        }
+        spec.max_keys = max_keys;
+    }
+    if let Some(escalate) = config.escalate {
+        spec.escalate = escalate;
+    }
     if spec.escalate && spec.key != KeyKind::Ip {
         return Err(ConfigError::new(
             format!("{origin}.escalate"),
             "only an action keyed by ip can escalate to a ban",
         ));
     }
+    match config.shared {
+        Some(true) if !fleet => {
+            return Err(ConfigError::new(
+                format!("{origin}.shared"),
+                "needs the fleet's Redis (cluster.redis)",
+            ));
+        }
+        Some(shared) => spec.shared = shared,
+        None => {}
+    }
     Ok(())
+}
+
+/// A quota: a limit per period, with neither a window nor a burst (its capacity is the limit).
+fn apply_quota(
+    spec: &mut ActionSpec,
+    config: &ActionConfig,
+    origin: &str,
+    fleet: bool,
+) -> Result<(), ConfigError> {
+    if config.window.is_some() {
+        return Err(ConfigError::new(
+            format!("{origin}.window"),
+            "a quota has a `period` (default one UTC day), not a window",
+        ));
+    }
+    if config.burst.is_some() {
+        return Err(ConfigError::new(
+            format!("{origin}.burst"),
+            "a quota has no burst: its whole limit may be spent at once",
+        ));
+    }
+    if let Some(period) = config.period {
+        if !(quota::MIN_PERIOD..=quota::MAX_PERIOD).contains(&period.0) {
+            return Err(ConfigError::new(
+                format!("{origin}.period"),
+                "must be from 1s to 366 days",
+            ));
+        }
+        if period.0.subsec_nanos() % 1_000_000 != 0 {
+            // Redis counts a shared quota's windows in milliseconds: both must cut the same.
+            return Err(ConfigError::new(
+                format!("{origin}.period"),
+                "must be a whole number of milliseconds",
+            ));
+        }
+        spec.window = period.0;
+    }
+    spec.burst = spec.limit;
+    apply_common(spec, config, origin, fleet)
 }
 
 #[cfg(test)]
@@ -280,7 +439,7 @@ mod tests {
 
     #[test]
     fn builtins_have_the_documented_defaults() {
-        let specs = resolve_actions(&BTreeMap::new(), &[]).unwrap();
+        let specs = resolve_actions(&BTreeMap::new(), &[], false).unwrap();
         let auth = find(&specs, "auth");
         assert_eq!(
             (auth.limit, auth.burst, auth.window),
@@ -298,6 +457,7 @@ mod tests {
         let specs = resolve_actions(
             &table("[actions.auth]\nlimit = 0\n[actions.dashboard_api]\nlimit = 0\n"),
             &[],
+            false,
         )
         .unwrap();
         assert_eq!(find(&specs, "auth").mode(), Mode::Closed);
@@ -318,6 +478,7 @@ mod tests {
                     ..Default::default()
                 },
             )],
+            true,
         )
         .unwrap();
         let auth = find(&specs, "auth");
@@ -333,25 +494,127 @@ mod tests {
             (export.limit, export.burst, export.key),
             (5, 2, KeyKind::User)
         );
+        assert!(
+            auth.shared && export.shared,
+            "a fleet shares every action by default"
+        );
+    }
+
+    #[test]
+    fn only_a_fleet_shares_and_an_action_may_stay_local() {
+        let local = table("[actions.publish]\nlimit = 5\nshared = false\n");
+        let specs = resolve_actions(&local, &[], true).unwrap();
+        assert!(!find(&specs, "publish").shared);
+        assert!(find(&specs, "auth").shared);
+        let shared = table("[actions.publish]\nshared = true\n");
+        let error = resolve_actions(&shared, &[], false).unwrap_err();
+        assert_eq!(error.setting, "actions.publish.shared");
+        assert!(
+            resolve_actions(&BTreeMap::new(), &[], false)
+                .unwrap()
+                .iter()
+                .all(|s| !s.shared)
+        );
     }
 
     #[test]
     fn errors_name_the_setting() {
-        let error = resolve_actions(&table("[actions.export]\nlimit = 5\n"), &[]).unwrap_err();
+        let error =
+            resolve_actions(&table("[actions.export]\nlimit = 5\n"), &[], false).unwrap_err();
         assert_eq!(error.setting, "actions.export.window");
-        let error = resolve_actions(&table("[actions.auth]\nburst = 0\n"), &[]).unwrap_err();
+        let error = resolve_actions(&table("[actions.auth]\nburst = 0\n"), &[], false).unwrap_err();
         assert_eq!(error.setting, "actions.auth.burst");
         let error = resolve_actions(
             &table("[actions.publish]\nlimit = 5\nescalate = true\n"),
             &[],
+            false,
         )
         .unwrap_err();
         assert_eq!(error.setting, "actions.publish.escalate");
-        let error = resolve_actions(&table("[actions.auth]\nwindow = 0\n"), &[]).unwrap_err();
+        let error =
+            resolve_actions(&table("[actions.auth]\nwindow = 0\n"), &[], false).unwrap_err();
         assert_eq!(
             error.to_string(),
             "invalid setting `actions.auth.window`: must be longer than zero"
         );
+    }
+
+    #[test]
+    fn quotas_default_to_the_utc_day_and_take_a_period() {
+        let specs = resolve_actions(
+            &table(
+                "[actions.sends]\nkind = \"quota\"\nlimit = 500\nkey = \"user\"\n\
+                 [actions.exports]\nkind = \"quota\"\nlimit = 3\nperiod = \"7d\"\n\
+                 [actions.publish]\nkind = \"quota\"\nlimit = 10000\n",
+            ),
+            &[],
+            false,
+        )
+        .unwrap();
+        let sends = find(&specs, "sends");
+        assert_eq!(sends.kind, ActionKind::Quota);
+        assert_eq!((sends.window, sends.burst), (quota::DAY, 500));
+        assert!(matches!(sends.mode(), Mode::Quota(_)));
+        assert_eq!(find(&specs, "exports").window, 7 * quota::DAY);
+        // A built-in turned into a quota leaves its rate window behind.
+        let publish = find(&specs, "publish");
+        assert_eq!((publish.window, publish.burst), (quota::DAY, 10_000));
+        assert_eq!(find(&specs, "auth").kind, ActionKind::Rate);
+    }
+
+    #[test]
+    fn quota_errors_name_the_field() {
+        let error = |text: &str| {
+            resolve_actions(&table(text), &[], false)
+                .unwrap_err()
+                .setting
+        };
+        assert_eq!(
+            error("[actions.q]\nkind = \"quota\"\nlimit = 5\nwindow = \"1h\"\n"),
+            "actions.q.window"
+        );
+        assert_eq!(
+            error("[actions.q]\nkind = \"quota\"\nlimit = 5\nburst = 2\n"),
+            "actions.q.burst"
+        );
+        assert_eq!(
+            error("[actions.q]\nkind = \"quota\"\nlimit = 5\nperiod = \"500ms\"\n"),
+            "actions.q.period"
+        );
+        assert_eq!(
+            error("[actions.q]\nkind = \"quota\"\nlimit = 5\nperiod = \"400d\"\n"),
+            "actions.q.period"
+        );
+        assert_eq!(
+            error("[actions.q]\nkind = \"quota\"\nlimit = 5\nperiod = \"1s 1us\"\n"),
+            "actions.q.period"
+        );
+        assert_eq!(
+            error("[actions.q]\nlimit = 5\nwindow = \"1h\"\nperiod = \"1d\"\n"),
+            "actions.q.period"
+        );
+        assert_eq!(error("[actions.q]\nkind = \"quota\"\n"), "actions.q.limit");
+        // A quota's window cannot come from a flag either.
+        let error = resolve_actions(
+            &table("[actions.auth]\nkind = \"quota\"\n"),
+            &[(
+                "auth",
+                ActionConfig {
+                    window: Some(Window(Duration::from_secs(5))),
+                    ..Default::default()
+                },
+            )],
+            false,
+        )
+        .unwrap_err();
+        assert_eq!(error.setting, "flags for auth.window");
+        #[derive(Debug, Deserialize)]
+        #[allow(dead_code)]
+        struct File {
+            actions: BTreeMap<String, ActionConfig>,
+        }
+        let error = toml::from_str::<File>("[actions.q]\nkind = \"daily\"\n").unwrap_err();
+        assert!(error.to_string().contains("quota"), "{error}");
     }
 
     #[test]

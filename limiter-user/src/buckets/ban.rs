@@ -3,6 +3,8 @@
 
 use std::{net::IpAddr, time::Duration};
 
+use serde::Serialize;
+
 #[derive(Debug, thiserror::Error)]
 pub enum BanError {
     #[error("bans are not available in this process: {0}")]
@@ -16,6 +18,26 @@ pub trait Banner: Send + Sync {
     fn ban(&self, addr: IpAddr, ttl: Duration) -> Result<(), BanError>;
     /// Lifts a ban; `true` if one was in force.
     fn unban(&self, addr: IpAddr) -> Result<bool, BanError>;
+
+    /// An authentication failure escalation counted: a banner shared by a fleet counts it
+    /// across the fleet too, and bans when the fleet's count crosses the threshold.
+    fn failure(&self, _addr: IpAddr) {}
+
+    /// What the banner shared with other agents; nothing for one that shares nothing.
+    fn shared_stats(&self) -> SharedBanStats {
+        SharedBanStats::default()
+    }
+}
+
+/// Bans shared with a fleet, counted since the start.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct SharedBanStats {
+    /// Bans and unbans of this agent stored in the fleet's Redis.
+    pub sent: u64,
+    /// Bans and unbans other agents made, applied here.
+    pub received: u64,
+    /// Bans and unbans of this agent that did not reach Redis (enforced here only).
+    pub send_failures: u64,
 }
 
 /// For a limiter running without the kernel programs (unprivileged tools, benchmarks): every

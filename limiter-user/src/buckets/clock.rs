@@ -3,13 +3,19 @@
 
 use std::{
     sync::atomic::{AtomicU64, Ordering},
-    time::Duration,
+    time::{Duration, SystemTime},
 };
 
-/// Nanoseconds since the clock's own origin. Only differences matter, and a monotonic origin
-/// means a wall-clock step (NTP, an operator) can neither refill nor drain a bucket.
+/// Two readings: a monotonic one for rates, and the calendar for quotas.
 pub trait Clock: Send + Sync {
+    /// Nanoseconds since the clock's own origin. Only differences matter, and a monotonic
+    /// origin means a wall-clock step (NTP, an operator) can neither refill nor drain a bucket.
     fn now_ns(&self) -> u64;
+
+    /// Nanoseconds since the UNIX epoch (UTC). A quota's window is a calendar period, "today
+    /// in UTC", which only the wall clock can say; a step of the wall clock moves the window
+    /// edge with it, as it moves every other calendar boundary on the host.
+    fn unix_ns(&self) -> u64;
 }
 
 /// The process's monotonic clock, counted from when the limiter was built. It reads the CPU's
@@ -39,9 +45,18 @@ impl Clock for MonotonicClock {
     fn now_ns(&self) -> u64 {
         self.clock.delta_as_nanos(self.origin, self.clock.raw())
     }
+
+    fn unix_ns(&self) -> u64 {
+        // Through the vDSO: no system call. A clock set before 1970 reads as the epoch.
+        SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map_or(0, duration_ns)
+    }
 }
 
 /// A clock that moves only when told to, shared between a test and the limiter under test.
+/// Both readings are the same number: its origin is the UNIX epoch, so a test sets it to a
+/// calendar instant (say a second before midnight UTC) and rates still only see differences.
 #[derive(Debug, Default)]
 pub struct ManualClock {
     now: AtomicU64,
@@ -64,6 +79,10 @@ impl ManualClock {
 impl Clock for ManualClock {
     fn now_ns(&self) -> u64 {
         self.now.load(Ordering::SeqCst)
+    }
+
+    fn unix_ns(&self) -> u64 {
+        self.now_ns()
     }
 }
 

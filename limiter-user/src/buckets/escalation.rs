@@ -100,6 +100,7 @@ impl Escalator {
             return Escalation::Off;
         };
         let addr = addr.to_canonical();
+        self.banner.failure(addr);
         let now = self.clock.now_ns();
         let window = duration_ns(config.window);
         {

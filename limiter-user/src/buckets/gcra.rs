@@ -2,15 +2,17 @@
 //!
 //! The theoretical arrival time (TAT) is when the bucket would be full again if nothing else
 //! arrived. Refill is continuous because it is only ever a comparison with the clock, so time
-//! short of a whole token is never lost, and one `u64` per key can be updated with a single
-//! compare-and-swap: that is what makes the check exact under concurrency without a lock.
+//! short of a whole token is never lost, and the TAT is one `u64` a [`Cell`](super::cell::Cell)
+//! updates with a single compare-and-swap.
 
-use std::{
-    sync::atomic::{AtomicU64, Ordering},
-    time::Duration,
+use std::time::Duration;
+
+use limiter_client::Outcome;
+
+use super::{
+    cell::{Algorithm, Evaluation},
+    clock::duration_ns,
 };
-
-use super::clock::duration_ns;
 
 /// A limit turned into the two numbers GCRA works with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -25,20 +27,6 @@ pub struct Rate {
     /// tokens left, and a multiplication by this reciprocal (with one correction step) is
     /// exact and several times cheaper than a 64-bit division.
     emission_inverse: u64,
-}
-
-/// What a bucket would answer at one instant.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Evaluation {
-    pub allowed: bool,
-    /// The TAT to store if the request is taken; equal to the current one when refused.
-    pub new_tat: u64,
-    /// Whole tokens left after this request (after paying, if allowed).
-    pub remaining: u32,
-    /// Zero when allowed; otherwise the wait until the bucket holds `cost` tokens.
-    pub retry_after_ns: u64,
-    /// The wait until the bucket is full, given the request's outcome.
-    pub reset_after_ns: u64,
 }
 
 impl Rate {
@@ -59,40 +47,21 @@ impl Rate {
         })
     }
 
-    pub fn burst(&self) -> u32 {
-        self.burst
+    /// Time one token takes to come back.
+    pub fn emission_ns(&self) -> u64 {
+        self.emission_ns
     }
 
-    /// The answer for a request of `cost` tokens at `now` against a bucket whose TAT is `tat`.
-    /// A cost above the burst is answered "refused" with an infinite retry; callers report it
-    /// as its own reason.
-    #[inline]
-    pub fn evaluate(&self, tat: u64, now: u64, cost: u32) -> Evaluation {
-        let start = tat.max(now);
-        let new_tat = start.saturating_add(self.emission_ns.saturating_mul(u64::from(cost)));
-        let debt_after = new_tat - now;
-        if cost <= self.burst && debt_after <= self.tolerance_ns {
-            Evaluation {
-                allowed: true,
-                new_tat,
-                remaining: self.tokens(debt_after),
-                retry_after_ns: 0,
-                reset_after_ns: debt_after,
-            }
-        } else {
-            let debt_now = start - now;
-            Evaluation {
-                allowed: false,
-                new_tat: tat,
-                remaining: self.tokens(debt_now),
-                retry_after_ns: if cost > self.burst {
-                    u64::MAX
-                } else {
-                    debt_after - self.tolerance_ns
-                },
-                reset_after_ns: debt_now,
-            }
-        }
+    /// The bucket's capacity as time.
+    pub fn tolerance_ns(&self) -> u64 {
+        self.tolerance_ns
+    }
+
+    /// The same rate for `replicas` agents deciding alone: a share of the limit and of the
+    /// burst, each at least one token. `None` when the share is finer than a nanosecond.
+    pub fn share(limit: u32, window: Duration, burst: u32, replicas: u32) -> Option<Self> {
+        let replicas = replicas.max(1);
+        Self::new((limit / replicas).max(1), window, (burst / replicas).max(1))
     }
 
     /// Whole tokens in a bucket that is `debt_ns` short of full.
@@ -111,51 +80,57 @@ impl Rate {
         let remainder = ns - estimate * self.emission_ns;
         estimate + u64::from(remainder >= self.emission_ns)
     }
-
-    /// A bucket whose TAT is not after `now` is full: it holds nothing a fresh bucket would not.
-    pub fn is_full(tat: u64, now: u64) -> bool {
-        tat <= now
-    }
 }
 
-/// One bucket's TAT. Zero is "never used", which any clock reading treats as full.
-#[derive(Debug, Default)]
-pub struct Cell {
-    tat: AtomicU64,
-}
+impl Algorithm for Rate {
+    const OVERSIZED: Outcome = Outcome::CostExceedsBurst;
 
-impl Cell {
-    pub fn tat(&self) -> u64 {
-        self.tat.load(Ordering::Acquire)
+    fn capacity(&self) -> u32 {
+        self.burst
     }
 
-    /// Evaluates and, when allowed and `consume` is set, stores the new TAT atomically: of any
-    /// number of racing requests, exactly those that fit are admitted. Inlined into the check,
-    /// so the evaluation stays in registers rather than coming back through memory.
-    #[inline(always)]
-    pub fn take(&self, rate: &Rate, now: u64, cost: u32, consume: bool) -> Evaluation {
-        let mut current = self.tat.load(Ordering::Acquire);
-        loop {
-            let evaluation = rate.evaluate(current, now, cost);
-            if !evaluation.allowed || !consume {
-                return evaluation;
+    /// The answer for a request of `cost` tokens at `now` against a bucket whose TAT is `tat`.
+    /// A cost above the burst is answered "refused" with an infinite retry; callers report it
+    /// as its own reason.
+    #[inline]
+    fn evaluate(&self, tat: u64, now: u64, cost: u32) -> Evaluation {
+        let start = tat.max(now);
+        let new_tat = start.saturating_add(self.emission_ns.saturating_mul(u64::from(cost)));
+        let debt_after = new_tat - now;
+        if cost <= self.burst && debt_after <= self.tolerance_ns {
+            Evaluation {
+                allowed: true,
+                new_state: new_tat,
+                remaining: self.tokens(debt_after),
+                retry_after_ns: 0,
+                reset_after_ns: debt_after,
             }
-            match self.tat.compare_exchange_weak(
-                current,
-                evaluation.new_tat,
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            ) {
-                Ok(_) => return evaluation,
-                Err(actual) => current = actual,
+        } else {
+            let debt_now = start - now;
+            Evaluation {
+                allowed: false,
+                new_state: tat,
+                remaining: self.tokens(debt_now),
+                retry_after_ns: if cost > self.burst {
+                    u64::MAX
+                } else {
+                    debt_after - self.tolerance_ns
+                },
+                reset_after_ns: debt_now,
             }
         }
+    }
+
+    /// A bucket whose TAT is not after `now` is full: it holds nothing a fresh bucket would not.
+    fn is_idle(&self, tat: u64, now: u64) -> bool {
+        tat <= now
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::buckets::cell::Cell;
 
     const SEC: u64 = 1_000_000_000;
 
@@ -276,7 +251,7 @@ mod tests {
         for _ in 0..5 {
             assert!(cell.take(&rate, SEC, 1, false).allowed);
         }
-        assert_eq!(cell.tat(), 0);
+        assert_eq!(cell.state(), 0);
     }
 
     #[test]

@@ -199,6 +199,29 @@ pub fn display(kind: KeyKind, stored: &StoredKey) -> String {
     }
 }
 
+/// How a stored key is named in the fleet's shared store: the same on every agent (addresses
+/// canonical, tokens and long keys as their digest), readable where it can be, and never
+/// containing `{` or `}`, which would move the key's hash tag and with it its cluster slot.
+/// Other bytes, and text that could pass for an encoded key, go as `hex:` and the hex.
+pub fn shared_name(kind: KeyKind, stored: &StoredKey) -> Vec<u8> {
+    let bytes = stored.bytes();
+    let bytes = &bytes[..];
+    let plain = !stored.is_digest()
+        && kind != KeyKind::Ip
+        && bytes
+            .iter()
+            .all(|b| b.is_ascii_graphic() && *b != b'{' && *b != b'}')
+        && !bytes.starts_with(b"hex:")
+        && !bytes.starts_with(b"sha256:");
+    if plain {
+        return bytes.to_vec();
+    }
+    if kind == KeyKind::Ip || stored.is_digest() {
+        return display(kind, stored).into_bytes();
+    }
+    format!("hex:{}", hex(bytes)).into_bytes()
+}
+
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
@@ -273,6 +296,18 @@ mod tests {
                 assert_ne!(store(KeyKind::Other, &longer).unwrap(), stored, "{n} + NUL");
             }
         }
+    }
+
+    #[test]
+    fn shared_names_are_canonical_and_keep_the_hash_tag_whole() {
+        let name = |kind, raw: &[u8]| shared_name(kind, &store(kind, raw).unwrap());
+        assert_eq!(name(KeyKind::Ip, b"::ffff:10.0.0.1"), b"10.0.0.1");
+        assert_eq!(name(KeyKind::User, b"alice"), b"alice");
+        assert_eq!(name(KeyKind::User, b"a}b"), b"hex:617d62");
+        assert_eq!(name(KeyKind::User, b"a b"), b"hex:612062");
+        assert_eq!(name(KeyKind::User, b"hex:00"), b"hex:6865783a3030");
+        assert!(name(KeyKind::Session, b"tok").starts_with(b"sha256:"));
+        assert!(name(KeyKind::Other, &[b'k'; 40]).starts_with(b"sha256:"));
     }
 
     #[test]

@@ -17,9 +17,15 @@
 //! **Reload.** [`Limiter::reconfigure`] applies new actions and escalation settings while
 //! checks run. An action's settings are immutable: a reload builds a new [`Action`] that
 //! shares the old one's counters and, when its key kind is unchanged, its buckets (so every
-//! key keeps its TAT, the time its bucket is full again, and is judged by the new rate from
-//! then on). The old action points to its successor, or says it was removed, so an
-//! [`ActionId`] resolved before a reload follows it with one load per check.
+//! key keeps its state, and is judged by the new settings from then on). The old action points
+//! to its successor, or says it was removed, so an [`ActionId`] resolved before a reload
+//! follows it with one load per check.
+//!
+//! **Shared actions.** With a [`SharedBuckets`] store (the fleet's Redis), an action marked
+//! `shared` is checked there through [`Limiter::submit`], the one bucket for the whole fleet.
+//! When the store cannot answer, the check is decided here at the action's fallback rate
+//! (limit and burst divided by the expected replicas), in the same key table, so the key cap
+//! bounds it too. The synchronous checks decide shared actions that way as well.
 
 use std::{
     net::IpAddr,
@@ -38,11 +44,14 @@ use crate::api::{ActionCounts, BlockedKey};
 
 use super::{
     actions::{ActionSpec, KeyKind, Mode},
-    ban::{BanError, Banner},
+    ban::{BanError, Banner, SharedBanStats},
+    cell::{Algorithm, Cell, Evaluation},
     clock::{Clock, ns_to_ms_ceil},
     escalation::{EscalationConfig, EscalationStats, Escalator},
-    gcra::{Cell, Evaluation, Rate},
+    gcra::Rate,
     keys::{self, KeyError, StoredKey},
+    quota::Quota,
+    shared::{Pending, SharedBuckets, SharedCheck, SharedLimit},
     stats::{ActionStats, OutcomeCounters},
 };
 
@@ -94,11 +103,11 @@ pub struct ActionId(Arc<Action>);
 
 impl ActionId {
     /// The action as configured now.
-    fn current(&self) -> Result<&Action, CheckError> {
-        let mut action = &*self.0;
+    fn current(&self) -> Result<&Arc<Action>, CheckError> {
+        let mut action = &self.0;
         while let Some(next) = action.next.get() {
             action = next
-                .as_deref()
+                .as_ref()
                 .ok_or_else(|| CheckError::UnknownAction(action.spec.name.clone()))?;
         }
         Ok(action)
@@ -109,7 +118,14 @@ impl ActionId {
 /// configurations before and after it.
 struct Action {
     spec: ActionSpec,
+    name: Arc<str>,
+    /// The action's own rate: this agent's, or the fleet's for a shared action.
     mode: Mode,
+    /// What this agent decides by itself: `mode`, or for a shared action its fallback share.
+    local: Mode,
+    /// The limit `local` enforces, reported in its verdicts.
+    local_limit: u32,
+    shared: bool,
     table: Arc<KeyTable>,
     counters: Arc<ActionCounters>,
     /// Set by the reload that replaced this configuration: its successor, or `None` when the
@@ -156,9 +172,42 @@ impl ActionChanges {
 }
 
 impl Action {
-    fn new(spec: ActionSpec, table: Arc<KeyTable>, counters: Arc<ActionCounters>) -> Arc<Self> {
+    /// `replicas` is the fleet's expected replicas when a shared store checks the actions
+    /// marked `shared`: each then decides locally at its share (limit / replicas) whenever the
+    /// store cannot answer.
+    fn new(
+        spec: ActionSpec,
+        table: Arc<KeyTable>,
+        counters: Arc<ActionCounters>,
+        replicas: Option<u32>,
+    ) -> Arc<Self> {
+        let mode = spec.mode();
+        let (mut local, mut local_limit, mut shared) = (mode, spec.limit, false);
+        if let Some(replicas) = replicas.filter(|_| spec.shared) {
+            shared = true;
+            let share = (spec.limit / replicas.max(1)).max(1);
+            match mode {
+                Mode::Limited(_) => {
+                    if let Some(rate) = Rate::share(spec.limit, spec.window, spec.burst, replicas) {
+                        local = Mode::Limited(rate);
+                        local_limit = share;
+                    }
+                }
+                Mode::Quota(_) => {
+                    if let Some(quota) = Quota::new(share, spec.window) {
+                        local = Mode::Quota(quota);
+                        local_limit = share;
+                    }
+                }
+                Mode::Unlimited | Mode::Closed => {}
+            }
+        }
         Arc::new(Self {
-            mode: spec.mode(),
+            name: Arc::from(spec.name.as_str()),
+            mode,
+            local,
+            local_limit,
+            shared,
             spec,
             table,
             counters,
@@ -174,6 +223,18 @@ pub struct Limiter {
     actions: RwLock<Vec<Arc<Action>>>,
     escalator: Escalator,
     banner: Arc<dyn Banner>,
+    shared: Option<Arc<dyn SharedBuckets>>,
+}
+
+/// How a check submitted with [`Limiter::submit`] is made.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Submit {
+    /// Spends; refusals count towards escalation (the broker's own checks).
+    Check,
+    /// Spends, never escalates (callers outside the broker's trust boundary).
+    CheckUnescalated,
+    /// Spends nothing, counts nothing.
+    Peek,
 }
 
 impl Limiter {
@@ -181,7 +242,7 @@ impl Limiter {
         let actions = config
             .actions
             .into_iter()
-            .map(|spec| Action::new(spec, Arc::default(), Arc::default()))
+            .map(|spec| Action::new(spec, Arc::default(), Arc::default(), None))
             .collect();
         let escalator = Escalator::new(config.escalation, clock.clone(), banner.clone());
         Self {
@@ -189,7 +250,24 @@ impl Limiter {
             actions: RwLock::new(actions),
             escalator,
             banner,
+            shared: None,
         }
+    }
+
+    /// Checks the actions marked `shared` against `store` from now on; each decides locally
+    /// at its share of the limit (limit / expected replicas) whenever the store cannot answer.
+    pub fn shared_by(mut self, store: Arc<dyn SharedBuckets>) -> Self {
+        let replicas = Some(store.expected_replicas());
+        for action in self.actions.get_mut().expect("actions lock").iter_mut() {
+            *action = Action::new(
+                action.spec.clone(),
+                Arc::clone(&action.table),
+                Arc::clone(&action.counters),
+                replicas,
+            );
+        }
+        self.shared = Some(store);
+        self
     }
 
     /// Applies a reloaded configuration while checks run, and says what it did to the
@@ -199,6 +277,7 @@ impl Limiter {
     /// (the failures counted so far count towards the new threshold; turned off, they are
     /// forgotten).
     pub fn reconfigure(&self, config: LimiterConfig) -> ActionChanges {
+        let replicas = self.shared.as_ref().map(|s| s.expected_replicas());
         let mut actions = self.actions.write().expect("actions lock");
         let mut changes = ActionChanges::default();
         let mut next = Vec::with_capacity(config.actions.len());
@@ -207,18 +286,19 @@ impl Limiter {
             let action = match old {
                 None => {
                     changes.added.push(spec.name.clone());
-                    Action::new(spec, Arc::default(), Arc::default())
+                    Action::new(spec, Arc::default(), Arc::default(), replicas)
                 }
                 Some(old) if old.spec == spec => Arc::clone(old),
                 Some(old) => {
-                    let table = if old.spec.key == spec.key {
+                    // A new kind of state (rate or quota) or key means nothing to the old table.
+                    let table = if old.spec.key == spec.key && old.spec.kind == spec.kind {
                         changes.changed.push(spec.name.clone());
                         Arc::clone(&old.table)
                     } else {
                         changes.rekeyed.push(spec.name.clone());
                         Arc::default()
                     };
-                    let action = Action::new(spec, table, Arc::clone(&old.counters));
+                    let action = Action::new(spec, table, Arc::clone(&old.counters), replicas);
                     let _ = old.next.set(Some(Arc::clone(&action)));
                     action
                 }
@@ -234,6 +314,93 @@ impl Limiter {
         *actions = next;
         self.escalator.reconfigure(config.escalation);
         changes
+    }
+
+    /// The fleet's shared buckets at a glance; `None` without a fleet.
+    pub fn shared_status(&self) -> Option<crate::api::FleetStatus> {
+        self.shared.as_ref().map(|s| s.status())
+    }
+
+    /// A check, sent to the fleet's shared bucket for a shared action (its answer then comes
+    /// later, never later than the store's timeout) and decided at once otherwise.
+    pub fn submit(
+        self: &Arc<Self>,
+        id: &ActionId,
+        key: &[u8],
+        cost: u32,
+        how: Submit,
+    ) -> Result<Pending<Verdict>, CheckError> {
+        let (consume, escalate) = match how {
+            Submit::Check => (true, true),
+            Submit::CheckUnescalated => (true, false),
+            Submit::Peek => (false, false),
+        };
+        if cost == 0 {
+            return Err(CheckError::ZeroCost);
+        }
+        let action = id.current()?;
+        let stored = action.store(key)?;
+        let (limit, store) = match (action.mode, self.shared.as_ref()) {
+            (Mode::Limited(rate), Some(store)) if action.shared => (SharedLimit::Rate(rate), store),
+            (Mode::Quota(quota), Some(store)) if action.shared => {
+                (SharedLimit::Quota(quota), store)
+            }
+            _ => {
+                return Ok(Pending::ready(
+                    self.decide_locally(action, &stored, cost, consume, escalate),
+                ));
+            }
+        };
+        let answer = store.take(SharedCheck {
+            action: Arc::clone(&action.name),
+            key: keys::shared_name(action.spec.key, &stored),
+            limit,
+            cost,
+            consume,
+        });
+        let limiter = Arc::clone(self);
+        let action = Arc::clone(action);
+        Ok(Pending::Waiting(Box::pin(async move {
+            let action = &*action;
+            let flags = (consume, escalate);
+            let fleet = action.spec.limit;
+            match (answer.await, limit) {
+                (Some(evaluation), SharedLimit::Rate(rate)) => limiter.conclude(
+                    action,
+                    &stored,
+                    (&rate, fleet),
+                    cost,
+                    flags,
+                    (evaluation, true),
+                ),
+                (Some(evaluation), SharedLimit::Quota(quota)) => limiter.conclude(
+                    action,
+                    &stored,
+                    (&quota, fleet),
+                    cost,
+                    flags,
+                    (evaluation, true),
+                ),
+                (None, _) => limiter.decide_locally(action, &stored, cost, consume, escalate),
+            }
+        })))
+    }
+
+    /// Forgets a key's bucket, here and, for a shared action, in the fleet's store.
+    pub fn forget(self: &Arc<Self>, action: &str, key: &[u8]) -> Result<Pending<bool>, CheckError> {
+        let here = self.reset(action, key)?;
+        let action = self.action(action)?;
+        let stored = action.store(key)?;
+        let Some(store) = self.shared.as_ref().filter(|_| action.shared) else {
+            return Ok(Pending::ready(here));
+        };
+        let there = store.forget(
+            Arc::clone(&action.name),
+            keys::shared_name(action.spec.key, &stored),
+        );
+        Ok(Pending::Waiting(Box::pin(async move {
+            there.await.unwrap_or(false) || here
+        })))
     }
 
     /// The actions' settings in force.
@@ -316,10 +483,9 @@ impl Limiter {
     /// Evicts buckets that are full again (they hold nothing a fresh bucket would not) and
     /// idle escalation records; returns how many entries went. The agent calls it periodically.
     pub fn sweep(&self) -> usize {
-        let now = self.clock.now_ns();
         let mut removed = 0;
         for action in self.current().iter() {
-            removed += action.table.evict_full(now);
+            removed += action.evict_idle(action.now(&*self.clock));
         }
         removed + self.escalator.sweep()
     }
@@ -336,9 +502,11 @@ impl Limiter {
                         unlimited: count(Outcome::Unlimited),
                         limited: count(Outcome::Limited),
                         cost_exceeds_burst: count(Outcome::CostExceedsBurst),
+                        cost_exceeds_limit: count(Outcome::CostExceedsLimit),
                         closed: count(Outcome::Closed),
                         blocked: count(Outcome::Limited)
                             + count(Outcome::CostExceedsBurst)
+                            + count(Outcome::CostExceedsLimit)
                             + count(Outcome::Closed),
                         tracked_keys: a.table.tracked.load(Ordering::Acquire),
                         overflow_checks: a.counters.overflow_checks.load(Ordering::Relaxed),
@@ -348,6 +516,11 @@ impl Limiter {
                 }
             })
             .collect()
+    }
+
+    /// What the banner shared with the fleet (zero without one).
+    pub fn shared_ban_stats(&self) -> SharedBanStats {
+        self.banner.shared_stats()
     }
 
     /// `None` while escalation is off.
@@ -398,64 +571,118 @@ impl Limiter {
             return Err(CheckError::ZeroCost);
         }
         let stored = action.store(key)?;
-        let mut tracked = true;
-        let limit = action.spec.limit;
-        let verdict = match action.mode {
-            Mode::Unlimited => Verdict::new(Outcome::Unlimited, 0, u32::MAX, 0, 0),
-            Mode::Closed => Verdict::new(Outcome::Closed, 0, 0, NEVER_MS, NEVER_MS),
-            Mode::Limited(rate) => {
-                let now = self.clock.now_ns();
-                let (evaluation, in_store) =
-                    self.evaluate(action, &rate, &stored, now, cost, consume);
-                tracked = in_store;
-                let outcome = if evaluation.allowed {
-                    Outcome::Allowed
-                } else if cost > rate.burst() {
-                    Outcome::CostExceedsBurst
-                } else {
-                    Outcome::Limited
-                };
-                Verdict::new(
-                    outcome,
-                    limit,
-                    evaluation.remaining,
-                    if evaluation.retry_after_ns == u64::MAX {
-                        NEVER_MS
-                    } else {
-                        ns_to_ms_ceil(evaluation.retry_after_ns)
-                    },
-                    ns_to_ms_ceil(evaluation.reset_after_ns),
-                )
-            }
-        };
-        if consume {
-            action.counters.outcomes.add(verdict.outcome);
-            if !verdict.allowed
-                && escalate
-                && tracked
-                && action.spec.escalate
-                && action.spec.key == KeyKind::Ip
-                && let Some(addr) = stored.address()
-            {
-                self.escalator.record_failure(addr);
-            }
-        }
-        Ok(verdict)
+        Ok(self.decide_locally(action, &stored, cost, consume, escalate))
     }
 
-    /// Settles `key`'s bucket; the flag says whether the key is tracked (false for a peek of
-    /// an unknown key and for the degraded mode of a full action).
-    fn evaluate(
+    /// The verdict of this agent's own bucket for `key`.
+    fn decide_locally(
         &self,
         action: &Action,
-        rate: &Rate,
+        stored: &StoredKey,
+        cost: u32,
+        consume: bool,
+        escalate: bool,
+    ) -> Verdict {
+        let flags = (consume, escalate);
+        let verdict = match action.local {
+            Mode::Unlimited => Verdict::new(Outcome::Unlimited, 0, u32::MAX, 0, 0),
+            Mode::Closed => Verdict::new(Outcome::Closed, 0, 0, NEVER_MS, NEVER_MS),
+            Mode::Limited(rate) => return self.settle(action, &rate, stored, cost, flags),
+            Mode::Quota(quota) => return self.settle(action, &quota, stored, cost, flags),
+        };
+        self.count(action, stored, verdict, (consume, escalate), true);
+        verdict
+    }
+
+    /// Turns a bucket's evaluation (this agent's or the fleet's) into the verdict, and counts
+    /// it.
+    fn conclude<A: Algorithm>(
+        &self,
+        action: &Action,
+        stored: &StoredKey,
+        (algorithm, limit): (&A, u32),
+        cost: u32,
+        (consume, escalate): (bool, bool),
+        (evaluation, tracked): (Evaluation, bool),
+    ) -> Verdict {
+        let outcome = if evaluation.allowed {
+            Outcome::Allowed
+        } else if cost > algorithm.capacity() {
+            A::OVERSIZED
+        } else {
+            Outcome::Limited
+        };
+        let verdict = Verdict::new(
+            outcome,
+            limit,
+            evaluation.remaining,
+            if evaluation.retry_after_ns == u64::MAX {
+                NEVER_MS
+            } else {
+                ns_to_ms_ceil(evaluation.retry_after_ns)
+            },
+            ns_to_ms_ceil(evaluation.reset_after_ns),
+        );
+        self.count(action, stored, verdict, (consume, escalate), tracked);
+        verdict
+    }
+
+    /// Counts a spending verdict, and feeds a refusal of a tracked key to escalation.
+    fn count(
+        &self,
+        action: &Action,
+        stored: &StoredKey,
+        verdict: Verdict,
+        (consume, escalate): (bool, bool),
+        tracked: bool,
+    ) {
+        if !consume {
+            return;
+        }
+        action.counters.outcomes.add(verdict.outcome);
+        if !verdict.allowed
+            && escalate
+            && tracked
+            && action.spec.escalate
+            && action.spec.key == KeyKind::Ip
+            && let Some(addr) = stored.address()
+        {
+            self.escalator.record_failure(addr);
+        }
+    }
+
+    /// The verdict of this agent's own cell for `key` under `algorithm`.
+    fn settle<A: Algorithm>(
+        &self,
+        action: &Action,
+        algorithm: &A,
+        stored: &StoredKey,
+        cost: u32,
+        flags: (bool, bool),
+    ) -> Verdict {
+        let now = action.now(&*self.clock);
+        let settled = Self::evaluate(action, algorithm, stored, now, cost, flags.0);
+        self.conclude(
+            action,
+            stored,
+            (algorithm, action.local_limit),
+            cost,
+            flags,
+            settled,
+        )
+    }
+
+    /// Settles `key`'s cell, creating it under the key cap when `consume` is set.
+    fn evaluate(
+        action: &Action,
+        algorithm: &impl Algorithm,
         key: &StoredKey,
         now: u64,
         cost: u32,
         consume: bool,
     ) -> (Evaluation, bool) {
         let settle = |bucket: &Bucket| {
-            let evaluation = bucket.cell.take(rate, now, cost, consume);
+            let evaluation = bucket.cell.take(algorithm, now, cost, consume);
             if consume && !evaluation.allowed {
                 bucket.blocked.fetch_add(1, Ordering::Relaxed);
             }
@@ -466,17 +693,17 @@ impl Limiter {
             return settle(&bucket);
         }
         if !consume {
-            // An untracked key has a full bucket; nothing is created to answer a peek.
-            return (rate.evaluate(0, now, cost), false);
+            // An untracked key is fresh; nothing is created to answer a peek.
+            return (algorithm.evaluate(0, now, cost), false);
         }
-        if !table.claim_slot(now, action.spec.max_keys) {
-            // Degraded mode: answered as the fresh bucket it would get, never refused for
+        if !action.claim_slot(now) {
+            // Degraded mode: answered as the fresh key it would get, never refused for
             // others' spending.
             action
                 .counters
                 .overflow_checks
                 .fetch_add(1, Ordering::Relaxed);
-            return (rate.evaluate(0, now, cost), false);
+            return (algorithm.evaluate(0, now, cost), false);
         }
         match table.buckets.entry(*key) {
             Entry::Occupied(occupied) => {
@@ -497,47 +724,66 @@ impl Action {
             source,
         })
     }
-}
 
-impl KeyTable {
+    /// The time the action's algorithm counts in: a rate the monotonic clock, a quota the
+    /// calendar.
+    fn now(&self, clock: &dyn Clock) -> u64 {
+        match self.local {
+            Mode::Quota(_) => clock.unix_ns(),
+            Mode::Limited(_) | Mode::Unlimited | Mode::Closed => clock.now_ns(),
+        }
+    }
+
+    /// Whether a key in `state` holds nothing a fresh key would not.
+    fn is_idle(&self, state: u64, now: u64) -> bool {
+        match &self.local {
+            Mode::Limited(rate) => rate.is_idle(state, now),
+            Mode::Quota(quota) => quota.is_idle(state, now),
+            Mode::Unlimited | Mode::Closed => true,
+        }
+    }
+
     /// Claims a slot under the cap before inserting, so the cap holds under races; a full
     /// action first evicts its buckets that are full again (at most once per
     /// [`CAP_SWEEP_EVERY`]). A cap lowered by a reload below the keys tracked admits no new
     /// key until sweeps bring the count under it.
-    fn claim_slot(&self, now: u64, max_keys: usize) -> bool {
+    fn claim_slot(&self, now: u64) -> bool {
+        let table = &self.table;
         for attempt in 0..2 {
-            if self.tracked.fetch_add(1, Ordering::AcqRel) < max_keys {
+            if table.tracked.fetch_add(1, Ordering::AcqRel) < self.spec.max_keys {
                 return true;
             }
-            self.tracked.fetch_sub(1, Ordering::AcqRel);
-            let last = self.cap_swept.load(Ordering::Acquire);
+            table.tracked.fetch_sub(1, Ordering::AcqRel);
+            let last = table.cap_swept.load(Ordering::Acquire);
             let due =
                 last == 0 || now.saturating_sub(last - 1) >= CAP_SWEEP_EVERY.as_nanos() as u64;
             let ours = attempt == 0
                 && due
-                && self
+                && table
                     .cap_swept
                     .compare_exchange(last, now + 1, Ordering::AcqRel, Ordering::Acquire)
                     .is_ok();
-            if !ours || self.evict_full(now) == 0 {
+            if !ours || self.evict_idle(now) == 0 {
                 return false;
             }
         }
         false
     }
 
-    /// Evicts the buckets that are full again and gives the table's memory back when it is
-    /// less than half used; returns how many went.
-    fn evict_full(&self, now: u64) -> usize {
+    /// Evicts the keys that hold nothing a fresh one would not (buckets full again, quotas
+    /// past their window) and gives the table's memory back when it is less than half used;
+    /// returns how many went.
+    fn evict_idle(&self, now: u64) -> usize {
+        let table = &self.table;
         let mut gone = 0;
-        self.buckets.retain(|_, bucket| {
-            let keep = !Rate::is_full(bucket.cell.tat(), now);
+        table.buckets.retain(|_, bucket| {
+            let keep = !self.is_idle(bucket.cell.state(), now);
             gone += usize::from(!keep);
             keep
         });
-        self.tracked.fetch_sub(gone, Ordering::AcqRel);
-        if gone > 0 && self.buckets.capacity() > 2 * self.buckets.len() {
-            self.buckets.shrink_to_fit();
+        table.tracked.fetch_sub(gone, Ordering::AcqRel);
+        if gone > 0 && table.buckets.capacity() > 2 * table.buckets.len() {
+            table.buckets.shrink_to_fit();
         }
         gone
     }

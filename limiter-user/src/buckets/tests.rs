@@ -331,7 +331,7 @@ fn config_of(toml_actions: &str, escalation: Option<EscalationConfig>) -> Limite
     }
     let file: File = toml::from_str(toml_actions).unwrap();
     LimiterConfig {
-        actions: resolve_actions(&file.actions, &[]).unwrap(),
+        actions: resolve_actions(&file.actions, &[], false).unwrap(),
         escalation,
     }
 }
@@ -449,4 +449,151 @@ fn a_reload_turns_escalation_on_changes_it_and_turns_it_off() {
     limiter.reconfigure(config_of("[actions.auth]\n", None));
     assert_eq!(limiter.report_auth_failure(addr), Escalation::Off);
     assert_eq!(limiter.escalation_stats(), None);
+}
+
+/// 2026-12-01T23:59:50Z, ten seconds before a UTC midnight.
+const BEFORE_MIDNIGHT_NS: u64 = (1_796_083_200 + 86_400 - 10) * 1_000_000_000;
+
+const SENDS: &str = "[actions.sends]\nkind = \"quota\"\nlimit = 20\nkey = \"user\"\n";
+
+#[test]
+fn a_daily_quota_rolls_over_at_midnight_utc() {
+    let (clock, _, limiter) = limiter_with(SENDS, None);
+    clock.set_ns(BEFORE_MIDNIGHT_NS);
+    let first = limiter.check("sends", b"tenant-1", 15).unwrap();
+    assert_eq!(
+        (first.outcome, first.limit, first.remaining),
+        (Outcome::Allowed, 20, 5)
+    );
+    assert_eq!((first.retry_after_ms, first.reset_after_ms), (0, 10_000));
+    // A batch of 6 does not fit the 5 left: refused whole, nothing spent.
+    let batch = limiter.check("sends", b"tenant-1", 6).unwrap();
+    assert_eq!(batch.outcome, Outcome::Limited);
+    assert_eq!(
+        (batch.remaining, batch.retry_after_ms, batch.reset_after_ms),
+        (5, 10_000, 10_000)
+    );
+    assert_eq!(limiter.peek("sends", b"tenant-1", 5).unwrap().remaining, 0);
+    assert!(limiter.check("sends", b"tenant-1", 5).unwrap().allowed);
+    clock.advance(Duration::from_millis(9_999));
+    let late = limiter.check("sends", b"tenant-1", 1).unwrap();
+    assert_eq!((late.allowed, late.retry_after_ms), (false, 1));
+    // Midnight: the whole allowance is back, and the next reset is a day away.
+    clock.advance(Duration::from_millis(1));
+    let tomorrow = limiter.check("sends", b"tenant-1", 20).unwrap();
+    assert_eq!(
+        (
+            tomorrow.allowed,
+            tomorrow.remaining,
+            tomorrow.reset_after_ms
+        ),
+        (true, 0, 86_400_000)
+    );
+    let stats = stats_of(&limiter, "sends");
+    assert_eq!((stats.counts.allowed, stats.counts.limited, stats.counts.blocked), (3, 2, 2));
+}
+
+#[test]
+fn a_cost_above_the_quota_has_its_own_reason_and_spends_nothing() {
+    let (clock, _, limiter) = limiter_with(SENDS, None);
+    clock.set_ns(BEFORE_MIDNIGHT_NS);
+    let v = limiter.check("sends", b"tenant-1", 21).unwrap();
+    assert_eq!(v.outcome, Outcome::CostExceedsLimit);
+    assert_eq!(
+        (v.remaining, v.retry_after_ms, v.reset_after_ms),
+        (20, NEVER_MS, 0)
+    );
+    assert_eq!(
+        limiter.check("sends", b"tenant-1", 20).unwrap().remaining,
+        0
+    );
+    assert_eq!(stats_of(&limiter, "sends").counts.cost_exceeds_limit, 1);
+}
+
+#[test]
+fn a_set_period_is_aligned_to_the_epoch() {
+    let (clock, _, limiter) = limiter_with(
+        "[actions.exports]\nkind = \"quota\"\nlimit = 2\nperiod = \"1h\"\n",
+        None,
+    );
+    // 23:59:50: the hour started at 23:00.
+    clock.set_ns(BEFORE_MIDNIGHT_NS);
+    assert!(limiter.check("exports", b"k", 2).unwrap().allowed);
+    let refused = limiter.check("exports", b"k", 1).unwrap();
+    assert_eq!(refused.retry_after_ms, 10_000);
+    clock.advance(Duration::from_secs(10));
+    let next = limiter.check("exports", b"k", 1).unwrap();
+    assert_eq!((next.allowed, next.reset_after_ms), (true, 3_600_000));
+}
+
+#[test]
+fn quota_keys_are_swept_a_margin_after_their_window() {
+    let (clock, _, limiter) = limiter_with(SENDS, None);
+    clock.set_ns(BEFORE_MIDNIGHT_NS);
+    limiter.check("sends", b"a", 1).unwrap();
+    limiter.check("sends", b"b", 21).unwrap();
+    assert_eq!(limiter.sweep(), 1, "a key that spent nothing holds nothing");
+    clock.advance(Duration::from_secs(10));
+    assert_eq!(
+        limiter.sweep(),
+        0,
+        "yesterday's count is kept for the margin"
+    );
+    clock.advance(Duration::from_secs(3_599));
+    assert_eq!(limiter.sweep(), 0);
+    clock.advance(Duration::from_secs(1));
+    assert_eq!(limiter.sweep(), 1, "an hour into the next day it goes");
+    assert_eq!(stats_of(&limiter, "sends").counts.tracked_keys, 0);
+}
+
+#[test]
+fn a_full_quota_action_makes_room_from_past_windows() {
+    let (clock, _, limiter) = limiter_with(
+        "[actions.sends]\nkind = \"quota\"\nlimit = 1\nperiod = \"10s\"\nmax-keys = 10\n",
+        None,
+    );
+    clock.set_ns(BEFORE_MIDNIGHT_NS);
+    for i in 0..10 {
+        limiter
+            .check("sends", format!("k{i}").as_bytes(), 1)
+            .unwrap();
+    }
+    assert!(limiter.check("sends", b"new", 1).unwrap().allowed);
+    assert_eq!(stats_of(&limiter, "sends").counts.overflow_checks, 1);
+    // The margin of a 10 s period is 1 s: past it, the old keys make room.
+    clock.advance(Duration::from_secs(11));
+    assert!(limiter.check("sends", b"new", 1).unwrap().allowed);
+    assert!(
+        !limiter.check("sends", b"new", 1).unwrap().allowed,
+        "tracked"
+    );
+    assert_eq!(stats_of(&limiter, "sends").counts.tracked_keys, 1);
+}
+
+#[test]
+fn two_hundred_concurrent_checks_of_cost_three_fit_a_quota_of_fifty_exactly() {
+    let (clock, _, limiter) = limiter_with(SENDS.replace("20", "50").as_str(), None);
+    clock.set_ns(BEFORE_MIDNIGHT_NS);
+    let limiter = Arc::new(limiter);
+    let barrier = Arc::new(Barrier::new(200));
+    let handles: Vec<_> = (0..200)
+        .map(|_| {
+            let (limiter, barrier) = (limiter.clone(), barrier.clone());
+            thread::spawn(move || {
+                barrier.wait();
+                limiter.check("sends", b"tenant", 3).unwrap().allowed
+            })
+        })
+        .collect();
+    let admitted = handles
+        .into_iter()
+        .map(|h| h.join().unwrap())
+        .filter(|&allowed| allowed)
+        .count();
+    assert_eq!(admitted, 16);
+    assert_eq!(limiter.peek("sends", b"tenant", 2).unwrap().remaining, 0);
+    assert_eq!(
+        limiter.peek("sends", b"tenant", 3).unwrap().outcome,
+        Outcome::Limited
+    );
 }

@@ -36,6 +36,8 @@ pub enum LoadError {
     /// build.rs embedded an empty stub because the object had not been built.
     #[error("this agent was built without its eBPF object: build it with `cargo xtask build`")]
     NoObject,
+    #[error("map {0} is missing from the eBPF object")]
+    MissingMap(&'static str),
     #[error("program {0} is missing from the eBPF object")]
     MissingProgram(&'static str),
     #[error("preparing program {name}")]
@@ -68,6 +70,28 @@ pub enum LoadError {
         #[source]
         source: std::io::Error,
     },
+    /// A pin left by a build of limiter whose map layout differs: adopting it would feed the
+    /// programs values of the wrong shape, so the verifier (or worse, the data) would break.
+    #[error(
+        "the pinned map {name} at {path} has {found}, but this agent's programs need {expected}: \
+         it was made by another version of limiter; run `limiter detach --pin-dir {pin_dir}` \
+         (this drops the pinned counts, bans and buckets) and start again"
+    )]
+    IncompatiblePin {
+        name: &'static str,
+        path: PathBuf,
+        pin_dir: String,
+        found: String,
+        expected: String,
+    },
+    #[error("reading the pinned map {path}")]
+    PinInfo {
+        path: PathBuf,
+        #[source]
+        source: aya::maps::MapError,
+    },
+    #[error("reading the map layouts of the eBPF object")]
+    Object(#[from] aya_obj::ParseError),
     #[error("pinned link {path}")]
     Link {
         path: PathBuf,
@@ -107,6 +131,43 @@ impl Default for LoadOptions {
             pin_dir: None,
         }
     }
+}
+
+/// Refuses pinned maps whose type, key or value size differ from the object's before anything
+/// is loaded: aya adopts a pin by name alone, and a map of another layout would be read with
+/// this build's types.
+fn check_pinned_layouts(pin_dir: &Path) -> Result<(), LoadError> {
+    let object = aya_obj::Object::parse(EBPF_OBJECT)?;
+    for def in limiter_common::maps::ALL {
+        let path = pins::map(pin_dir, def.name);
+        if !path.exists() {
+            continue;
+        }
+        let Some(want) = object.maps.get(def.name) else {
+            return Err(LoadError::MissingMap(def.name));
+        };
+        let info = aya::maps::MapInfo::from_pin(&path).map_err(|source| LoadError::PinInfo {
+            path: path.clone(),
+            source,
+        })?;
+        let layout = |kind: u32, key: u32, value: u32| {
+            format!("map type {kind}, key size {key}, value size {value}")
+        };
+        // A type this aya cannot name is no type the object uses.
+        let kind = info.map_type().map_or(u32::MAX, |kind| kind as u32);
+        let found = layout(kind, info.key_size(), info.value_size());
+        let expected = layout(want.map_type(), want.key_size(), want.value_size());
+        if found != expected {
+            return Err(LoadError::IncompatiblePin {
+                name: def.name,
+                path,
+                pin_dir: pin_dir.display().to_string(),
+                found,
+                expected,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Swaps this agent's program into a link an earlier agent pinned, with no moment
@@ -193,6 +254,7 @@ impl Datapath {
             let maps = pins::maps(dir);
             std::fs::create_dir_all(&maps)
                 .map_err(|source| LoadError::Pin { path: maps, source })?;
+            check_pinned_layouts(dir)?;
             // Every catalogued map outlives the agent (the log ring buffer is not one of them).
             for map in limiter_common::maps::ALL {
                 loader.map_pin_path(map.name, pins::map(dir, map.name));

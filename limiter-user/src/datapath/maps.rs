@@ -111,6 +111,7 @@ pub struct Maps {
     stats: PerCpuArray<MapData, u64>,
     events: PerCpuArray<MapData, u64>,
     blocked: HashMap<MapData, SourceKey, Blocked>,
+    refused_conns: PerCpuArray<MapData, u64>,
     /// The ports this handle last wrote: the port table is 64 Ki entries, so it is compared
     /// with the kernel's only when the wanted set changes, not on every list change.
     ports_written: Option<Vec<u16>>,
@@ -168,6 +169,7 @@ impl Maps {
             stats: typed(STATS).get()?,
             events: typed(EVENTS).get()?,
             blocked: typed(BLOCKED).get()?,
+            refused_conns: typed(REFUSED_CONNS).get()?,
             ports_written: None,
         })
     }
@@ -350,12 +352,37 @@ impl Maps {
             .collect()
     }
 
-    /// Refusals per source, for top-blocked lists.
-    pub fn blocked(&self) -> Result<Vec<(SourceKey, Blocked)>, MapsError> {
-        self.blocked
+    /// Refused connection attempts of one refusal reason, summed over CPUs (0 for a reason
+    /// that is not a refusal).
+    pub fn refused_connections(&self, reason: Reason) -> Result<u64, MapsError> {
+        let Some(slot) = reason.blocked_slot() else {
+            return Ok(0);
+        };
+        Ok(self
+            .refused_conns
+            .get(&(slot as u32), 0)
+            .map_err(map_error(map_names::REFUSED_CONNS))?
             .iter()
-            .map(|entry| entry.map_err(map_error(map_names::BLOCKED)))
-            .collect()
+            .sum())
+    }
+
+    /// Refused connection attempts per source and reason, for top-blocked lists: `BLOCKED`,
+    /// and the SYN-rate refusals each source's bucket counts, in the `syn_rate` slot.
+    pub fn blocked(&self) -> Result<Vec<(SourceKey, Blocked)>, MapsError> {
+        let mut all = std::collections::BTreeMap::<SourceKey, Blocked>::new();
+        for entry in self.blocked.iter() {
+            let (key, blocked) = entry.map_err(map_error(map_names::BLOCKED))?;
+            all.insert(key, blocked);
+        }
+        if let Some(rate) = Reason::SynRate.blocked_slot() {
+            for entry in self.syn_buckets.iter() {
+                let (key, bucket) = entry.map_err(map_error(map_names::SYN_BUCKETS))?;
+                if bucket.refused > 0 {
+                    all.entry(key).or_default().counts[rate] += bucket.refused;
+                }
+            }
+        }
+        Ok(all.into_iter().collect())
     }
 
     /// Deletes a source's counter entry if it still reads zero.

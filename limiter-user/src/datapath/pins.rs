@@ -153,7 +153,7 @@ fn on_bpffs(path: &Path) -> bool {
 /// Makes sure `pin_dir` lies on a BPF filesystem, mounting one at /sys/fs/bpf when the pin
 /// directory is under it and nothing is mounted there yet (minimal hosts and containers often
 /// boot without it). Pins anywhere else must already be on a BPF filesystem.
-pub(super) fn ensure_bpffs(pin_dir: &Path) -> Result<(), LoadError> {
+pub fn ensure_bpffs(pin_dir: &Path) -> Result<(), LoadError> {
     let mut existing = pin_dir;
     while !existing.exists() {
         match existing.parent() {

@@ -126,7 +126,8 @@ impl Maps {
     }
 
     /// Deletes SYN-rate buckets that are full again (idle) among the next `max`; returns how
-    /// many. A bucket deleted as a SYN races it costs that source at most one token.
+    /// many. A bucket deleted as a SYN races it costs that source at most one token. A bucket
+    /// that counted refusals stays, for the top-blocked lists, until the LRU needs its room.
     pub fn sweep_buckets(
         &mut self,
         cursor: &mut SweepCursor,
@@ -140,6 +141,7 @@ impl Maps {
         for key in keys {
             if let Ok(bucket) = self.syn_buckets.get(&key, 0)
                 && bucket.tat_ns <= now
+                && bucket.refused == 0
                 && self.syn_buckets.remove(&key).is_ok()
             {
                 removed += 1;

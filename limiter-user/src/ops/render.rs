@@ -55,12 +55,41 @@ pub fn render_status(status: &Status, http: SocketAddr) -> String {
     );
     let _ = writeln!(out, "bans        {} active", status.bans_active);
     let _ = writeln!(out, "limits      {}", render_limits(&status.limits));
-    let refused: Vec<String> = status
-        .refused
-        .iter()
-        .map(|(reason, n)| format!("{reason} {n}"))
-        .collect();
-    let _ = writeln!(out, "refused     {}", refused.join(", "));
+    let by_reason = |counts: &std::collections::BTreeMap<String, u64>| {
+        counts
+            .iter()
+            .map(|(reason, n)| format!("{reason} {n}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let _ = writeln!(
+        out,
+        "refused     connections: {}",
+        by_reason(&status.refused)
+    );
+    let _ = writeln!(
+        out,
+        "            packets: {}",
+        by_reason(&status.refused_packets)
+    );
+    if let Some(fleet) = &status.fleet {
+        let _ = writeln!(
+            out,
+            "fleet       {} {}; {} checks decided locally, {} switches to local, {} back",
+            fleet.redis,
+            if fleet.redis_up {
+                "up".to_owned()
+            } else {
+                format!(
+                    "DOWN (deciding locally at limit / {})",
+                    fleet.expected_replicas
+                )
+            },
+            fleet.fallback_checks,
+            fleet.switches_to_local,
+            fleet.switches_to_redis,
+        );
+    }
     out
 }
 
@@ -79,7 +108,10 @@ pub fn render_top(connections: &Connections, limits: &RateLimits) -> String {
             let _ = writeln!(out, "  {:<40} {:>11}", s.source, s.connections);
         }
     }
-    let _ = writeln!(out, "\nSources refused by the kernel, by reason");
+    let _ = writeln!(
+        out,
+        "\nSources refused by the kernel, by reason (connection attempts)"
+    );
     let mut any = false;
     for (reason, top) in &limits.kernel.top_blocked {
         if top.is_empty() {
@@ -116,8 +148,12 @@ pub fn render_top(connections: &Connections, limits: &RateLimits) -> String {
             any = true;
             let _ = writeln!(
                 out,
-                "  {} ({} refused in all)",
-                action.name, action.counts.blocked
+                "  {} ({} {} per {}, {} refused in all)",
+                action.name,
+                action.kind,
+                action.limit,
+                humantime::format_duration(Duration::from_millis(action.window_ms)),
+                action.counts.blocked
             );
             for b in &action.top_blocked {
                 let _ = writeln!(out, "    {:<38} {:>11}", b.key, b.blocked);

@@ -2,7 +2,9 @@
 //!
 //! Each connection is its own task: a client that sends garbage, stalls mid-frame or vanishes
 //! affects nobody else. Replies are written in the order requests arrive and flushed once per
-//! batch of requests already buffered, so a pipelining client gets one write per batch.
+//! batch of requests already buffered, so a pipelining client gets one write per batch. Checks
+//! of shared actions wait on the fleet's Redis: those of one batch wait together (pipelined on
+//! the one connection to Redis), and a batch without them is answered as before, at once.
 //!
 //! Each listener holds at most `clients.max` connections ([`Admission`]); a connection gets
 //! `header_timeout` for its first whole frame and `idle_timeout` between frames. Requests that
@@ -15,6 +17,7 @@
 //! once.
 
 use std::{
+    time::Duration,
     future::Future,
     io,
     net::SocketAddr,
@@ -23,7 +26,7 @@ use std::{
     sync::{Arc, RwLock},
 };
 
-use futures::{FutureExt, SinkExt, StreamExt};
+use futures::{FutureExt, SinkExt, StreamExt, stream::FuturesOrdered};
 use limiter_client::{CodecError, ErrorCode, ParseError, Received, Request, Response, ServerCodec};
 use tokio::{
     io::{AsyncRead, AsyncWrite},
@@ -35,7 +38,7 @@ use tokio_util::codec::Framed;
 use crate::{
     admission::{AcceptBackoff, Admission, Ticket},
     api::ban_ttl,
-    buckets::{CheckError, Limiter},
+    buckets::{CheckError, Limiter, Pending, Submit},
     secret::token_matches,
     settings::{ClientLimits, ServeConfig},
 };
@@ -321,25 +324,39 @@ impl Served {
         let evicted = ticket.evicted();
         tokio::pin!(evicted);
         let mut wait = clients.header_timeout;
+        // Replies still waiting on Redis, and those behind them, which keep their order.
+        let mut waiting = Waiting::new();
         loop {
             let first = tokio::select! {
                 () = &mut evicted => {
                     tracing::debug!("connection closed to make room for a newer one");
                     return;
                 }
-                next = tokio::time::timeout(wait, framed.next()) => match next {
-                    Ok(Some(first)) => first,
-                    Ok(None) => return,
-                    Err(_) => {
-                        tracing::debug!(?wait, "connection closed: no whole frame in time");
+                Some(reply) = waiting.next(), if !waiting.is_empty() => {
+                    if !self.send_ready(&mut framed, reply, &mut waiting, clients.idle_timeout).await {
                         return;
                     }
-                },
+                    continue;
+                }
+                next = tokio::time::timeout(wait, framed.next()), if waiting.len() < MAX_WAITING => {
+                    match next {
+                        Ok(Some(first)) => first,
+                        Ok(None) => {
+                            // The client is done sending; what it asked is still answered.
+                            self.finish(&mut framed, &mut waiting, clients.idle_timeout).await;
+                            return;
+                        }
+                        Err(_) => {
+                            tracing::debug!(?wait, "connection closed: no whole frame in time");
+                            return;
+                        }
+                    }
+                }
             };
             ticket.proven();
             wait = clients.idle_timeout;
             if !self
-                .answer_buffered(&mut framed, first, &mut peer, clients)
+                .answer_buffered(&mut framed, first, &mut peer, clients, &mut waiting)
                 .await
             {
                 return;
@@ -347,14 +364,16 @@ impl Served {
         }
     }
 
-    /// Answers `first` and everything already buffered behind it, then flushes once; false
-    /// when the connection is over.
+    /// Answers `first` and everything already buffered behind it: replies that need no wait
+    /// are sent, in order, then flushed once; checks waiting on Redis join `waiting`, and so
+    /// does every reply behind them. False when the connection is over.
     async fn answer_buffered<S>(
         &self,
         framed: &mut Framed<S, ServerCodec>,
         first: Result<Received<Request>, CodecError>,
         peer: &mut Peer,
         clients: ClientLimits,
+        waiting: &mut Waiting,
     ) -> bool
     where
         S: AsyncRead + AsyncWrite + Unpin,
@@ -364,38 +383,99 @@ impl Served {
             let (reply, fatal) = match item {
                 Ok(received) => (self.answer(received, peer), false),
                 Err(CodecError::TooLarge { len, max }) => (
-                    (
+                    Pending::ready((
                         0,
                         error(
                             ErrorCode::FrameTooLarge,
                             format!("frame of {len} bytes exceeds the maximum of {max}; closing"),
                         ),
-                    ),
+                    )),
                     true,
                 ),
                 Err(CodecError::Io(error)) => {
                     tracing::debug!(%error, "connection ended mid-frame or failed");
                     // Requests that arrived whole before the break are still answered.
-                    let _ = framed.flush().await;
+                    self.finish(framed, waiting, clients.idle_timeout).await;
                     return false;
                 }
             };
+            match reply.now() {
+                Ok(reply) if waiting.is_empty() => {
+                    if framed.feed(reply).await.is_err() {
+                        return false;
+                    }
+                }
+                Ok(reply) => waiting.push_back(Pending::ready(reply)),
+                Err(later) => waiting.push_back(later),
+            }
+            if fatal {
+                self.finish(framed, waiting, clients.idle_timeout).await;
+                return false;
+            }
+            if waiting.len() < MAX_WAITING {
+                next = framed.next().now_or_never().flatten();
+            }
+        }
+        self.flush(framed, clients.idle_timeout).await
+    }
+
+    /// Sends `reply` and every reply ready behind it, then flushes.
+    async fn send_ready<S>(
+        &self,
+        framed: &mut Framed<S, ServerCodec>,
+        reply: (u32, Response),
+        waiting: &mut Waiting,
+        idle: Duration,
+    ) -> bool
+    where
+        S: AsyncRead + AsyncWrite + Unpin,
+    {
+        let mut next = Some(reply);
+        while let Some(reply) = next.take() {
             if framed.feed(reply).await.is_err() {
                 return false;
             }
-            if fatal {
-                let _ = framed.flush().await;
-                return false;
-            }
-            next = framed.next().now_or_never().flatten();
+            next = waiting.next().now_or_never().flatten();
         }
-        // A reader that never drains its replies cannot hold the connection past the timeout.
+        self.flush(framed, idle).await
+    }
+
+    /// Sends every reply still to come, as it comes, and flushes: the connection is ending.
+    async fn finish<S>(
+        &self,
+        framed: &mut Framed<S, ServerCodec>,
+        waiting: &mut Waiting,
+        idle: Duration,
+    )
+    where
+        S: AsyncRead + AsyncWrite + Unpin,
+    {
+        while let Some(reply) = waiting.next().await {
+            if framed.feed(reply).await.is_err() {
+                return;
+            }
+        }
+        self.flush(framed, idle).await;
+    }
+
+    /// A reader that never drains its replies cannot hold the connection past the timeout.
+    async fn flush<S>(&self, framed: &mut Framed<S, ServerCodec>, idle: Duration) -> bool
+    where
+        S: AsyncRead + AsyncWrite + Unpin,
+    {
         matches!(
-            tokio::time::timeout(clients.idle_timeout, framed.flush()).await,
+            tokio::time::timeout(idle, framed.flush()).await,
             Ok(Ok(()))
         )
     }
 }
+
+/// Replies of one connection not yet sent, in the order of their requests.
+type Waiting = FuturesOrdered<Pending<(u32, Response)>>;
+
+/// Requests of one connection waiting on Redis at most; past it the connection is not read
+/// until some are answered (each within the check timeout).
+const MAX_WAITING: usize = 1024;
 
 fn error(code: ErrorCode, message: impl Into<String>) -> Response {
     Response::Error {
@@ -433,29 +513,30 @@ impl Served {
         }
     }
 
-    /// The reply to one request; an accepted token makes the connection trusted.
-    fn answer(&self, received: Received<Request>, peer: &mut Peer) -> (u32, Response) {
+    /// The reply to one request: at once, or once the fleet's Redis has answered. An accepted
+    /// token makes the connection trusted.
+    fn answer(&self, received: Received<Request>, peer: &mut Peer) -> Pending<(u32, Response)> {
         let limiter = &self.limiter;
         let id = received.id;
         let request = match received.message {
             Ok(request) => request,
-            Err(ParseError { code, message }) => return (id, error(code, message)),
+            Err(ParseError { code, message }) => return Pending::ready((id, error(code, message))),
         };
         if id == 0 {
-            return (
+            return Pending::ready((
                 0,
                 error(
                     ErrorCode::Malformed,
                     "id 0 is reserved for the agent's connection-level errors; use another id",
                 ),
-            );
+            ));
         }
         let admin_only = matches!(
             request,
             Request::Reset { .. } | Request::Ban { .. } | Request::Unban { .. }
         );
         if admin_only && *peer != Peer::Admin {
-            return (
+            return Pending::ready((
                 id,
                 error(
                     ErrorCode::NotPermitted,
@@ -463,18 +544,21 @@ impl Served {
                      over the Unix socket (admin-uids, admin-gids), or after the authenticate \
                      request with the broker admin token",
                 ),
-            );
+            ));
         }
         let response = match request {
-            Request::Check { action, key, cost } => limiter
-                .check(&action, &key, cost)
-                .map_or_else(check_error, Response::Verdict),
-            Request::Peek { action, key, cost } => limiter
-                .peek(&action, &key, cost)
-                .map_or_else(check_error, Response::Verdict),
-            Request::Reset { action, key } => limiter
-                .reset(&action, &key)
-                .map_or_else(check_error, |changed| Response::Done { changed }),
+            Request::Check { action, key, cost } => {
+                return verdict(id, limiter, &action, &key, cost, Submit::Check);
+            }
+            Request::Peek { action, key, cost } => {
+                return verdict(id, limiter, &action, &key, cost, Submit::Peek);
+            }
+            Request::Reset { action, key } => match limiter.forget(&action, &key) {
+                Err(e) => check_error(e),
+                Ok(changed) => {
+                    return later(id, changed, |changed| Response::Done { changed });
+                }
+            },
             Request::AuthFailure { addr } => {
                 Response::Escalation(limiter.report_auth_failure(addr))
             }
@@ -491,6 +575,35 @@ impl Served {
             },
             Request::Authenticate { token } => self.authenticate(&token, peer),
         };
-        (id, response)
+        Pending::ready((id, response))
+    }
+}
+
+fn verdict(
+    id: u32,
+    limiter: &Arc<Limiter>,
+    action: &str,
+    key: &[u8],
+    cost: u32,
+    how: Submit,
+) -> Pending<(u32, Response)> {
+    match limiter
+        .action_id(action)
+        .and_then(|action| limiter.submit(&action, key, cost, how))
+    {
+        Ok(verdict) => later(id, verdict, Response::Verdict),
+        Err(e) => Pending::ready((id, check_error(e))),
+    }
+}
+
+/// The reply `reply` makes of an answer, now or when it comes.
+fn later<T: Unpin + Send + 'static>(
+    id: u32,
+    answer: Pending<T>,
+    reply: fn(T) -> Response,
+) -> Pending<(u32, Response)> {
+    match answer.now() {
+        Ok(value) => Pending::ready((id, reply(value))),
+        Err(waiting) => Pending::Waiting(Box::pin(async move { (id, reply(waiting.await)) })),
     }
 }

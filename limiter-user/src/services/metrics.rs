@@ -131,6 +131,7 @@ impl<T: Scraped> Collector for AtScrape<T> {
 
 struct Kernel {
     packets: IntCounterVec,
+    refused_connections: IntCounterVec,
     events: IntCounterVec,
     connections: IntGauge,
     tracked_sources: IntGauge,
@@ -157,6 +158,14 @@ impl KernelMetrics {
                     "Packets the kernel programs handled, by direction, verdict and reason.",
                 ),
                 &["direction", "verdict", "reason"],
+            )
+            .map_err(r)?,
+            refused_connections: IntCounterVec::new(
+                Opts::new(
+                    "limiter_refused_connections_total",
+                    "Connection attempts the kernel refused, by reason: a refused SYN counts once however often it is retransmitted, and a handshake refused at its ACK counts once.",
+                ),
+                &["reason"],
             )
             .map_err(r)?,
             events: IntCounterVec::new(
@@ -209,6 +218,12 @@ impl KernelMetrics {
                 ])
                 .inc_by(count.packets);
         }
+        for &reason in &Reason::ALL[..Reason::REFUSAL_COUNT] {
+            let n = enforcer.with_maps(|m| m.refused_connections(reason))?;
+            k.refused_connections
+                .with_label_values(&[reason.label()])
+                .inc_by(n);
+        }
         for event in Event::ALL {
             let n = enforcer.with_maps(|m| m.events(event))?;
             k.events.with_label_values(&[event.label()]).inc_by(n);
@@ -238,6 +253,7 @@ impl Scraped for KernelMetrics {
         let k = &self.families;
         vec![
             &k.packets,
+            &k.refused_connections,
             &k.events,
             &k.connections,
             &k.tracked_sources,
@@ -251,6 +267,7 @@ impl Scraped for KernelMetrics {
     fn refill(&self) -> Vec<&dyn Collector> {
         let k = &self.families;
         k.packets.reset();
+        k.refused_connections.reset();
         k.events.reset();
         let readable = match self.fill(k) {
             Ok(()) => true,
@@ -276,6 +293,11 @@ struct Broker {
     overflow: IntCounterVec,
     key_memory: IntGaugeVec,
     escalation_bans: IntCounter,
+    /// The fleet's four, last in [`Scraped::families`] order: exposed only with a fleet.
+    redis_up: IntGauge,
+    fallbacks: IntCounter,
+    switches: IntCounterVec,
+    fleet_bans: IntCounterVec,
 }
 
 /// Reads the broker limiter's counters at scrape time.
@@ -284,11 +306,12 @@ struct BrokerMetrics {
     families: Broker,
 }
 
-const OUTCOMES: [Outcome; 5] = [
+const OUTCOMES: [Outcome; 6] = [
     Outcome::Allowed,
     Outcome::Unlimited,
     Outcome::Limited,
     Outcome::CostExceedsBurst,
+    Outcome::CostExceedsLimit,
     Outcome::Closed,
 ];
 
@@ -307,7 +330,7 @@ impl BrokerMetrics {
             blocked: IntCounterVec::new(
                 Opts::new(
                     "limiter_rate_limit_blocked_total",
-                    "Broker rate-limit checks refused (limited, cost over the burst, or closed), by action.",
+                    "Broker rate-limit checks refused (limited, cost over the burst or the quota, or closed), by action.",
                 ),
                 &["action"],
             )
@@ -341,6 +364,32 @@ impl BrokerMetrics {
                 "Kernel bans placed because an address failed authentication too often.",
             )
             .map_err(r)?,
+            fleet_bans: IntCounterVec::new(
+                Opts::new(
+                    "limiter_fleet_ban_changes_total",
+                    "Bans and unbans shared with the fleet's Redis: sent, received from other agents, or send_failed (enforced on this agent only).",
+                ),
+                &["change"],
+            )
+            .map_err(r)?,
+            redis_up: IntGauge::new(
+                "limiter_fleet_redis_up",
+                "1 while shared checks go to the fleet's Redis, 0 while they are decided locally.",
+            )
+            .map_err(r)?,
+            fallbacks: IntCounter::new(
+                "limiter_fleet_fallback_total",
+                "Shared checks decided locally at limit / expected replicas because Redis failed, was too slow or was down.",
+            )
+            .map_err(r)?,
+            switches: IntCounterVec::new(
+                Opts::new(
+                    "limiter_fleet_switches_total",
+                    "Switches of the shared checks from Redis to local decisions (to=local) and back (to=redis).",
+                ),
+                &["to"],
+            )
+            .map_err(r)?,
         };
         Ok(Self { limiter, families })
     }
@@ -356,6 +405,10 @@ impl Scraped for BrokerMetrics {
             &b.overflow,
             &b.key_memory,
             &b.escalation_bans,
+            &b.redis_up,
+            &b.fallbacks,
+            &b.switches,
+            &b.fleet_bans,
         ]
     }
 
@@ -367,6 +420,15 @@ impl Scraped for BrokerMetrics {
         b.overflow.reset();
         b.key_memory.reset();
         b.escalation_bans.reset();
+        b.fleet_bans.reset();
+        let shared = self.limiter.shared_ban_stats();
+        for (change, n) in [
+            ("sent", shared.sent),
+            ("received", shared.received),
+            ("send_failed", shared.send_failures),
+        ] {
+            b.fleet_bans.with_label_values(&[change]).inc_by(n);
+        }
         for stats in self.limiter.stats() {
             let action = stats.action.as_str();
             let counts = &stats.counts;
@@ -376,6 +438,7 @@ impl Scraped for BrokerMetrics {
                     Outcome::Unlimited => counts.unlimited,
                     Outcome::Limited => counts.limited,
                     Outcome::CostExceedsBurst => counts.cost_exceeds_burst,
+                    Outcome::CostExceedsLimit => counts.cost_exceeds_limit,
                     Outcome::Closed => counts.closed,
                 };
                 b.checks
@@ -398,7 +461,24 @@ impl Scraped for BrokerMetrics {
         if let Some(escalation) = self.limiter.escalation_stats() {
             b.escalation_bans.inc_by(escalation.bans);
         }
-        self.families()
+        let mut families = self.families();
+        match self.limiter.shared_status() {
+            Some(fleet) => {
+                b.redis_up.set(i64::from(fleet.redis_up));
+                b.fallbacks.reset();
+                b.fallbacks.inc_by(fleet.fallback_checks);
+                b.switches.reset();
+                b.switches
+                    .with_label_values(&["local"])
+                    .inc_by(fleet.switches_to_local);
+                b.switches
+                    .with_label_values(&["redis"])
+                    .inc_by(fleet.switches_to_redis);
+            }
+            // Without a fleet these series would only say nothing.
+            None => families.truncate(families.len() - 4),
+        }
+        families
     }
 }
 
@@ -459,7 +539,7 @@ mod tests {
         );
         let limiter = Arc::new(Limiter::new(
             LimiterConfig {
-                actions: resolve_actions(&table, &[]).unwrap(),
+                actions: resolve_actions(&table, &[], false).unwrap(),
                 escalation: None,
             },
             Arc::new(ManualClock::new()),

@@ -1,6 +1,7 @@
 //! The agent's services, each taking only the handles it uses: the HTTP listener, the
-//! Prometheus metrics, the sweeper, and the views they serve.
+//! Prometheus metrics, the sweeper, the views they serve, and the fleet's shared bans.
 
+pub mod fleet_bans;
 pub mod http;
 pub mod metrics;
 pub mod sweeper;

@@ -37,13 +37,16 @@ pub fn kernel_status(maps: &impl ReadMaps) -> Result<Status, MapsError> {
     let config = maps.read(|m| m.config())?;
     let counts = maps.read(|m| m.packet_counts())?;
     let mut refused = BTreeMap::new();
+    let mut refused_packets = BTreeMap::new();
     for &reason in &Reason::ALL[..Reason::REFUSAL_COUNT] {
-        let n = counts
+        let packets = counts
             .iter()
             .filter(|c| c.reason == reason && c.verdict != PacketVerdict::Pass)
             .map(|c| c.packets)
             .sum::<u64>();
-        refused.insert(reason.label().to_owned(), n);
+        refused_packets.insert(reason.label().to_owned(), packets);
+        let attempts = maps.read(|m| m.refused_connections(reason))?;
+        refused.insert(reason.label().to_owned(), attempts);
     }
     let sources = maps.read(|m| m.all_source_connections())?;
     Ok(Status {
@@ -55,9 +58,11 @@ pub fn kernel_status(maps: &impl ReadMaps) -> Result<Status, MapsError> {
         flow_table_capacity: maps.read(|m| m.flow_capacity())?,
         bans_active: maps.read(|m| m.bans())?.len(),
         refused,
+        refused_packets,
         limits: KernelLimits::from_config(&config),
         pinned: None,
         restart_required: None,
+        fleet: None,
     })
 }
 
@@ -148,8 +153,9 @@ pub fn broker_rate_limits(limiter: &Limiter, limit: usize) -> BrokerRateLimits {
                 .unwrap_or_default();
             ActionView {
                 name: spec.name.clone(),
+                kind: spec.kind.as_str().to_owned(),
                 mode: match spec.mode() {
-                    Mode::Limited(_) => "limited",
+                    Mode::Limited(_) | Mode::Quota(_) => "limited",
                     Mode::Unlimited => "unlimited",
                     Mode::Closed => "closed",
                 }

@@ -201,6 +201,7 @@ impl BrokerLayer {
         &self,
         actions: &BTreeMap<String, ActionConfig>,
         overrides: &[(&str, ActionConfig)],
+        fleet: bool,
     ) -> Result<BrokerSettings, ConfigError> {
         if self
             .admin_token
@@ -260,7 +261,7 @@ impl BrokerLayer {
                 )
             },
             limiter: LimiterConfig {
-                actions: resolve_actions(actions, overrides)?,
+                actions: resolve_actions(actions, overrides, fleet)?,
                 escalation,
             },
         })
@@ -300,7 +301,7 @@ mod tests {
     #[test]
     fn escalation_is_opt_in() {
         let off = BrokerLayer::default()
-            .resolve(&BTreeMap::new(), &[])
+            .resolve(&BTreeMap::new(), &[], false)
             .unwrap();
         assert_eq!(off.limiter.escalation, None);
         assert_eq!(off.serve.socket, PathBuf::from(defaults::SOCKET));

@@ -5,15 +5,17 @@ use std::{collections::BTreeMap, path::Path};
 
 use serde::{Deserialize, Serialize, de::DeserializeOwned};
 
-use super::{BrokerLayer, ConfigError, Layer};
+use super::{BrokerLayer, ClusterLayer, ConfigError, Layer};
 use crate::buckets::ActionConfig;
 
 /// What a configuration file holds: the settings layer at the top level, the broker
-/// protocol's settings under `[broker]`, and the broker limiter's actions under `[actions]`.
+/// protocol's settings under `[broker]`, the broker limiter's actions under `[actions]`, and
+/// the fleet's Redis under `[cluster]`.
 #[derive(Clone, Debug, Default)]
 pub struct FileConfig {
     pub layer: Layer,
     pub broker: BrokerLayer,
+    pub cluster: ClusterLayer,
     pub actions: BTreeMap<String, ActionConfig>,
 }
 
@@ -43,6 +45,12 @@ impl FileConfig {
                 .try_into()
                 .map_err(|e: toml::de::Error| ConfigError::new("broker", e.message()))?,
         };
+        let cluster = match table.remove("cluster") {
+            None => Default::default(),
+            Some(value) => value
+                .try_into()
+                .map_err(|e: toml::de::Error| ConfigError::new("cluster", e.message()))?,
+        };
         let layer = Layer::deserialize(toml::Value::Table(table)).map_err(|e| {
             // serde names the offending key in its message ("unknown field `x`").
             ConfigError::new("config", e.message())
@@ -50,6 +58,7 @@ impl FileConfig {
         Ok(Self {
             layer,
             broker,
+            cluster,
             actions,
         })
     }

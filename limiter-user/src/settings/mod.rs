@@ -5,6 +5,7 @@
 //! naming the setting.
 
 mod broker;
+mod cluster;
 mod file;
 mod flags;
 mod resolve;
@@ -17,12 +18,16 @@ use std::{
 };
 
 pub use broker::{ActionFlags, AdminPeers, BrokerLayer, BrokerSettings, ClientLimits, ServeConfig};
+pub use cluster::ClusterLayer;
 pub use file::FileConfig;
 pub use flags::{Layer, RefusalArg, XdpModeArg};
 pub use resolve::{parse_cidr, parse_cidrs};
 
-use crate::datapath::{Policy, XdpAttachMode};
 pub use crate::errors::ConfigError;
+use crate::{
+    datapath::{Policy, XdpAttachMode},
+    fleet::FleetConfig,
+};
 
 /// Every default, in one place.
 pub mod defaults {
@@ -66,6 +71,8 @@ pub struct RunArgs {
     pub broker: BrokerLayer,
     #[command(flatten)]
     pub actions: ActionFlags,
+    #[command(flatten)]
+    pub cluster: ClusterLayer,
 }
 
 impl RunArgs {
@@ -78,8 +85,10 @@ impl RunArgs {
         };
         let layer = file::merge(&self.layer, &file.layer)?;
         let broker = file::merge(&self.broker, &file.broker)?;
-        let broker = broker.resolve(&file.actions, &self.actions.overrides())?;
+        let fleet = file::merge(&self.cluster, &file.cluster)?.resolve()?;
+        let broker = broker.resolve(&file.actions, &self.actions.overrides(), fleet.is_some())?;
         let mut settings = layer.resolve(broker)?;
+        settings.fleet = fleet;
         settings.broker.serve.clients = settings.clients;
         settings.pinned = file::keys(&self.layer)?
             .into_iter()
@@ -87,6 +96,11 @@ impl RunArgs {
                 file::keys(&self.broker)?
                     .into_iter()
                     .map(|k| format!("broker.{k}")),
+            )
+            .chain(
+                file::keys(&self.cluster)?
+                    .into_iter()
+                    .map(|k| format!("cluster.{k}")),
             )
             .chain(
                 self.actions
@@ -131,6 +145,8 @@ pub struct Settings {
     pub clients: ClientLimits,
     pub allow_private_bpffs: bool,
     pub broker: BrokerSettings,
+    /// The fleet's Redis, when the agents share their buckets (`[cluster]`).
+    pub fleet: Option<FleetConfig>,
     /// Settings the command line or the environment set, which the file cannot change.
     pub pinned: Vec<String>,
     /// Settings the file changed since the start that apply only on a restart (reload fills
@@ -219,6 +235,28 @@ mod tests {
             (&["--syn-timeout", "0s"][..], "syn-timeout"),
             (&["--escalate-after", "0"][..], "escalate-after"),
             (&["--broker-admin-token", " "][..], "broker.admin-token"),
+            (&["--redis", "http://x"][..], "cluster.redis"),
+            (&["--redis", "redis+cluster://"][..], "cluster.redis"),
+            (
+                &["--redis", "redis://h", "--check-timeout", "0s"][..],
+                "cluster.check-timeout",
+            ),
+            (
+                &["--redis", "redis://h", "--check-timeout", "1h"][..],
+                "cluster.check-timeout",
+            ),
+            (
+                &["--redis", "redis://h", "--expected-replicas", "0"][..],
+                "cluster.expected-replicas",
+            ),
+            (
+                &["--redis", "redis://h", "--key-prefix", "a{b}"][..],
+                "cluster.key-prefix",
+            ),
+            (
+                &["--expected-replicas", "3"][..],
+                "cluster.expected-replicas",
+            ),
         ] {
             let error = args(flags).resolve().unwrap_err();
             assert_eq!(error.setting, setting, "{flags:?}: {error}");
@@ -287,6 +325,35 @@ mod tests {
             pinned,
             ["actions.auth", "broker.escalate-after", "max-conn-per-ip"]
         );
+    }
+
+    #[test]
+    fn a_redis_makes_a_fleet_whose_actions_are_shared_unless_said_otherwise() {
+        let s = with_file(
+            "[cluster]\nredis = \"redis+cluster://127.0.0.1:7000,127.0.0.1:7001\"\n\
+             expected-replicas = 4\n\n[actions.publish]\nlimit = 5\nwindow = \"1s\"\nshared = false\n",
+            &["--check-timeout", "20ms"],
+        )
+        .unwrap();
+        let fleet = s.fleet.unwrap();
+        assert!(fleet.redis.is_cluster());
+        assert_eq!(fleet.redis.nodes().len(), 2);
+        assert_eq!(fleet.key_prefix, "limiter");
+        assert_eq!(fleet.check_timeout, Duration::from_millis(20));
+        assert_eq!(fleet.expected_replicas, 4);
+        let actions = &s.broker.limiter.actions;
+        assert!(actions.iter().find(|a| a.name == "auth").unwrap().shared);
+        assert!(!actions.iter().find(|a| a.name == "publish").unwrap().shared);
+        assert_eq!(s.pinned, ["cluster.check-timeout"]);
+        let plain = args(&[]).resolve().unwrap();
+        assert!(plain.fleet.is_none());
+        assert!(plain.broker.limiter.actions.iter().all(|a| !a.shared));
+        let error = with_file(
+            "[cluster]\nredis = \"redis://h\"\nchek-timeout = \"1s\"\n",
+            &[],
+        )
+        .unwrap_err();
+        assert!(error.to_string().contains("chek-timeout"), "{error}");
     }
 
     #[test]

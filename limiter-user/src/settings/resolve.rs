@@ -74,6 +74,7 @@ impl Layer {
             clients: self.clients()?,
             allow_private_bpffs: self.allow_private_bpffs.unwrap_or(false),
             broker,
+            fleet: None,
             pinned: Vec::new(),
             restart_required: Vec::new(),
         })

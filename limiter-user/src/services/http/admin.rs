@@ -71,7 +71,12 @@ pub(super) async fn ban(
     let addr = parse_addr(&request.addr)?;
     let ttl = parse_ban_ttl(&request.ttl).map_err(|e| Problem::bad_request("ttl", e))?;
     let answer = blocking(move || {
-        state.enforcer.ban(addr, ttl).map_err(enforce_problem)?;
+        // Through the limiter's banner, as bans from the broker protocol and escalation go,
+        // so a fleet's banner shares it with every agent.
+        state
+            .limiter
+            .ban(addr, ttl)
+            .map_err(|e| Problem::internal("placing the ban", &e))?;
         let source = ban_source(&state.enforcer, addr)?;
         Ok(BanAnswer {
             addr: addr.to_string(),
@@ -95,9 +100,8 @@ pub(super) async fn unban(
 ) -> Result<Json<BanAnswer>, Problem> {
     let addr = parse_addr(&addr)?;
     let answer = blocking(move || {
-        let lifted = state.enforcer.unban(addr).map_err(enforce_problem)?;
         // Also forgets the address's authentication failures, so escalation starts over.
-        state
+        let lifted = state
             .limiter
             .unban(addr)
             .map_err(|e| Problem::internal("lifting the ban", &e))?;

@@ -19,7 +19,7 @@ use super::{
 };
 use crate::{
     api::{CheckAnswer, CheckRequest},
-    buckets::CheckError,
+    buckets::{CheckError, Submit},
 };
 
 const RATE_LIMIT_LIMIT: HeaderName = HeaderName::from_static("x-ratelimit-limit");
@@ -40,16 +40,17 @@ pub(super) async fn require_check_token(
 }
 
 /// 200 when allowed; 429 when limited (with `Retry-After`) or closed; 422 when the cost is
-/// more than the bucket can ever hold, since no wait will help.
+/// more than the bucket can ever hold or the quota ever allow, since no wait will help.
 pub(super) async fn check(
     State(state): State<AppState>,
     body: Result<Json<CheckRequest>, JsonRejection>,
 ) -> Result<Response, Problem> {
     let Json(request) = body.map_err(json_rejection)?;
     let cost = request.cost.unwrap_or(1);
-    let verdict = state
-        .limiter
-        .check_unescalated(&request.action, request.key.as_bytes(), cost)
+    let limiter = &state.limiter;
+    let verdict = limiter
+        .action_id(&request.action)
+        .and_then(|id| limiter.submit(&id, request.key.as_bytes(), cost, Submit::CheckUnescalated))
         .map_err(|error| match error {
             CheckError::UnknownAction(action) => Problem::new(
                 StatusCode::NOT_FOUND,
@@ -58,7 +59,8 @@ pub(super) async fn check(
             .with("field", "action"),
             CheckError::InvalidKey { source, .. } => Problem::bad_request("key", source),
             CheckError::ZeroCost => Problem::bad_request("cost", "must be at least 1"),
-        })?;
+        })?
+        .await;
     let never = |ms: u64| (ms != NEVER_MS).then_some(ms);
     let answer = CheckAnswer {
         action: request.action,
@@ -81,7 +83,7 @@ pub(super) async fn check(
         return Ok((headers, Json(answer)).into_response());
     }
     let (status, detail) = match verdict.outcome {
-        Outcome::CostExceedsBurst => (
+        Outcome::CostExceedsBurst | Outcome::CostExceedsLimit => (
             StatusCode::UNPROCESSABLE_ENTITY,
             format!(
                 "cost: {cost} is more than action {:?} can ever allow at once",

@@ -113,6 +113,7 @@ pub(super) async fn status(State(state): State<AppState>) -> Result<Json<Status>
         let settings = state.settings.get();
         status.pinned = Some(settings.pinned);
         status.restart_required = Some(settings.restart_required);
+        status.fleet = state.limiter.shared_status();
         Ok(status)
     })
     .await?;
