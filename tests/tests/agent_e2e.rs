@@ -163,7 +163,9 @@ fn sighup_applies_actions_escalation_and_tokens_live_and_names_what_waits_for_a_
     let file = s.sockets.path().join("limiter.toml");
     std::fs::write(&file, "max-conn-total = 10\n[actions.auth]\nlimit = 2\n").unwrap();
     let agent = s.agent(&["--config", file.to_str().unwrap(), "--max-conn-total", "50"]);
-    agent.wait_for("limiter is ready", startup_deadline()).unwrap();
+    agent
+        .wait_for("limiter is ready", startup_deadline())
+        .unwrap();
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -738,7 +740,9 @@ fn admin_requests_over_tcp_need_the_broker_admin_token() {
     let file = s.sockets.path().join("limiter.toml");
     std::fs::write(&file, "[broker]\nlisten = \"127.0.0.1:7171\"\n").unwrap();
     let agent = s.agent(&["--config", file.to_str().unwrap()]);
-    agent.wait_for("limiter is ready", startup_deadline()).unwrap();
+    agent
+        .wait_for("limiter is ready", startup_deadline())
+        .unwrap();
     let addr = IpAddr::V4(CLIENT_V4);
     let code = |result: Result<(), limiter_client::ClientError>| match result {
         Err(limiter_client::ClientError::Server { code, .. }) => Some(code),
@@ -845,5 +849,7 @@ fn pins_of_another_layout_are_refused_naming_the_map_and_the_way_out() {
         .unwrap();
     assert!(out.status.success(), "{out:?}");
     let agent = s.agent(&["--http", "127.0.0.1:0"]);
-    agent.wait_for("limiter is ready", startup_deadline()).unwrap();
+    agent
+        .wait_for("limiter is ready", startup_deadline())
+        .unwrap();
 }

@@ -490,7 +490,14 @@ fn a_daily_quota_rolls_over_at_midnight_utc() {
         (true, 0, 86_400_000)
     );
     let stats = stats_of(&limiter, "sends");
-    assert_eq!((stats.counts.allowed, stats.counts.limited, stats.counts.blocked), (3, 2, 2));
+    assert_eq!(
+        (
+            stats.counts.allowed,
+            stats.counts.limited,
+            stats.counts.blocked
+        ),
+        (3, 2, 2)
+    );
 }
 
 #[test]

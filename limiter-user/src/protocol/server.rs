@@ -17,13 +17,13 @@
 //! once.
 
 use std::{
-    time::Duration,
     future::Future,
     io,
     net::SocketAddr,
     os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt},
     path::{Path, PathBuf},
     sync::{Arc, RwLock},
+    time::Duration,
 };
 
 use futures::{FutureExt, SinkExt, StreamExt, stream::FuturesOrdered};
@@ -446,8 +446,7 @@ impl Served {
         framed: &mut Framed<S, ServerCodec>,
         waiting: &mut Waiting,
         idle: Duration,
-    )
-    where
+    ) where
         S: AsyncRead + AsyncWrite + Unpin,
     {
         while let Some(reply) = waiting.next().await {
@@ -463,10 +462,7 @@ impl Served {
     where
         S: AsyncRead + AsyncWrite + Unpin,
     {
-        matches!(
-            tokio::time::timeout(idle, framed.flush()).await,
-            Ok(Ok(()))
-        )
+        matches!(tokio::time::timeout(idle, framed.flush()).await, Ok(Ok(())))
     }
 }
 
