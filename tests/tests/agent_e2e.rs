@@ -682,5 +682,7 @@ fn pins_of_another_layout_are_refused_naming_the_map_and_the_way_out() {
         .unwrap();
     assert!(out.status.success(), "{out:?}");
     let agent = s.agent(&["--http", "127.0.0.1:0"]);
-    agent.wait_for("limiter is ready", startup_deadline()).unwrap();
+    agent
+        .wait_for("limiter is ready", startup_deadline())
+        .unwrap();
 }
