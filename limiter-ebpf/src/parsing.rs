@@ -197,7 +197,7 @@ fn tcp_segment(tcp: Bytes<TCP_HLEN>, src: [u8; 16], dst: [u8; 16], ipv6: bool) -
         flags: tcp.get::<u8, 13>(),
         ipv6,
         fragment: false,
-        l3_offset: ETH_HLEN,
+        l3_offset: ETH_HLEN as u8,
     }
 }
 
