@@ -68,8 +68,12 @@ impl Window {
     }
 }
 
-/// A TCP segment's headers, as far as limiter needs them.
+/// A TCP segment's headers, as far as limiter needs them. Eight-byte aligned: the object is
+/// built with misaligned access allowed, so LLVM joins neighbouring stores into words, and the
+/// verifier refuses every misaligned stack access (a segment at a 4-byte boundary made the
+/// TC program unloadable).
 #[derive(Clone, Copy)]
+#[repr(align(8))]
 pub struct Segment {
     /// Source and destination as IPv6 addresses (IPv4 mapped to `::ffff:a.b.c.d`).
     pub src: [u8; 16],
