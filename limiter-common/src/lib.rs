@@ -53,7 +53,6 @@ pub mod map_names {
     pub const BLOCKED: &str = maps::BLOCKED.name;
     /// Per CPU, the signature of the last refused SYN per slot, so that a retransmitted SYN
     /// does not count as another connection attempt.
-    pub const REFUSED_SEEN: &str = maps::REFUSED_SEEN.name;
     /// Per-CPU refused connection attempts by refusal reason.
     pub const REFUSED_CONNS: &str = maps::REFUSED_CONNS.name;
 }
@@ -235,20 +234,61 @@ pub struct HalfOpen {
 
 const _: () = assert!(core::mem::size_of::<HalfOpen>() == 32);
 
+/// How many of a source's last refused SYNs it remembers, to tell a new connection attempt
+/// from a retransmission of a refused one.
+pub const SEEN_ATTEMPTS: usize = 4;
+
+/// Signatures of a source's last refused SYNs (a hash of the 4-tuple and sequence number,
+/// never 0; a slot per signature's top bits). A refused SYN whose signature is there is a
+/// retransmission: a client retries a refused `connect` with the same SYN, and a new
+/// `connect` has a new ISN. Kept in the record the refusal already reads, so telling the two
+/// apart costs no lookup of its own; a source with more refused attempts in flight than
+/// slots may see a retransmission counted again.
+pub type SeenAttempts = [u32; SEEN_ATTEMPTS];
+
+/// The signature of a refused SYN in [`SeenAttempts`]: a 32-bit hash of its 4-tuple and
+/// sequence number, never 0 (the mark of a slot never written). Multiply-xorshift rounds:
+/// cheap in the kernel, and spread over the high bits that pick the slot.
+#[inline(always)]
+pub fn attempt_signature(src: &[u8; 16], dst: &[u8; 16], sport: u16, dport: u16, seq: u32) -> u32 {
+    const K: u64 = 0x9E37_79B9_7F4A_7C15;
+    let src = u128::from_ne_bytes(*src);
+    let dst = u128::from_ne_bytes(*dst);
+    let mut h = ((sport as u64) << 48 | (dport as u64) << 32 | seq as u64).wrapping_mul(K);
+    for word in [
+        src as u64,
+        (src >> 64) as u64,
+        dst as u64,
+        (dst >> 64) as u64,
+    ] {
+        h = (h ^ word).wrapping_mul(K);
+        h ^= h >> 29;
+    }
+    (h >> 32) as u32 | 1
+}
+
+/// The [`SeenAttempts`] slot of a signature.
+#[inline(always)]
+pub fn seen_slot(signature: u32) -> usize {
+    (signature >> 30) as usize % SEEN_ATTEMPTS
+}
+
 /// GCRA state of one source's SYN rate: the theoretical arrival time of the next SYN.
 /// The bucket is full (idle) once `tat_ns <= now`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SynBucket {
-    /// Theoretical arrival time, `CLOCK_BOOTTIME` nanoseconds.
+    /// Theoretical arrival time, `CLOCK_MONOTONIC_COARSE` nanoseconds (the SYN rate's clock).
     pub tat_ns: u64,
     /// Connection attempts of this source refused for its SYN rate, for the top-blocked lists.
     /// Kept here rather than in `BLOCKED` so that a SYN refused for its rate, the one refusal
     /// a flood is made of, costs one hash lookup: the bucket's, whose cache line it shares.
     pub refused: u64,
+    /// The source's last SYNs refused for its rate.
+    pub seen: SeenAttempts,
 }
 
-const _: () = assert!(core::mem::size_of::<SynBucket>() == 16);
+const _: () = assert!(core::mem::size_of::<SynBucket>() == 32);
 
 /// A ban set by the agent; it stops applying by itself at `expires_ns` (`CLOCK_BOOTTIME`).
 #[repr(C)]
@@ -274,9 +314,12 @@ pub type Ipv6Bits = [u8; 16];
 pub struct Blocked {
     /// Refusals, per [`Reason::blocked_slot`].
     pub counts: [u64; Reason::REFUSAL_COUNT],
+    /// The source's last SYNs refused for any reason counted here.
+    pub seen: SeenAttempts,
 }
 
-const _: () = assert!(core::mem::size_of::<Blocked>() == 8 * Reason::REFUSAL_COUNT);
+const _: () =
+    assert!(core::mem::size_of::<Blocked>() == 8 * Reason::REFUSAL_COUNT + 4 * SEEN_ATTEMPTS);
 
 /// Input of the `limiter_release` program, run by the agent through `BPF_PROG_TEST_RUN`:
 /// the kernel side deletes the flow and releases its slots with the same atomics the

@@ -195,25 +195,9 @@ pub const BLOCKED: MapDef = MapDef {
     default_entries: FLOWS.default_entries,
 };
 
-/// Bits of a `REFUSED_SEEN` index.
-pub const REFUSED_SEEN_BITS: u32 = 14;
-
-/// Per CPU, the signature of the last refused SYN (a hash of its 4-tuple and sequence number)
-/// in each of 2^14 slots: a SYN whose signature is already in its slot is a retransmission of
-/// a refused connection attempt, not a new one. Per CPU, so it is read and written without
-/// atomics; 128 KiB a CPU, small enough to stay in cache under a flood. A retransmission
-/// counts again only if another refused SYN took its slot meanwhile, or it arrives on
-/// another CPU.
-pub const REFUSED_SEEN: MapDef = MapDef {
-    name: "REFUSED_SEEN",
-    kind: MapKind::PerCpuArray,
-    key: "u32",
-    value: "u64",
-    default_entries: 1 << REFUSED_SEEN_BITS,
-};
-
-/// Refused connection attempts (a refused SYN that is not a retransmission of the last one
-/// refused in its slot, or a handshake refused at its ACK) by refusal reason, per CPU.
+/// Refused connection attempts (a refused SYN that is not a retransmission of one of its
+/// source's last refused SYNs, see [`crate::SeenAttempts`], or a handshake refused at its
+/// ACK) by refusal reason, per CPU.
 pub const REFUSED_CONNS: MapDef = MapDef {
     name: "REFUSED_CONNS",
     kind: MapKind::PerCpuArray,
@@ -223,7 +207,7 @@ pub const REFUSED_CONNS: MapDef = MapDef {
 };
 
 /// Every map of the kernel object.
-pub const ALL: [MapDef; 18] = [
+pub const ALL: [MapDef; 17] = [
     CONFIG,
     PORTS,
     FLOWS,
@@ -240,7 +224,6 @@ pub const ALL: [MapDef; 18] = [
     STATS,
     EVENTS,
     BLOCKED,
-    REFUSED_SEEN,
     REFUSED_CONNS,
 ];
 

@@ -29,7 +29,12 @@ pub fn limiter_xdp(ctx: XdpContext) -> u32 {
         end: ctx.data_end(),
     };
     let segment = match parsing::parse_common(&window) {
-        Some(segment) => segment,
+        Some(frame) => {
+            if policy::established(frame.dport(), frame.flags(), frame.ack()) {
+                return xdp_action::XDP_PASS;
+            }
+            frame.segment()
+        }
         None => match parsing::parse(&window, true) {
             Ok(segment) => segment,
             Err(reason) => {

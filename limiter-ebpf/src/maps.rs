@@ -71,10 +71,6 @@ pub static BLOCKED: LruHashMap<SourceKey, Blocked> =
     LruHashMap::with_max_entries(catalogue::BLOCKED.default_entries, 0);
 
 #[map]
-pub static REFUSED_SEEN: PerCpuArray<u64> =
-    PerCpuArray::with_max_entries(catalogue::REFUSED_SEEN.default_entries, 0);
-
-#[map]
 pub static REFUSED_CONNS: PerCpuArray<u64> =
     PerCpuArray::with_max_entries(catalogue::REFUSED_CONNS.default_entries, 0);
 

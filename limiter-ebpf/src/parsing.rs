@@ -68,43 +68,91 @@ impl Window {
     }
 }
 
-/// A TCP segment's headers, as far as limiter needs them. Eight-byte aligned: the object is
-/// built with misaligned access allowed, so LLVM joins neighbouring stores into words, and the
-/// verifier refuses every misaligned stack access (a segment at a 4-byte boundary made the
-/// TC program unloadable).
+/// A TCP segment's headers, as far as limiter needs them.
+///
+/// Laid out so that no store LLVM joins is misaligned: the object is built with misaligned
+/// access allowed, so LLVM joins neighbouring stores into words, and the verifier refuses
+/// every misaligned stack access (a segment at a 4-byte boundary made the TC program
+/// unloadable, and two byte fields at an odd offset joined into one `u16` store made the XDP
+/// program so). Eight-byte aligned, fields in order of size, and the four one-byte fields in
+/// one word.
 #[derive(Clone, Copy)]
-#[repr(align(8))]
+#[repr(C, align(8))]
 pub struct Segment {
     /// Source and destination as IPv6 addresses (IPv4 mapped to `::ffff:a.b.c.d`).
     pub src: [u8; 16],
     pub dst: [u8; 16],
-    pub sport: u16,
-    pub dport: u16,
     pub seq: u32,
     /// The acknowledgment number (meaningful with `TCP_ACK`).
     pub ack: u32,
-    pub flags: u8,
-    pub ipv6: bool,
-    /// The first fragment of a fragmented datagram: ports readable, the rest arrives later.
-    pub fragment: bool,
-    /// Where the IP header starts, after Ethernet and VLAN tags (at most
-    /// [`MAX_L3_OFFSET`]). A byte, not a `usize`: a value loaded from a byte is bounded by its
-    /// width wherever the compiler keeps it, while a bound learned by comparison is lost by
-    /// older verifiers (Debian's 6.1; 6.12 keeps it) if the compiler spilled the value to the
-    /// stack before comparing: 6.1 refused the reply's packet pointer arithmetic as unbounded.
-    pub l3_offset: u8,
+    pub sport: u16,
+    pub dport: u16,
+    /// The flags, then whether IPv6, whether a first fragment, and the L3 offset, a byte each
+    /// (see the accessors).
+    meta: u32,
 }
 
 impl Segment {
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    pub fn new(
+        src: [u8; 16],
+        dst: [u8; 16],
+        sport: u16,
+        dport: u16,
+        seq: u32,
+        ack: u32,
+        flags: u8,
+        ipv6: bool,
+        fragment: bool,
+        l3_offset: u8,
+    ) -> Segment {
+        Segment {
+            src,
+            dst,
+            seq,
+            ack,
+            sport,
+            dport,
+            meta: u32::from_le_bytes([flags, ipv6 as u8, fragment as u8, l3_offset]),
+        }
+    }
+
+    #[inline(always)]
+    pub fn flags(&self) -> u8 {
+        self.meta as u8
+    }
+
+    #[inline(always)]
+    pub fn ipv6(&self) -> bool {
+        (self.meta >> 8) as u8 != 0
+    }
+
+    /// The first fragment of a fragmented datagram: ports readable, the rest arrives later.
+    #[inline(always)]
+    pub fn fragment(&self) -> bool {
+        (self.meta >> 16) as u8 != 0
+    }
+
+    /// Where the IP header starts, after Ethernet and VLAN tags (at most [`MAX_L3_OFFSET`]).
+    /// A byte, not a `usize`: a value cut to a byte is bounded by its width wherever the
+    /// compiler keeps it, while a bound learned by comparison is lost by older verifiers
+    /// (Debian's 6.1; 6.12 keeps it) if the compiler spilled the value to the stack before
+    /// comparing: 6.1 refused the reply's packet pointer arithmetic as unbounded.
+    #[inline(always)]
+    pub fn l3_offset(&self) -> u8 {
+        (self.meta >> 24) as u8
+    }
+
     /// A connection request: SYN without ACK (a SYN-ACK is the server's answer).
     #[inline(always)]
     pub fn is_syn(&self) -> bool {
-        self.flags & (TCP_SYN | TCP_ACK | TCP_RST) == TCP_SYN
+        self.flags() & (TCP_SYN | TCP_ACK | TCP_RST) == TCP_SYN
     }
 
     #[inline(always)]
     pub fn has(&self, flag: u8) -> bool {
-        self.flags & flag != 0
+        self.flags() & flag != 0
     }
 }
 
@@ -116,7 +164,7 @@ impl Segment {
 ///
 /// For ingress only: the window must hold the whole packet (`whole` in [`parse`]).
 #[inline(always)]
-pub fn parse_common(w: &Window) -> Option<Segment> {
+pub fn parse_common(w: &Window) -> Option<Common> {
     const V4: usize = ETH_HLEN + IPV4_HLEN + TCP_HLEN;
     const V6: usize = ETH_HLEN + IPV6_HLEN + TCP_HLEN;
     let len = w.end - w.start;
@@ -136,9 +184,10 @@ pub fn parse_common(w: &Window) -> Option<Segment> {
         {
             return None;
         }
-        let src = mapped(v4.get::<[u8; 4], 26>());
-        let dst = mapped(v4.get::<[u8; 4], 30>());
-        return Some(tcp_segment(v4.sub::<TCP_HLEN, 34>(), src, dst, false));
+        return Some(Common {
+            tcp: v4.sub::<TCP_HLEN, 34>(),
+            addrs: Addrs::V4(v4.sub::<8, 26>()),
+        });
     }
     if proto != ETH_P_IPV6 {
         return None;
@@ -155,9 +204,61 @@ pub fn parse_common(w: &Window) -> Option<Segment> {
     {
         return None;
     }
-    let src = v6.get::<[u8; 16], 22>();
-    let dst = v6.get::<[u8; 16], 38>();
-    Some(tcp_segment(v6.sub::<TCP_HLEN, 54>(), src, dst, true))
+    Some(Common {
+        tcp: v6.sub::<TCP_HLEN, 54>(),
+        addrs: Addrs::V6(v6.sub::<32, 22>()),
+    })
+}
+
+/// A common frame, checked by [`parse_common`]: the few fields the established fast path
+/// judges by are read in place, and the whole [`Segment`] is built only when the packet
+/// needs more than that.
+#[derive(Clone, Copy)]
+pub struct Common {
+    tcp: Bytes<TCP_HLEN>,
+    addrs: Addrs,
+}
+
+/// Where a common frame's source and destination addresses lie.
+#[derive(Clone, Copy)]
+enum Addrs {
+    V4(Bytes<8>),
+    V6(Bytes<32>),
+}
+
+impl Common {
+    #[inline(always)]
+    pub fn dport(self) -> u16 {
+        u16::from_be(self.tcp.get::<u16, 2>())
+    }
+
+    #[inline(always)]
+    pub fn ack(self) -> u32 {
+        u32::from_be(self.tcp.get::<u32, 8>())
+    }
+
+    #[inline(always)]
+    pub fn flags(self) -> u8 {
+        self.tcp.get::<u8, 13>()
+    }
+
+    #[inline(always)]
+    pub fn segment(self) -> Segment {
+        match self.addrs {
+            Addrs::V4(ip) => tcp_segment(
+                self.tcp,
+                mapped(ip.get::<[u8; 4], 0>()),
+                mapped(ip.get::<[u8; 4], 4>()),
+                false,
+            ),
+            Addrs::V6(ip) => tcp_segment(
+                self.tcp,
+                ip.get::<[u8; 16], 0>(),
+                ip.get::<[u8; 16], 16>(),
+                true,
+            ),
+        }
+    }
 }
 
 /// The first `N` bytes of the packet, proven present by one bounds check, read at offsets
@@ -191,18 +292,18 @@ impl<const N: usize> Bytes<N> {
 /// The segment of a fixed TCP header read in place.
 #[inline(always)]
 fn tcp_segment(tcp: Bytes<TCP_HLEN>, src: [u8; 16], dst: [u8; 16], ipv6: bool) -> Segment {
-    Segment {
+    Segment::new(
         src,
         dst,
-        sport: u16::from_be(tcp.get::<u16, 0>()),
-        dport: u16::from_be(tcp.get::<u16, 2>()),
-        seq: u32::from_be(tcp.get::<u32, 4>()),
-        ack: u32::from_be(tcp.get::<u32, 8>()),
-        flags: tcp.get::<u8, 13>(),
+        u16::from_be(tcp.get::<u16, 0>()),
+        u16::from_be(tcp.get::<u16, 2>()),
+        u32::from_be(tcp.get::<u32, 4>()),
+        u32::from_be(tcp.get::<u32, 8>()),
+        tcp.get::<u8, 13>(),
         ipv6,
-        fragment: false,
-        l3_offset: ETH_HLEN as u8,
-    }
+        false,
+        ETH_HLEN as u8,
+    )
 }
 
 /// `whole`: the window holds the whole packet, as in XDP, so a datagram longer than the window
@@ -385,17 +486,17 @@ fn parse_tcp(w: &Window, ip: &Ip, src: [u8; 16], dst: [u8; 16]) -> Result<Segmen
     if doff < TCP_HLEN {
         return Err(Reason::Malformed);
     }
-    Ok(Segment {
+    Ok(Segment::new(
         src,
         dst,
-        sport: u16::from_be_bytes([tcp[0], tcp[1]]),
-        dport: u16::from_be_bytes([tcp[2], tcp[3]]),
-        seq: u32::from_be_bytes([tcp[4], tcp[5], tcp[6], tcp[7]]),
-        ack: u32::from_be_bytes([tcp[8], tcp[9], tcp[10], tcp[11]]),
-        flags: tcp[13],
-        ipv6: ip.ipv6,
-        fragment: ip.fragment,
+        u16::from_be_bytes([tcp[0], tcp[1]]),
+        u16::from_be_bytes([tcp[2], tcp[3]]),
+        u32::from_be_bytes([tcp[4], tcp[5], tcp[6], tcp[7]]),
+        u32::from_be_bytes([tcp[8], tcp[9], tcp[10], tcp[11]]),
+        tcp[13],
+        ip.ipv6,
+        ip.fragment,
         // At most MAX_L3_OFFSET (two VLAN tags), which fits a byte.
-        l3_offset: ip.l3 as u8,
-    })
+        ip.l3 as u8,
+    ))
 }

@@ -14,20 +14,21 @@
 //! The established fast path (a data or ACK segment) reads a few array slots and a per-CPU
 //! counter: no hash lookup, no map write, no clock (see [`hinted`]).
 
-use aya_ebpf::{helpers::bpf_ktime_get_boot_ns, maps::lpm_trie::Key};
+use aya_ebpf::{
+    helpers::{bpf_ktime_get_boot_ns, bpf_ktime_get_coarse_ns},
+    maps::lpm_trie::Key,
+};
 use limiter_common::{
-    Blocked, Config, Direction, Event, Flow, FlowKey, HalfOpen, Reason, Refusal, SourceKey,
-    SynBucket, Verdict, flow_state,
-    maps::{ACK_HINT_BITS, REFUSED_SEEN_BITS},
-    source_key,
-    stats::stat_slot,
+    Blocked, Config, Direction, Event, Flow, FlowKey, HalfOpen, Reason, Refusal, SEEN_ATTEMPTS,
+    SeenAttempts, SourceKey, SynBucket, Verdict, attempt_signature, flow_state,
+    maps::ACK_HINT_BITS, seen_slot, source_key, stats::stat_slot,
 };
 
 use crate::{
     atomics,
     maps::{
         self, ACK_HINTS, BANS, BLOCKED, EVENTS, FLOWS, GLOBAL_CONNS, HALF_OPEN, REFUSED_CONNS,
-        REFUSED_SEEN, SOURCE_CONNS, STATS, SYN_BUCKETS,
+        SOURCE_CONNS, STATS, SYN_BUCKETS,
     },
     parsing::{Segment, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
 };
@@ -87,12 +88,12 @@ enum Blame<'a> {
 
 /// Refuses an ingress packet. Only a SYN gets an RST: a reset in the middle of a flow would
 /// need the flow's sequence numbers, so other refused packets are dropped. Every packet
-/// counts in `STATS`; a SYN that is not a retransmission of one just refused also counts as a
-/// refused connection attempt, in `REFUSED_CONNS` and against its source.
+/// counts in `STATS`; a SYN that is not a retransmission of one its source had refused also
+/// counts as a refused connection attempt, in `REFUSED_CONNS` and against its source.
 #[inline(always)]
 fn refuse(seg: &Segment, blame: Blame, reason: Reason, mode: u8, config: &Config) -> Action {
-    if seg.is_syn() && new_attempt(seg) {
-        refused_attempt(blame, reason);
+    if seg.is_syn() {
+        refused_attempt(blame, reason, Some(seg));
     }
     if Refusal::from_u8(mode) == Refusal::Rst && seg.is_syn() {
         count(Direction::Ingress, Verdict::Rst, reason);
@@ -105,76 +106,63 @@ fn refuse(seg: &Segment, blame: Blame, reason: Reason, mode: u8, config: &Config
     }
 }
 
-/// Counts a refused connection attempt, by reason and against its source.
+/// Counts a refused connection attempt, by reason and against its source, unless `syn` is a
+/// retransmission of one of the source's last refused SYNs (`None`: a handshake refused at
+/// its ACK, always a new attempt).
 #[inline(always)]
-fn refused_attempt(blame: Blame, reason: Reason) {
+fn refused_attempt(blame: Blame, reason: Reason, syn: Option<&Segment>) {
     let Some(slot) = reason.blocked_slot() else {
         return;
     };
-    maps::bump(&REFUSED_CONNS, slot as u32);
-    match blame {
-        Blame::Source(source) => {
-            if let Some(blocked) = maps::lru_get_or_insert(&BLOCKED, source, &NO_REFUSALS) {
-                // SAFETY: pointer from a successful lookup; the slot is below REFUSAL_COUNT.
-                atomics::fetch_add(unsafe { &mut (*blocked).counts[slot] }, 1);
+    // SAFETY (all three blocks): pointers from successful lookups; the slot is below
+    // REFUSAL_COUNT.
+    let (counter, seen) = match blame {
+        Blame::Source(source) => match maps::lru_get_or_insert(&BLOCKED, source, &NO_REFUSALS) {
+            Some(blocked) => unsafe {
+                (&raw mut (*blocked).counts[slot], &raw mut (*blocked).seen)
+            },
+            None => {
+                maps::bump(&REFUSED_CONNS, slot as u32);
+                return;
             }
-        }
-        // SAFETY: pointer from a successful lookup.
-        Blame::Bucket(bucket) => {
-            atomics::fetch_add(unsafe { &mut (*bucket).refused }, 1);
-        }
+        },
+        Blame::Bucket(bucket) => unsafe { (&raw mut (*bucket).refused, &raw mut (*bucket).seen) },
+    };
+    if let Some(syn) = syn
+        && !new_attempt(seen, syn)
+    {
+        return;
     }
+    maps::bump(&REFUSED_CONNS, slot as u32);
+    atomics::fetch_add(counter, 1);
 }
 
-/// A source's counts before its first refusal. A static, not a local: a zeroed 48-byte local
-/// compiles to a byte-by-byte call of `memset`, a subprogram of its own, and older verifiers
-/// (Debian's 6.1) round every frame on a call chain up to 32 bytes, which took the deepest
-/// chain (`limiter_xdp` → `ingress` → `syn` or `complete` → `memset`) past BPF's 512 bytes of
-/// stack.
+/// A source's counts before its first refusal. A static, not a local: a zeroed local of this
+/// size compiles to a byte-by-byte call of `memset`, a subprogram of its own, and older
+/// verifiers (Debian's 6.1) round every frame on a call chain up to 32 bytes, which took the
+/// deepest chain (`limiter_xdp` → `ingress` → `syn` or `complete` → `memset`) past BPF's 512
+/// bytes of stack.
 static NO_REFUSALS: Blocked = Blocked {
     counts: [0; Reason::REFUSAL_COUNT],
+    seen: [0; SEEN_ATTEMPTS],
 };
 
-/// Whether this refused SYN starts a new connection attempt rather than retransmitting the
-/// last one refused in its `REFUSED_SEEN` slot (same 4-tuple, same sequence number). A
-/// client retries a refused connect with the same SYN; a new `connect` has a new ISN.
+/// Whether this refused SYN starts a new connection attempt rather than retransmitting one of
+/// those its source's record remembers (see [`limiter_common::SeenAttempts`]); remembers it.
+/// Plain reads and writes: a race between two CPUs can at worst count one attempt twice.
 #[inline(always)]
-fn new_attempt(seg: &Segment) -> bool {
-    let signature = attempt_signature(seg);
-    let Some(seen) = REFUSED_SEEN.get_ptr_mut((signature >> (64 - REFUSED_SEEN_BITS)) as u32)
-    else {
-        return true;
-    };
-    // SAFETY: this CPU's slot, from a successful lookup; no other CPU writes it.
+fn new_attempt(seen: *mut SeenAttempts, seg: &Segment) -> bool {
+    let signature = attempt_signature(&seg.src, &seg.dst, seg.sport, seg.dport, seg.seq);
+    let slot = seen_slot(signature);
+    // SAFETY: `seen` points into a map value from a successful lookup; the slot is in range.
     unsafe {
-        if *seen == signature {
+        let remembered = &raw mut (*seen)[slot];
+        if *remembered == signature {
             return false;
         }
-        *seen = signature;
+        *remembered = signature;
     }
     true
-}
-
-/// A 64-bit hash of the SYN's 4-tuple and sequence number; never 0, which marks a slot
-/// never written. Multiply-xorshift rounds: cheap, and spread over the high bits that pick
-/// the slot.
-#[inline(always)]
-fn attempt_signature(seg: &Segment) -> u64 {
-    const K: u64 = 0x9E37_79B9_7F4A_7C15;
-    let src = u128::from_ne_bytes(seg.src);
-    let dst = u128::from_ne_bytes(seg.dst);
-    let mut h =
-        ((seg.sport as u64) << 48 | (seg.dport as u64) << 32 | seg.seq as u64).wrapping_mul(K);
-    for word in [
-        src as u64,
-        (src >> 64) as u64,
-        dst as u64,
-        (dst >> 64) as u64,
-    ] {
-        h = (h ^ word).wrapping_mul(K);
-        h ^= h >> 29;
-    }
-    h | 1
 }
 
 #[inline(always)]
@@ -207,11 +195,42 @@ fn outbound(seg: &Segment) -> FlowKey {
 }
 
 /// `CLOCK_BOOTTIME`: keeps counting through suspend, so bans and timeouts never stretch. Read
-/// only on the paths that need it: the established fast path reads no clock.
+/// only on the paths that need it: the established fast path reads no clock, and the SYN
+/// rate reads [`rate_now`].
 #[inline(always)]
 fn now() -> u64 {
     // SAFETY: the helper has no preconditions.
     unsafe { bpf_ktime_get_boot_ns() }
+}
+
+/// The SYN rate's clock, `CLOCK_MONOTONIC_COARSE`: the time of the last tick, read from
+/// memory. A flood's refusals are judged on it alone, and reading the fine clock (the TSC,
+/// through the timekeeper) was a quarter of a refusal's cost. The rate is then exact at the
+/// tick (1 to 4 ms): within one tick no token comes back. It stops in suspend, which only
+/// leaves a bucket as it was.
+#[inline(always)]
+fn rate_now() -> u64 {
+    // SAFETY: the helper has no preconditions.
+    unsafe { bpf_ktime_get_coarse_ns() }
+}
+
+/// The established fast path, judged on a common frame's port, flags and acknowledgment
+/// alone, before any [`Segment`] is built or [`ingress`] called: a segment with none of SYN,
+/// RST and FIN to a protected port, while no list or ban is in force, whose acknowledgment
+/// [`hinted`] says completes no handshake. True when it passed it (counted as [`ingress`]
+/// would count it); false sends the packet down the whole path.
+#[inline(always)]
+pub fn established(dport: u16, flags: u8, ack: u32) -> bool {
+    let config = maps::config();
+    if config.has_allow | config.has_deny | config.has_bans != 0
+        || flags & (TCP_SYN | TCP_RST | TCP_FIN) != 0
+        || (flags & TCP_ACK != 0 && hinted(ack))
+        || !protected(config, dport)
+    {
+        return false;
+    }
+    pass(Direction::Ingress, Reason::Segment);
+    true
 }
 
 /// Policy for a packet arriving at the host (XDP).
@@ -221,7 +240,7 @@ pub fn ingress(seg: &Segment) -> Action {
     if !protected(config, seg.dport) {
         return pass(Direction::Ingress, Reason::UnprotectedPort);
     }
-    if seg.fragment {
+    if seg.fragment() {
         // The first fragment of TCP to a protected port: its flags may lie in a later one.
         count(Direction::Ingress, Verdict::Drop, Reason::Fragment);
         return Action::Drop;
@@ -252,7 +271,7 @@ pub fn ingress(seg: &Segment) -> Action {
         }
     }
     if seg.is_syn() {
-        return syn(seg, config, now());
+        return syn(seg, config);
     }
     if seg.has(TCP_RST) {
         return reset(seg, Direction::Ingress);
@@ -278,7 +297,7 @@ pub fn egress(seg: &Segment) -> Action {
     if !protected(config, seg.sport) {
         return pass(Direction::Egress, Reason::UnprotectedPort);
     }
-    if seg.flags & (TCP_SYN | TCP_ACK | TCP_RST) == TCP_SYN | TCP_ACK {
+    if seg.flags() & (TCP_SYN | TCP_ACK | TCP_RST) == TCP_SYN | TCP_ACK {
         return syn_ack(seg, now());
     }
     if seg.has(TCP_RST) {
@@ -298,7 +317,7 @@ fn protected(config: &Config, port: u16) -> bool {
 /// Whether the source address is in the allow list (`allow`) or the deny list.
 #[inline(always)]
 fn listed(seg: &Segment, allow: bool) -> bool {
-    if seg.ipv6 {
+    if seg.ipv6() {
         let key = Key::new(128, seg.src);
         let trie = if allow {
             &maps::ALLOW_V6
@@ -323,61 +342,34 @@ fn banned(source: &SourceKey, now: u64) -> bool {
     unsafe { BANS.get(source) }.is_some_and(|ban| ban.expires_ns > now)
 }
 
-/// A SYN: refused if its source has no SYN token left; else a retransmission (of a half-open
-/// or tracked connection) passes without taking one; else it takes a token, passes the caps
-/// as they stand (no slot is taken) and is recorded half-open.
+/// A SYN: refused if its source has no SYN token left, or if a cap is reached as the counts
+/// stand (no slot is taken); else recorded half-open, where a copy already recorded is a
+/// retransmission and takes no token; else it takes its token.
+///
+/// A new source's SYN costs a lookup of its bucket (none yet), of its connection count, and
+/// two inserts (the half-open entry, then the bucket with the token taken). The 4-tuple is
+/// not looked up in `FLOWS`: a SYN on a tracked 4-tuple (a connection reusing a closing
+/// one's, or a stray SYN the host answers with a challenge ACK) is recorded like any other,
+/// and if its handshake completes, [`complete`] finds the 4-tuple tracked and the new
+/// connection takes over the old one's slot.
 #[inline(never)]
-fn syn(seg: &Segment, config: &Config, now: u64) -> Action {
+fn syn(seg: &Segment, config: &Config) -> Action {
     let source = source_of(seg, config);
-    // The rate first: a SYN over it is refused before any lookup of its 4-tuple, so a flood's
-    // refusals cost one hash lookup (the bucket's). A retransmission still takes no token:
-    // tokens are only taken after the lookups below.
     // Read once: the config lives in a map the agent may rewrite meanwhile.
     let rate = Gcra::of(config);
+    let rate_now = rate_now();
+    // The rate first: a SYN over it is refused on its bucket alone, so a flood's refusals
+    // cost one hash lookup.
     let bucket = if rate.limited() {
-        match syn_bucket(&source, rate, now) {
-            Bucket::Spent(bucket) => {
-                return refuse(
-                    seg,
-                    Blame::Bucket(bucket),
-                    Reason::SynRate,
-                    config.reject_rate,
-                    config,
-                );
+        match SYN_BUCKETS.get_ptr_mut(source) {
+            Some(bucket) if rate.spent(bucket, rate_now) => {
+                return refuse_rate(seg, bucket, config);
             }
-            Bucket::Tokens(bucket) => Some(bucket),
-            Bucket::Unmetered => None,
+            found => found,
         }
     } else {
         None
     };
-    let key = inbound(seg);
-    if let Some(flow) = FLOWS.get_ptr_mut(key) {
-        // SAFETY: pointer from a successful lookup.
-        let state = unsafe { &mut (*flow).state };
-        if *state & flow_state::FIN_BOTH != 0 {
-            // A new connection on the 4-tuple of a closing one: it inherits the slot the old
-            // one held, so nothing is released or taken twice.
-            atomics::fetch_and(state, !flow_state::FIN_BOTH);
-            // SAFETY: as above.
-            unsafe { (*flow).first_seen_ns = now };
-        }
-        return pass(Direction::Ingress, Reason::Retransmit);
-    }
-    if HALF_OPEN.get_ptr(key).is_some() {
-        return pass(Direction::Ingress, Reason::Retransmit);
-    }
-    if let Some(bucket) = bucket
-        && !take_syn_token(bucket, rate, now)
-    {
-        return refuse(
-            seg,
-            Blame::Bucket(bucket),
-            Reason::SynRate,
-            config.reject_rate,
-            config,
-        );
-    }
     if let Some(reason) = at_cap(&source, config) {
         return refuse(
             seg,
@@ -387,18 +379,38 @@ fn syn(seg: &Segment, config: &Config, now: u64) -> Action {
             config,
         );
     }
+    let key = inbound(seg);
     let half_open = HalfOpen {
         source,
-        first_seen_ns: now,
+        first_seen_ns: now(),
         server_isn: 0,
         isn_seen: 0,
     };
     match HALF_OPEN.insert(key, half_open, aya_ebpf::bindings::BPF_NOEXIST.into()) {
-        Ok(()) => pass(Direction::Ingress, Reason::HalfOpen),
-        // The same SYN on another CPU won the insert: this copy is a retransmission.
-        Err(error) if error == -EEXIST => pass(Direction::Ingress, Reason::Retransmit),
-        Err(_) => table_full(seg, &source, config),
+        Ok(()) => {}
+        // Recorded already (on this CPU or another): a retransmission.
+        Err(error) if error == -EEXIST => return pass(Direction::Ingress, Reason::Retransmit),
+        Err(_) => return table_full(seg, &source, config),
     }
+    if rate.limited()
+        && let Err(bucket) = rate.take(bucket, &source, rate_now)
+    {
+        // Other CPUs took the last tokens since the check above.
+        let _ = HALF_OPEN.remove(key);
+        return refuse_rate(seg, bucket, config);
+    }
+    pass(Direction::Ingress, Reason::HalfOpen)
+}
+
+#[inline(always)]
+fn refuse_rate(seg: &Segment, bucket: *mut SynBucket, config: &Config) -> Action {
+    refuse(
+        seg,
+        Blame::Bucket(bucket),
+        Reason::SynRate,
+        config.reject_rate,
+        config,
+    )
 }
 
 const EEXIST: i32 = 17;
@@ -437,40 +449,11 @@ fn table_full(seg: &Segment, source: &SourceKey, config: &Config) -> Action {
     }
 }
 
-/// A source's SYN bucket, as [`syn_bucket`] finds it.
-enum Bucket {
-    /// At least one token left: the SYN may take it ([`take_syn_token`]).
-    Tokens(*mut SynBucket),
-    /// No token: the SYN is refused.
-    Spent(*mut SynBucket),
-    /// No bucket could be made (the LRU insert failed): the SYN is not metered.
-    Unmetered,
-}
-
-/// GCRA: the bucket is the theoretical arrival time (TAT) of the next SYN. A SYN is allowed
-/// while that time is no further ahead of now than the burst. Finds (or makes) the source's
-/// bucket and says whether a token is left, without taking it.
-#[inline(always)]
-fn syn_bucket(source: &SourceKey, rate: Gcra, now: u64) -> Bucket {
-    let fresh = SynBucket {
-        tat_ns: now,
-        refused: 0,
-    };
-    let Some(bucket) = maps::lru_get_or_insert(&SYN_BUCKETS, source, &fresh) else {
-        return Bucket::Unmetered;
-    };
-    // SAFETY: pointer from a successful lookup.
-    let current = atomics::load(unsafe { &(*bucket).tat_ns });
-    if current.max(now) + rate.interval - now > rate.tolerance {
-        Bucket::Spent(bucket)
-    } else {
-        Bucket::Tokens(bucket)
-    }
-}
-
-/// The SYN rate's emission interval and burst tolerance, in nanoseconds; an interval of 0
-/// when the rate is not limited. (Not an `Option`: LLVM spills the fields of a `None` it
-/// never initialised, and the verifier rejects reads of uninitialised registers.)
+/// The SYN rate as GCRA: a source's bucket is the theoretical arrival time (TAT) of its next
+/// SYN, and a SYN is allowed while that time is no further ahead of now than the burst. Holds
+/// the emission interval and burst tolerance, in nanoseconds; an interval of 0 when the rate
+/// is not limited. (Not an `Option`: LLVM spills the fields of a `None` it never
+/// initialised, and the verifier rejects reads of uninitialised registers.)
 #[derive(Clone, Copy)]
 struct Gcra {
     interval: u64,
@@ -493,26 +476,68 @@ impl Gcra {
     fn limited(self) -> bool {
         self.interval != 0
     }
-}
 
-/// Takes a token: moves the TAT one emission interval on, by compare-and-swap so racing CPUs
-/// each pay for their own token. False if the bucket ran dry meanwhile.
-#[inline(always)]
-fn take_syn_token(bucket: *mut SynBucket, rate: Gcra, now: u64) -> bool {
-    // SAFETY: pointer from a successful lookup.
-    let tat = unsafe { &mut (*bucket).tat_ns };
-    for _ in 0..8 {
-        let current = atomics::load(tat);
-        let next = current.max(now) + rate.interval;
-        if next - now > rate.tolerance {
-            return false;
-        }
-        if atomics::compare_exchange(tat, current, next) {
-            return true;
-        }
+    /// The TAT a SYN arriving at `now` would leave, if it is allowed.
+    #[inline(always)]
+    fn next(self, tat: u64, now: u64) -> Option<u64> {
+        let next = tat.max(now) + self.interval;
+        (next - now <= self.tolerance).then_some(next)
     }
-    // Eight CPUs beat us to the same source's bucket: it is being flooded.
-    false
+
+    /// Whether the bucket has no token left, without taking one.
+    #[inline(always)]
+    fn spent(self, bucket: *mut SynBucket, now: u64) -> bool {
+        // SAFETY: pointer from a successful lookup.
+        self.next(atomics::load(unsafe { &(*bucket).tat_ns }), now)
+            .is_none()
+    }
+
+    /// Takes a token from the source's bucket, `found` by an earlier lookup or made now with
+    /// the token taken. The TAT moves by compare-and-swap, so racing CPUs each pay for their
+    /// own token. `Err` with the bucket if it ran dry; a bucket that cannot be made (the LRU
+    /// insert failed) leaves the SYN unmetered.
+    #[inline(always)]
+    fn take(
+        self,
+        found: Option<*mut SynBucket>,
+        source: &SourceKey,
+        now: u64,
+    ) -> Result<(), *mut SynBucket> {
+        let bucket = match found {
+            Some(bucket) => bucket,
+            None => {
+                let fresh = SynBucket {
+                    tat_ns: now + self.interval,
+                    refused: 0,
+                    seen: [0; SEEN_ATTEMPTS],
+                };
+                if SYN_BUCKETS
+                    .insert(source, fresh, aya_ebpf::bindings::BPF_NOEXIST.into())
+                    .is_ok()
+                {
+                    return Ok(());
+                }
+                // Another CPU made it first: take from theirs.
+                match SYN_BUCKETS.get_ptr_mut(source) {
+                    Some(bucket) => bucket,
+                    None => return Ok(()),
+                }
+            }
+        };
+        // SAFETY: pointer from a successful lookup.
+        let tat = unsafe { &mut (*bucket).tat_ns };
+        for _ in 0..8 {
+            let current = atomics::load(tat);
+            let Some(next) = self.next(current, now) else {
+                return Err(bucket);
+            };
+            if atomics::compare_exchange(tat, current, next) {
+                return Ok(());
+            }
+        }
+        // Eight CPUs beat us to the same source's bucket: it is being flooded.
+        Err(bucket)
+    }
 }
 
 /// How long after the last SYN-ACK carrying an ISN an ACK of it is still looked for, in units
@@ -554,14 +579,18 @@ fn hint_slot(expected_ack: u32) -> u32 {
 ///
 /// Data segments are filtered too, not only pure ACKs: a client may carry its first bytes on
 /// the handshake's last segment, and skipping those would let it connect uncounted.
+///
+/// A slot never stamped answers without the clock's read.
 #[inline(always)]
 fn hinted(ack: u32) -> bool {
-    let (Some(stamp), Some(clock)) = (ACK_HINTS.get(hint_slot(ack)), ACK_HINTS.get(HINT_CLOCK))
-    else {
-        return false;
+    let stamp = match ACK_HINTS.get(hint_slot(ack)) {
+        Some(stamp) if *stamp != 0 => *stamp,
+        _ => return false,
     };
     // Signed: a stamp written a moment after the clock (racing CPUs) reads as fresh.
-    *stamp != 0 && (clock.wrapping_sub(*stamp) as i32) <= HINT_WINDOW as i32
+    ACK_HINTS
+        .get(HINT_CLOCK)
+        .is_some_and(|clock| (clock.wrapping_sub(stamp) as i32) <= HINT_WINDOW as i32)
 }
 
 /// The server's SYN-ACK of a half-open connection: record its ISN (the first one: a client
@@ -657,7 +686,15 @@ fn complete(seg: &Segment, config: &Config, now: u64) -> Completion {
             atomics::decrement(global);
             atomics::decrement(per_source);
             if error == -EEXIST {
-                // The 4-tuple is tracked already (its connection holds the slot).
+                // The 4-tuple is tracked already: a new connection reusing a closing one's.
+                // It takes over the old one's slot, open again.
+                if let Some(flow) = FLOWS.get_ptr_mut(key) {
+                    // SAFETY: pointer from a successful lookup; plain words besides the state.
+                    unsafe {
+                        atomics::fetch_and(&mut (*flow).state, !flow_state::FIN_BOTH);
+                        (*flow).first_seen_ns = half_open.first_seen_ns;
+                    }
+                }
                 Completion::NotAHandshake
             } else {
                 full_at_ack(&source, config)
@@ -671,7 +708,7 @@ fn complete(seg: &Segment, config: &Config, now: u64) -> Completion {
 #[inline(always)]
 fn refuse_at_ack(source: &SourceKey, reason: Reason) -> Completion {
     // Always a new attempt: only the ACK that deleted the half-open entry gets here.
-    refused_attempt(Blame::Source(source), reason);
+    refused_attempt(Blame::Source(source), reason, None);
     count(Direction::Ingress, Verdict::Rst, reason);
     event(Event::RefusedAtAck);
     Completion::Refused(Action::ResetHost)

@@ -26,18 +26,9 @@ use crate::parsing::{
 const ETH_ALEN: usize = 6;
 const TTL: u8 = 64;
 
-/// The headers of one RST, addresses in IPv6 form as in [`Segment`].
+/// One RST: its headers (a [`Segment`], laid out as the verifier needs) and where it goes.
 struct Rst {
-    src: [u8; 16],
-    dst: [u8; 16],
-    sport: u16,
-    dport: u16,
-    seq: u32,
-    ack: u32,
-    flags: u8,
-    ipv6: bool,
-    /// A byte, as in [`Segment`], so the verifier knows its bound however it is kept.
-    l3_offset: u8,
+    headers: Segment,
     /// Back to the sender (MACs swapped), or on towards the host.
     answer: bool,
 }
@@ -46,15 +37,18 @@ struct Rst {
 #[inline(always)]
 fn answering(syn: &Segment) -> Rst {
     Rst {
-        src: syn.dst,
-        dst: syn.src,
-        sport: syn.dport,
-        dport: syn.sport,
-        seq: 0,
-        ack: syn.seq.wrapping_add(1),
-        flags: TCP_RST | TCP_ACK,
-        ipv6: syn.ipv6,
-        l3_offset: syn.l3_offset,
+        headers: Segment::new(
+            syn.dst,
+            syn.src,
+            syn.dport,
+            syn.sport,
+            0,
+            syn.seq.wrapping_add(1),
+            TCP_RST | TCP_ACK,
+            syn.ipv6(),
+            false,
+            syn.l3_offset(),
+        ),
         answer: true,
     }
 }
@@ -64,15 +58,18 @@ fn answering(syn: &Segment) -> Rst {
 #[inline(always)]
 fn replacing(ack: &Segment) -> Rst {
     Rst {
-        src: ack.src,
-        dst: ack.dst,
-        sport: ack.sport,
-        dport: ack.dport,
-        seq: ack.seq,
-        ack: 0,
-        flags: TCP_RST,
-        ipv6: ack.ipv6,
-        l3_offset: ack.l3_offset,
+        headers: Segment::new(
+            ack.src,
+            ack.dst,
+            ack.sport,
+            ack.dport,
+            ack.seq,
+            0,
+            TCP_RST,
+            ack.ipv6(),
+            false,
+            ack.l3_offset(),
+        ),
         answer: false,
     }
 }
@@ -160,11 +157,13 @@ pub fn tc_answer(ctx: &TcContext, syn: &Segment) -> bool {
 /// could not hold it (then the caller drops it instead).
 #[inline(always)]
 fn write(w: &Window, rst: &Rst) -> Option<usize> {
-    let l3 = usize::from(rst.l3_offset);
+    let answer = rst.answer;
+    let rst = &rst.headers;
+    let l3 = usize::from(rst.l3_offset());
     if l3 > MAX_L3_OFFSET {
         return None;
     }
-    if rst.answer {
+    if answer {
         let macs = w.read::<[u8; 2 * ETH_ALEN]>(0)?;
         let mut swapped = [0u8; 2 * ETH_ALEN];
         swapped[..ETH_ALEN].copy_from_slice(&macs[ETH_ALEN..]);
@@ -172,7 +171,7 @@ fn write(w: &Window, rst: &Rst) -> Option<usize> {
         put(w, 0, &swapped)?;
     }
     let tcp = tcp_header(rst);
-    if rst.ipv6 {
+    if rst.ipv6() {
         let tcp = with_checksum(tcp, pseudo_v6(rst));
         put(w, l3, &ipv6_header(rst))?;
         put(w, l3 + IPV6_HLEN, &tcp)?;
@@ -195,19 +194,19 @@ fn put<const N: usize>(w: &Window, offset: usize, bytes: &[u8; N]) -> Option<()>
 }
 
 #[inline(always)]
-fn tcp_header(rst: &Rst) -> [u8; TCP_HLEN] {
+fn tcp_header(rst: &Segment) -> [u8; TCP_HLEN] {
     let mut h = [0u8; TCP_HLEN];
     h[0..2].copy_from_slice(&rst.sport.to_be_bytes());
     h[2..4].copy_from_slice(&rst.dport.to_be_bytes());
     h[4..8].copy_from_slice(&rst.seq.to_be_bytes());
     h[8..12].copy_from_slice(&rst.ack.to_be_bytes());
     h[12] = ((TCP_HLEN / 4) as u8) << 4;
-    h[13] = rst.flags;
+    h[13] = rst.flags();
     h
 }
 
 #[inline(always)]
-fn ipv4_header(rst: &Rst) -> [u8; IPV4_HLEN] {
+fn ipv4_header(rst: &Segment) -> [u8; IPV4_HLEN] {
     let mut h = [0u8; IPV4_HLEN];
     h[0] = 0x45;
     h[2..4].copy_from_slice(&((IPV4_HLEN + TCP_HLEN) as u16).to_be_bytes());
@@ -222,7 +221,7 @@ fn ipv4_header(rst: &Rst) -> [u8; IPV4_HLEN] {
 }
 
 #[inline(always)]
-fn ipv6_header(rst: &Rst) -> [u8; IPV6_HLEN] {
+fn ipv6_header(rst: &Segment) -> [u8; IPV6_HLEN] {
     let mut h = [0u8; IPV6_HLEN];
     h[0] = 0x60;
     h[4..6].copy_from_slice(&(TCP_HLEN as u16).to_be_bytes());
@@ -235,14 +234,14 @@ fn ipv6_header(rst: &Rst) -> [u8; IPV6_HLEN] {
 
 /// Sum of the pseudo-header words: addresses, protocol and TCP length.
 #[inline(always)]
-fn pseudo_v4(rst: &Rst) -> u64 {
+fn pseudo_v4(rst: &Segment) -> u64 {
     let sum = add_words(0, &[rst.src[12], rst.src[13], rst.src[14], rst.src[15]]);
     let sum = add_words(sum, &[rst.dst[12], rst.dst[13], rst.dst[14], rst.dst[15]]);
     sum + IPPROTO_TCP as u64 + TCP_HLEN as u64
 }
 
 #[inline(always)]
-fn pseudo_v6(rst: &Rst) -> u64 {
+fn pseudo_v6(rst: &Segment) -> u64 {
     let sum = add_words(0, &rst.src);
     let sum = add_words(sum, &rst.dst);
     sum + IPPROTO_TCP as u64 + TCP_HLEN as u64

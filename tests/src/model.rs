@@ -254,14 +254,8 @@ impl Model {
 
     fn syn(&mut self, seg: &Segment) -> Action {
         let key = flow_key(seg, true);
-        if let Some(flow) = self.flows.get_mut(&key) {
-            // A new connection on a closing one's 4-tuple inherits its slot.
-            flow.state &= !flow_state::FIN_BOTH;
-            return self.pass(Direction::Ingress, Reason::Retransmit);
-        }
-        if self.half_open.contains_key(&key) {
-            return self.pass(Direction::Ingress, Reason::Retransmit);
-        }
+        // The caps as they stand first, then the half-open table: a copy recorded already is
+        // a retransmission. A tracked 4-tuple is not looked at (see `complete`).
         let source = self.source(seg.src);
         let per_ip = self.config.max_conn_per_ip as u64;
         let total = self.config.max_conn_total as u64;
@@ -270,6 +264,9 @@ impl Model {
         }
         if total != 0 && self.global >= total {
             return self.refuse(seg, Reason::ConnTotal, self.config.reject_conn);
+        }
+        if self.half_open.contains_key(&key) {
+            return self.pass(Direction::Ingress, Reason::Retransmit);
         }
         self.half_open.insert(key, HalfOpen { source, isn: None });
         self.pass(Direction::Ingress, Reason::HalfOpen)
@@ -298,8 +295,10 @@ impl Model {
             self.event(Event::RefusedAtAck);
             return Some(Completion::Refused);
         }
-        if self.flows.contains_key(&key) {
-            // The 4-tuple is tracked already: its connection holds the slot.
+        if let Some(flow) = self.flows.get_mut(&key) {
+            // The 4-tuple is tracked already: a new connection reusing a closing one's takes
+            // over its slot, open again.
+            flow.state &= !flow_state::FIN_BOTH;
             return None;
         }
         *per_source += 1;

@@ -10,7 +10,8 @@ use std::{
 
 use etherparse::{IpFragOffset, IpHeaders, IpNumber, Ipv4Extensions, Ipv4Header, PacketBuilder};
 use limiter_common::{
-    Direction, Event, FlowKey, HalfOpen, RST_MARK, Reason, Verdict, flow_state, maps,
+    Direction, Event, FlowKey, HalfOpen, RST_MARK, Reason, Verdict, attempt_signature, flow_state,
+    maps, seen_slot,
 };
 use limiter_tests::{
     frames::{self, CLIENT_MAC, Flags, SERVER_MAC, Tcp, Vlans},
@@ -297,40 +298,19 @@ fn a_retransmitted_syn_takes_no_token() {
     assert_eq!(k.xdp(&syn(v4(2), 1001).build()).action, XDP_PASS);
     assert_eq!(k.xdp(&syn(v4(2), 1002).build()).action, XDP_DROP);
     assert_eq!(half_open(&k).len(), 2);
-    // A tracked connection's 4-tuple likewise, while tokens are left.
+    // A SYN on a tracked connection's 4-tuple is not a retransmission of a recorded one: the
+    // datapath does not look the 4-tuple up in the flow table on a SYN (the host answers it
+    // with a challenge ACK, or with a SYN-ACK if that socket is gone), so it takes a token.
     let k = Kernel::new(&["--syn-rate", "1", "--syn-burst", "2"]);
     k.connect(&first);
     assert_eq!(k.xdp(&first.build()).action, XDP_PASS);
-    assert_eq!(k.ingress(Verdict::Pass, Reason::Retransmit), 1);
-    assert_eq!(k.xdp(&syn(v4(2), 1001).build()).action, XDP_PASS);
-}
-
-/// Keeps the calling thread on the CPU it runs on: the programs remember the last refused
-/// SYNs per CPU, so a retransmission run on another CPU would count as a new attempt.
-fn stay_on_this_cpu() {
-    // SAFETY: plain libc calls on a zeroed cpu_set_t of the size passed.
-    unsafe {
-        let cpu = libc::sched_getcpu();
-        assert!(
-            cpu >= 0,
-            "sched_getcpu: {}",
-            std::io::Error::last_os_error()
-        );
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        libc::CPU_SET(cpu as usize, &mut set);
-        let rc = libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
-        assert_eq!(
-            rc,
-            0,
-            "sched_setaffinity: {}",
-            std::io::Error::last_os_error()
-        );
-    }
+    assert_eq!(k.ingress(Verdict::Pass, Reason::HalfOpen), 2);
+    assert_eq!(k.xdp(&syn(v4(2), 1001).build()).action, XDP_DROP);
+    assert_eq!(k.global(), 1);
 }
 
 #[test]
 fn refused_connection_attempts_count_apart_from_refused_packets() {
-    stay_on_this_cpu();
     let k = Kernel::new(&["--syn-rate", "1", "--syn-burst", "1"]);
     assert_eq!(k.xdp(&syn(v4(2), 1000).build()).action, XDP_PASS);
     let attempts = |reason| k.dp.maps.refused_connections(reason).unwrap();
@@ -357,10 +337,26 @@ fn refused_connection_attempts_count_apart_from_refused_packets() {
     assert_eq!(k.ingress(Verdict::Drop, Reason::SynRate), 8);
     assert_eq!(attempts(Reason::SynRate), 3);
     assert_eq!(top(&k, Reason::SynRate), 3);
-    // Going back to the first ISN after others counts it again only if its slot was
-    // overwritten; the slots are 16,384 per CPU, so here it was not.
+    let slot = |t: &Tcp| {
+        let octets = |ip: IpAddr| match ip {
+            IpAddr::V4(v4) => v4.to_ipv6_mapped().octets(),
+            IpAddr::V6(v6) => v6.octets(),
+        };
+        seen_slot(attempt_signature(
+            &octets(t.src),
+            &octets(t.dst),
+            t.sport,
+            t.dport,
+            t.seq,
+        ))
+    };
+    let overwritten = [&again, &syn(v4(2), 1002)]
+        .iter()
+        .any(|later| slot(later) == slot(&refused));
+    // Going back to the first ISN after others counts it again only if a later refused SYN
+    // of the source took its slot (one of four): whether it did is known from the signatures.
     k.xdp(&refused.build());
-    assert_eq!(attempts(Reason::SynRate), 3);
+    assert_eq!(attempts(Reason::SynRate), 3 + u64::from(overwritten));
     assert_eq!(attempts(Reason::ConnPerIp), 0);
 
     // A cap refusal answered with RST, retransmitted: three RSTs, one attempt; and a
@@ -431,13 +427,17 @@ fn a_syn_reusing_a_closing_tuple_keeps_one_slot() {
     // The client reuses the 4-tuple before the host's FIN: the new connection takes over
     // the old one's slot, and its handshake takes no second one.
     assert_eq!(k.xdp(&s.build()).action, XDP_PASS);
-    assert_eq!(k.ingress(Verdict::Pass, Reason::Retransmit), 1);
+    assert_eq!(k.ingress(Verdict::Pass, Reason::HalfOpen), 2);
     let h = handshake(&s, 999);
     k.tc(&h.syn_ack);
     k.xdp(&h.ack);
     assert_eq!(k.global(), 1);
-    k.xdp(&s.with_flags(FIN).build());
+    assert_eq!(k.dp.maps.events(Event::Opened).unwrap(), 1);
+    // Open again: the old connection's FIN no longer counts, so the host's FIN alone does
+    // not close it; the client's next one does.
     k.tc(&s.reply(FIN).build());
+    assert_eq!(k.global(), 1);
+    k.xdp(&s.with_flags(FIN).build());
     assert_eq!(k.global(), 0);
     assert_eq!(k.dp.maps.source_connections(v4(2)).unwrap(), 0);
 }
@@ -783,6 +783,36 @@ fn concurrent_handshakes_never_exceed_the_caps() {
     assert!(a <= 50 && b <= 50, "{a} {b}");
     assert_eq!(a + b, 80);
     assert_eq!(k.dp.maps.flows().unwrap().len(), 80);
+}
+
+#[test]
+fn racing_a_new_sources_first_syns_across_cpus_wins_no_extra_token() {
+    // The attacker's try: a source with no bucket yet sends its first SYNs on two CPUs at
+    // once, so both find no bucket and both make one; only one insert wins, and the other
+    // SYN must take its token from the winner's bucket.
+    let k = Kernel::new(&["--syn-rate", "1", "--syn-burst", "5"]);
+    for round in 0..20u8 {
+        let start = std::sync::Barrier::new(2);
+        let passed: usize = std::thread::scope(|scope| {
+            let threads: Vec<_> = (0..2u16)
+                .map(|t| {
+                    let (k, start) = (&k, &start);
+                    scope.spawn(move || {
+                        start.wait();
+                        (0..8u16)
+                            .filter(|i| {
+                                let s = syn(v4(100 + round), 1000 + 100 * t + i);
+                                k.xdp(&s.build()).action == XDP_PASS
+                            })
+                            .count()
+                    })
+                })
+                .collect();
+            threads.into_iter().map(|t| t.join().unwrap()).sum()
+        });
+        assert_eq!(passed, 5, "round {round}");
+    }
+    assert_eq!(k.ingress(Verdict::Pass, Reason::HalfOpen), 20 * 5);
 }
 
 #[test]

@@ -4,8 +4,9 @@
 //! What sets the floor (the newest requirement wins):
 //! - BPF atomic fetch-add and compare-and-swap (`BPF_ATOMIC` with `BPF_FETCH`/`BPF_CMPXCHG`,
 //!   BPF CPU v3), which make the counters exact: 5.12.
-//! - `bpf_ktime_get_boot_ns` (bans and buckets on `CLOCK_BOOTTIME`) and the BPF ring buffer
+//! - `bpf_ktime_get_boot_ns` (flows and bans on `CLOCK_BOOTTIME`) and the BPF ring buffer
 //!   (the kernel log): 5.8. XDP through a BPF link, which is what gets pinned: 5.9.
+//!   `bpf_ktime_get_coarse_ns` (the SYN-rate buckets' clock): 5.11.
 //! - BTF, LPM tries, LRU hashes, per-CPU arrays, clsact with cls_bpf: all older.
 //!
 //! 5.12 to 5.14 were short-lived releases nobody ships any more, so the floor is 5.15, the
@@ -20,7 +21,8 @@ pub const MINIMUM: (u32, u32) = (5, 15);
 
 /// Why [`MINIMUM`] is what it is, in the words the refusal uses.
 pub const REASON: &str = "the kernel programs need BPF atomic fetch-add and compare-and-swap \
-    (5.12), bpf_ktime_get_boot_ns and the BPF ring buffer (5.8), XDP BPF links (5.9) and BTF; \
+    (5.12), bpf_ktime_get_coarse_ns (5.11), bpf_ktime_get_boot_ns and the BPF ring buffer \
+    (5.8), XDP BPF links (5.9) and BTF; \
     5.15 is the oldest long-term release with all of them";
 
 #[derive(Debug, Error, PartialEq, Eq)]

@@ -50,14 +50,23 @@ pub fn key_text(key: &SourceKey, config: &Config) -> String {
     }
 }
 
-/// `CLOCK_BOOTTIME` in nanoseconds, the clock the kernel programs stamp with.
+/// `CLOCK_BOOTTIME` in nanoseconds, the clock the kernel programs stamp flows and bans with.
 pub fn boot_time_ns() -> Result<u64, MapsError> {
+    clock_ns(libc::CLOCK_BOOTTIME)
+}
+
+/// `CLOCK_MONOTONIC_COARSE` in nanoseconds, the clock of the SYN-rate buckets.
+pub fn rate_clock_ns() -> Result<u64, MapsError> {
+    clock_ns(libc::CLOCK_MONOTONIC_COARSE)
+}
+
+fn clock_ns(clock: libc::clockid_t) -> Result<u64, MapsError> {
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,
     };
     // SAFETY: `ts` is a valid out-pointer for the call's duration.
-    if unsafe { libc::clock_gettime(libc::CLOCK_BOOTTIME, &mut ts) } != 0 {
+    if unsafe { libc::clock_gettime(clock, &mut ts) } != 0 {
         return Err(MapsError::Clock(std::io::Error::last_os_error()));
     }
     Ok(ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64)

@@ -13,7 +13,11 @@ use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, Opts};
 
 use crate::{
     buckets::Limiter,
-    datapath::{EnforceError, Enforcer, SweepCursor, keys::boot_time_ns, sockets::SocketTable},
+    datapath::{
+        EnforceError, Enforcer, SweepCursor,
+        keys::{boot_time_ns, rate_clock_ns},
+        sockets::SocketTable,
+    },
     settings::{Live, SweepSettings},
 };
 
@@ -178,7 +182,9 @@ impl Sweeper {
         let syn_timeout = settings.syn_timeout.as_nanos().min(u128::from(u64::MAX)) as u64;
         report.half_open =
             enforcer.with_maps(|m| m.sweep_half_open(&mut self.cursor, batch, now, syn_timeout))?;
-        report.buckets = enforcer.with_maps(|m| m.sweep_buckets(&mut self.cursor, batch, now))?;
+        let rate_now = rate_clock_ns()?;
+        report.buckets =
+            enforcer.with_maps(|m| m.sweep_buckets(&mut self.cursor, batch, rate_now))?;
         report.bans = enforcer.with_maps(|m| m.sweep_bans(&mut self.cursor, batch, now))?;
         report.app_keys = limiter.sweep() as u64;
         let counts = [
