@@ -6,6 +6,7 @@
 //! Modules import only those below them: `kernels` and `test` → `package` → `build` →
 //! `cross` → `setup` → `cmd` → `paths`.
 
+mod bpffs;
 mod build;
 mod cmd;
 mod cross;

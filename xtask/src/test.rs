@@ -60,16 +60,14 @@ pub fn run() -> Result<()> {
     let agent = paths::agent_binary();
     step("privileged tests");
     preflight()?;
-    let bpffs_before = bpffs_mounted();
+    let bpffs = crate::bpffs::Restore::new();
     let counts = run_counting(
         cargo("stable")
             .args(["test", "-p", PRIVILEGED])
             .env("LIMITER_BIN", &agent)
             .env("LIMITER_MOSQUITTO_PLUGIN", paths::mosquitto_plugin()),
     );
-    if !bpffs_before {
-        restore_bpffs();
-    }
+    drop(bpffs);
     let counts = counts?;
     // The last line, in the plain "N passed, N failed" form CI reads.
     println!(
@@ -167,48 +165,6 @@ fn preflight() -> Result<()> {
         bail!("this kernel exposes no BTF (/sys/kernel/btf/vmlinux): the kernel programs need it");
     }
     setup::ensure_test_tools()
-}
-
-const BPFFS: &str = "/sys/fs/bpf";
-
-fn bpffs_mounted() -> bool {
-    std::fs::read_to_string("/proc/mounts").is_ok_and(|mounts| {
-        mounts
-            .lines()
-            .any(|l| l.split_whitespace().nth(1) == Some(BPFFS))
-    })
-}
-
-/// The agents under test mount the BPF filesystem when the machine has none; once they are
-/// gone, that mount holds only the kernel's own entries, so it is taken down again and the
-/// machine is left as it was found.
-fn restore_bpffs() {
-    if !bpffs_mounted() {
-        return;
-    }
-    let left: Vec<String> = std::fs::read_dir(BPFFS)
-        .map(|d| {
-            d.filter_map(|e| e.ok())
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .collect()
-        })
-        .unwrap_or_default();
-    // `maps.debug` and `progs.debug` are the kernel's own iterators, made at mount time.
-    if left
-        .iter()
-        .all(|name| name == "maps.debug" || name == "progs.debug")
-    {
-        let path = std::ffi::CString::new(BPFFS).expect("no NUL in the path");
-        // SAFETY: a valid C string; umount has no other preconditions.
-        if unsafe { libc::umount(path.as_ptr()) } != 0 {
-            eprintln!(
-                "could not unmount {BPFFS}: {}",
-                std::io::Error::last_os_error()
-            );
-        }
-    } else {
-        eprintln!("{BPFFS} still holds pins the tests did not remove: {left:?}");
-    }
 }
 
 #[derive(Default)]

@@ -257,6 +257,7 @@ fn described(what: &str, skips: &[Skip]) -> String {
 fn host_row(agent: &Path, tests: &[(String, PathBuf)]) -> Result<Row> {
     let started = Instant::now();
     let kernel = crate::cmd::output("uname", &["-r"])?.trim().to_string();
+    let _bpffs = crate::bpffs::Restore::new();
     let mut lines = Vec::new();
     for (name, binary) in tests {
         let out = Command::new(binary)
