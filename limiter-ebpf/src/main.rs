@@ -30,7 +30,7 @@ pub fn limiter_xdp(ctx: XdpContext) -> u32 {
     };
     let segment = match parsing::parse_common(&window) {
         Some(frame) => {
-            if policy::established(frame.dport(), frame.flags(), frame.ack()) {
+            if policy::established(&frame) {
                 return xdp_action::XDP_PASS;
             }
             frame.segment()

@@ -33,7 +33,7 @@ const PORT: u16 = 5672;
 const SYNS: usize = 1_000_000;
 /// A case that cannot send its SYNs in this long is cut short (and says so).
 const CASE_LIMIT: Duration = Duration::from_secs(30);
-const ROUNDS: usize = 3;
+const ROUNDS: usize = 5;
 /// Sent per `sendmmsg` call.
 const BATCH: usize = 64;
 

@@ -9,7 +9,9 @@ use std::sync::Arc;
 use clap::Parser;
 use limiter::{
     buckets::{Limiter, LimiterConfig, MonotonicClock},
-    datapath::{Datapath, Enforcer, LoadOptions, TC_PROGRAM, XDP_PROGRAM, XdpAttachMode},
+    datapath::{
+        Datapath, Enforcer, LoadOptions, PacketCount, TC_PROGRAM, XDP_PROGRAM, XdpAttachMode,
+    },
     services::sweeper::{PassReport, SweepStats, Sweeper},
     settings::{Live, RunArgs, Settings},
 };
@@ -177,6 +179,11 @@ impl Kernel {
 
     pub fn global(&self) -> u64 {
         self.dp.maps.global_connections().unwrap()
+    }
+
+    /// Every packet counter, to show that a path moved none.
+    pub fn all_packets(&self) -> Vec<PacketCount> {
+        self.dp.maps.packet_counts().unwrap()
     }
 }
 

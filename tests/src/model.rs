@@ -213,10 +213,10 @@ impl Model {
         if seg.flags & RST != 0 {
             return self.reset(&flow_key(seg, true), Direction::Ingress);
         }
-        let mut reason = Reason::Segment;
+        let mut admitted = false;
         if seg.flags & ACK != 0 && seg.flags & SYN == 0 {
             match self.complete(seg) {
-                Some(Completion::Admitted) => reason = Reason::Admitted,
+                Some(Completion::Admitted) => admitted = true,
                 Some(Completion::Refused) => return Action::ResetHost,
                 None => {}
             }
@@ -224,7 +224,11 @@ impl Model {
         if seg.flags & FIN != 0 {
             return self.fin(&flow_key(seg, true), Direction::Ingress);
         }
-        self.pass(Direction::Ingress, reason)
+        if admitted {
+            return self.pass(Direction::Ingress, Reason::Admitted);
+        }
+        // Plain segments of connections pass uncounted.
+        Action::Pass
     }
 
     fn egress(&mut self, seg: &Segment) {

@@ -486,8 +486,9 @@ impl Scraped for BrokerMetrics {
 /// can ever move are exported. Egress (TC) only observes: it passes, for parse failures and
 /// for the segments of connections. Ingress refuses (drop, or rst for a refused SYN or a
 /// handshake refused at its last ACK) for a refusal reason, drops what it cannot read when it
-/// could reach a protected port, and passes for every other reason, and for a full flow table
-/// when failing open.
+/// could reach a protected port, and passes for every other reason but a plain segment (left
+/// uncounted: see `policy::established` in the kernel crate), and for a full flow table when
+/// failing open.
 fn possible(direction: Direction, verdict: Verdict, reason: Reason) -> bool {
     let refusal = (reason as usize) < Reason::REFUSAL_COUNT;
     let unreadable = matches!(
@@ -509,7 +510,8 @@ fn possible(direction: Direction, verdict: Verdict, reason: Reason) -> bool {
         }
         (Direction::Egress, _) => false,
         (Direction::Ingress, Verdict::Pass) => {
-            (!refusal && !unreadable) || reason == Reason::FlowTableFull
+            (!refusal && !unreadable && reason != Reason::Segment)
+                || reason == Reason::FlowTableFull
         }
         (Direction::Ingress, Verdict::Drop) => refusal || unreadable,
         (Direction::Ingress, Verdict::Rst) => refusal,
