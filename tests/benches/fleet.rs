@@ -17,7 +17,10 @@ use std::{
 use futures::{StreamExt, stream::FuturesUnordered};
 use limiter::fleet::GCRA_SCRIPT;
 use limiter_client::Client;
-use limiter_tests::{fleet::FleetAgent, redis::RedisServer};
+use limiter_tests::{
+    fleet::{FleetAgent, two_workers},
+    redis::RedisServer,
+};
 
 /// A limit no run exhausts (1000 keys, at most a thousand checks each), so every check takes
 /// the admitting path and writes, as a busy broker's would.
@@ -94,12 +97,7 @@ fn main() {
     println!(
         "limiter fleet mode: shared checks per second on one redis-server (anchor in the same run)"
     );
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    runtime.block_on(async {
+    two_workers().block_on(async {
         let server = RedisServer::start().expect("starting redis-server");
         let version: String = server
             .query(redis::cmd("INFO").arg("server"))

@@ -15,6 +15,16 @@ use limiter_client::{Client, Verdict};
 use tempfile::TempDir;
 use tokio_util::sync::CancellationToken;
 
+/// A runtime with two workers, so that agents and their clients in one process run checks at
+/// once, as separate agents on a fleet's hosts would.
+pub fn two_workers() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("a tokio runtime")
+}
+
 /// One agent; stops serving on drop.
 pub struct FleetAgent {
     pub limiter: Arc<Limiter>,

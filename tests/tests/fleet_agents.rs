@@ -8,7 +8,7 @@ use std::time::Duration;
 use limiter_client::{Client, Verdict};
 use limiter_tests::{
     agent::{AgentProcess, PinDir},
-    fleet::assert_exactly,
+    fleet::{assert_exactly, two_workers},
     netns::{Pair, unique_name},
     redis::RedisServer,
 };
@@ -97,12 +97,7 @@ impl Fleet {
     /// `per_agent` checks of `key` through each agent at once, each agent's pipelined on one
     /// connection.
     fn at_once(&self, key: &str, per_agent: usize) -> Vec<Vec<Verdict>> {
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap();
-        runtime.block_on(async {
+        two_workers().block_on(async {
             let mut clients = Vec::new();
             for agent in &self.agents {
                 clients.push(Client::connect_unix(&agent.socket).await.unwrap());
