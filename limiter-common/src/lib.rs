@@ -51,8 +51,6 @@ pub mod map_names {
     /// Refused connection attempts per source and reason ([`Blocked`](crate::Blocked)), for
     /// the top-blocked lists (those refused for their SYN rate count in their bucket).
     pub const BLOCKED: &str = maps::BLOCKED.name;
-    /// Per CPU, the signature of the last refused SYN per slot, so that a retransmitted SYN
-    /// does not count as another connection attempt.
     /// Per-CPU refused connection attempts by refusal reason.
     pub const REFUSED_CONNS: &str = maps::REFUSED_CONNS.name;
 }

@@ -242,22 +242,29 @@ impl Common {
         self.tcp.get::<u8, 13>()
     }
 
+    /// The whole segment, its TCP fields read in place.
     #[inline(always)]
     pub fn segment(self) -> Segment {
-        match self.addrs {
-            Addrs::V4(ip) => tcp_segment(
-                self.tcp,
+        let (src, dst, ipv6) = match self.addrs {
+            Addrs::V4(ip) => (
                 mapped(ip.get::<[u8; 4], 0>()),
                 mapped(ip.get::<[u8; 4], 4>()),
                 false,
             ),
-            Addrs::V6(ip) => tcp_segment(
-                self.tcp,
-                ip.get::<[u8; 16], 0>(),
-                ip.get::<[u8; 16], 16>(),
-                true,
-            ),
-        }
+            Addrs::V6(ip) => (ip.get::<[u8; 16], 0>(), ip.get::<[u8; 16], 16>(), true),
+        };
+        Segment::new(
+            src,
+            dst,
+            u16::from_be(self.tcp.get::<u16, 0>()),
+            self.dport(),
+            u32::from_be(self.tcp.get::<u32, 4>()),
+            self.ack(),
+            self.flags(),
+            ipv6,
+            false,
+            ETH_HLEN as u8,
+        )
     }
 }
 
@@ -287,23 +294,6 @@ impl<const N: usize> Bytes<N> {
         // SAFETY: stays within the `N` bytes proven present.
         Bytes(unsafe { self.0.add(AT) })
     }
-}
-
-/// The segment of a fixed TCP header read in place.
-#[inline(always)]
-fn tcp_segment(tcp: Bytes<TCP_HLEN>, src: [u8; 16], dst: [u8; 16], ipv6: bool) -> Segment {
-    Segment::new(
-        src,
-        dst,
-        u16::from_be(tcp.get::<u16, 0>()),
-        u16::from_be(tcp.get::<u16, 2>()),
-        u32::from_be(tcp.get::<u32, 4>()),
-        u32::from_be(tcp.get::<u32, 8>()),
-        tcp.get::<u8, 13>(),
-        ipv6,
-        false,
-        ETH_HLEN as u8,
-    )
 }
 
 /// `whole`: the window holds the whole packet, as in XDP, so a datagram longer than the window

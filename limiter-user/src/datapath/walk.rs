@@ -126,8 +126,9 @@ impl Maps {
     }
 
     /// Deletes SYN-rate buckets that are full again (idle) at `now` (the buckets' clock,
-    /// [`super::keys::rate_clock_ns`]) among the next `max`; returns how many. A bucket deleted as a SYN races it costs that source at most one token. A bucket
-    /// that counted refusals stays, for the top-blocked lists, until the LRU needs its room.
+    /// [`super::keys::rate_clock_ns`]) among the next `max`; returns how many. A bucket
+    /// deleted as a SYN races it costs that source at most one token. A bucket that counted
+    /// refusals stays, for the top-blocked lists, until the LRU needs its room.
     pub fn sweep_buckets(
         &mut self,
         cursor: &mut SweepCursor,
