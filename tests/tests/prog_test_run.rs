@@ -690,6 +690,12 @@ fn a_ban_blocks_until_it_expires() {
     );
     assert_eq!(k.xdp(&syn(v4(2), 1).build()).action, XDP_DROP);
     assert_eq!(k.ingress(Verdict::Drop, Reason::Banned), 1);
+    // Not only its SYNs: a data segment of a connection it opened before the ban is dropped
+    // too (no fast path while a ban is in force).
+    let mut data = syn(v4(2), 9).with_flags(ACK);
+    data.payload = vec![0; 64];
+    assert_eq!(k.xdp(&data.build()).action, XDP_DROP);
+    assert_eq!(k.ingress(Verdict::Drop, Reason::Banned), 2);
     assert_eq!(k.xdp(&syn(v4(3), 1).build()).action, XDP_PASS);
     assert_eq!(k.dp.maps.bans().unwrap().len(), 1);
     // Applying settings keeps the lookup on while bans exist.
