@@ -319,17 +319,18 @@ pub struct Blocked {
 const _: () =
     assert!(core::mem::size_of::<Blocked>() == 8 * Reason::REFUSAL_COUNT + 4 * SEEN_ATTEMPTS);
 
-/// Input of the `limiter_release` program, run by the agent through `BPF_PROG_TEST_RUN`:
-/// the kernel side deletes the flow and releases its slots with the same atomics the
-/// datapath uses, which a map update from userspace could not do without racing it.
+/// Input of the `limiter_release` and `limiter_adopt` programs, run by the agent through
+/// `BPF_PROG_TEST_RUN`: the kernel side deletes a flow and releases its slots, or enters one
+/// and takes them, with the same atomics the datapath uses, which a map update from userspace
+/// could not do without racing it.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ReleaseRequest {
-    /// The flow to delete and release.
+pub struct FlowRequest {
+    /// The flow to release or adopt.
     pub flow: FlowKey,
 }
 
-const _: () = assert!(core::mem::size_of::<ReleaseRequest>() == 40);
+const _: () = assert!(core::mem::size_of::<FlowRequest>() == 40);
 
 /// Input of the `limiter_adjust` program, run by the agent through `BPF_PROG_TEST_RUN` to
 /// repair a counter that drifted from the flow table: the kernel adds `delta` atomically, so
@@ -353,14 +354,17 @@ const _: () = assert!(core::mem::size_of::<AdjustRequest>() == 32);
 /// answer (see [`Config::rst_xdp_tx`]). Only XDP writes metadata, so no sender can forge it.
 pub const RST_MARK: u32 = 0x4C52_5354;
 
-/// What `limiter_release` returns.
-pub mod release {
-    /// The flow was in the table and this call removed it and released its slots.
-    pub const RELEASED: u32 = 2;
-    /// The flow was not there (already closed or released by someone else).
+/// What the helper programs (`limiter_release`, `limiter_adjust`, `limiter_adopt`) return.
+pub mod helper {
+    /// Done by this call: the flow released, the counter adjusted, the flow adopted.
+    pub const DONE: u32 = 2;
+    /// Nothing to do: the flow to release was gone, the one to adopt was tracked already (or
+    /// is not limiter's to count), or the table had no room.
     pub const ABSENT: u32 = 1;
     /// The request was malformed.
     pub const INVALID: u32 = 3;
+    /// Adopted, and its slots took its source or the host past a cap.
+    pub const OVER_CAP: u32 = 4;
 }
 
 #[cfg(feature = "user")]
@@ -376,6 +380,6 @@ mod pod {
     unsafe impl aya::Pod for SynBucket {}
     unsafe impl aya::Pod for Ban {}
     unsafe impl aya::Pod for Blocked {}
-    unsafe impl aya::Pod for ReleaseRequest {}
+    unsafe impl aya::Pod for FlowRequest {}
     unsafe impl aya::Pod for AdjustRequest {}
 }

@@ -4,7 +4,7 @@
 use crate::SourceKey;
 
 /// The `::ffff:0:0/96` prefix of an IPv4-mapped address.
-const V4_MAPPED: [u8; 12] = [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xFF, 0xFF];
+pub const V4_MAPPED: [u8; 12] = [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xFF, 0xFF];
 
 /// `addr` (IPv6, IPv4 as `::ffff:a.b.c.d`) masked to its family's prefix: an IPv4-mapped
 /// address keeps `96 + ipv4_prefix` bits, any other `ipv6_prefix`. Prefixes past the

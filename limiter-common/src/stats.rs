@@ -184,7 +184,8 @@ pub const fn stat_slot(direction: Direction, verdict: Verdict, reason: Reason) -
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Event {
-    /// A flow entered the table: its handshake completed and its slots were taken.
+    /// A flow entered the table and took its slots: its handshake completed, or the agent
+    /// adopted an established connection the table lacked (`limiter_adopt`).
     Opened = 0,
     /// A RST (either way) removed the flow and released its slots.
     ClosedRst = 1,

@@ -17,7 +17,7 @@ use aya_ebpf::{
     programs::{TcContext, XdpContext},
 };
 use aya_log_ebpf::debug;
-use limiter_common::{AdjustRequest, Direction, Event, FlowKey, ReleaseRequest, release};
+use limiter_common::{AdjustRequest, Direction, Event, FlowKey, FlowRequest, helper};
 use parsing::Window;
 use policy::Action;
 
@@ -113,20 +113,20 @@ pub fn limiter_tc(ctx: TcContext) -> i32 {
 }
 
 /// Not attached anywhere: the agent runs it through `BPF_PROG_TEST_RUN` with a
-/// [`ReleaseRequest`] as the packet, to release a flow with the datapath's own atomics.
+/// [`FlowRequest`] as the packet, to release a flow with the datapath's own atomics.
 #[xdp]
 pub fn limiter_release(ctx: XdpContext) -> u32 {
     let window = Window {
         start: ctx.data(),
         end: ctx.data_end(),
     };
-    let Some(request) = window.read::<ReleaseRequest>(0) else {
-        return release::INVALID;
+    let Some(request) = window.read::<FlowRequest>(0) else {
+        return helper::INVALID;
     };
     let key: FlowKey = request.flow;
     match maps::FLOWS.get_ptr_mut(key) {
-        Some(flow) if policy::close(&key, flow, Event::Released) => release::RELEASED,
-        _ => release::ABSENT,
+        Some(flow) if policy::close(&key, flow, Event::Released) => helper::DONE,
+        _ => helper::ABSENT,
     }
 }
 
@@ -139,7 +139,7 @@ pub fn limiter_adjust(ctx: XdpContext) -> u32 {
         end: ctx.data_end(),
     };
     let Some(request) = window.read::<AdjustRequest>(0) else {
-        return release::INVALID;
+        return helper::INVALID;
     };
     let counter = if request.global != 0 {
         maps::GLOBAL_CONNS.get_ptr_mut(0)
@@ -149,9 +149,24 @@ pub fn limiter_adjust(ctx: XdpContext) -> u32 {
     match counter {
         Some(counter) => {
             atomics::fetch_add(counter, request.delta as u64);
-            release::RELEASED
+            helper::DONE
         }
-        None => release::ABSENT,
+        None => helper::ABSENT,
+    }
+}
+
+/// Not attached anywhere: the agent runs it through `BPF_PROG_TEST_RUN` with a
+/// [`FlowRequest`] as the packet, to enter an established connection the flow table lacks and
+/// take its slots with the datapath's own atomics (see `policy::adopt`).
+#[xdp]
+pub fn limiter_adopt(ctx: XdpContext) -> u32 {
+    let window = Window {
+        start: ctx.data(),
+        end: ctx.data_end(),
+    };
+    match window.read::<FlowRequest>(0) {
+        Some(request) => policy::adopt(&request.flow),
+        None => helper::INVALID,
     }
 }
 

@@ -5,7 +5,10 @@
 //! recorded in the LRU `HALF_OPEN`; the server's SYN-ACK leaving the host records its ISN;
 //! the client's ACK of that ISN proves the source real, and only then are the slots taken and
 //! the connection entered in `FLOWS`. A spoofed source never sees the SYN-ACK, so a flood of
-//! them holds no slot and creates no per-source counter.
+//! them holds no slot and creates no per-source counter. A handshake whose half-open record is
+//! gone before its ACK (evicted, or swept after `syn-timeout`) passes here uncounted: the
+//! kernel cannot tell its ACK from any other segment. The agent finds the connection in the
+//! host's socket table and enters it through [`adopt`].
 //!
 //! Counters are exact under concurrency: a slot is taken with an atomic add, checked against
 //! the cap, and rolled back if over, so racing CPUs can never admit past a cap; a slot is given
@@ -20,8 +23,8 @@ use aya_ebpf::{
 };
 use limiter_common::{
     Blocked, Config, Direction, Event, Flow, FlowKey, HalfOpen, Reason, Refusal, SEEN_ATTEMPTS,
-    SeenAttempts, SourceKey, SynBucket, Verdict, attempt_signature, flow_state,
-    maps::ACK_HINT_BITS, seen_slot, source_key, stats::stat_slot,
+    SeenAttempts, SourceKey, SynBucket, Verdict, attempt_signature, flow_state, helper,
+    maps::ACK_HINT_BITS, seen_slot, source::V4_MAPPED, source_key, stats::stat_slot,
 };
 
 use crate::{
@@ -319,8 +322,14 @@ fn protected(config: &Config, port: u16) -> bool {
 /// Whether the source address is in the allow list (`allow`) or the deny list.
 #[inline(always)]
 fn listed(seg: &Segment, allow: bool) -> bool {
-    if seg.ipv6() {
-        let key = Key::new(128, seg.src);
+    listed_address(&seg.src, seg.ipv6(), allow)
+}
+
+/// [`listed`] for an address (IPv4 as `::ffff:a.b.c.d`).
+#[inline(always)]
+fn listed_address(src: &[u8; 16], ipv6: bool, allow: bool) -> bool {
+    if ipv6 {
+        let key = Key::new(128, *src);
         let trie = if allow {
             &maps::ALLOW_V6
         } else {
@@ -328,7 +337,7 @@ fn listed(seg: &Segment, allow: bool) -> bool {
         };
         trie.get(&key).is_some()
     } else {
-        let key = Key::new(32, [seg.src[12], seg.src[13], seg.src[14], seg.src[15]]);
+        let key = Key::new(32, [src[12], src[13], src[14], src[15]]);
         let trie = if allow {
             &maps::ALLOW_V4
         } else {
@@ -724,6 +733,61 @@ fn full_at_ack(source: &SourceKey, config: &Config) -> Completion {
     } else {
         count(Direction::Ingress, Verdict::Pass, Reason::FlowTableFull);
         Completion::Refused(Action::Pass)
+    }
+}
+
+/// Enters a connection the host has established but the flow table lacks, and takes its
+/// slots, for the agent (`limiter_adopt`): the host's socket table is the truth, and a
+/// connection nothing counted would let its source past its cap. It got there unjudged at its
+/// ACK: it was open before the programs were attached, its half-open record was evicted by a
+/// flood or swept after `syn-timeout` while the client held its ACK back, or its source was
+/// allowlisted when it connected. The slots are taken even past a cap (the connection exists);
+/// [`helper::OVER_CAP`] tells the agent so. A 4-tuple tracked already, a port not protected or
+/// an allowlisted source is left alone.
+#[inline(always)]
+pub fn adopt(key: &FlowKey) -> u32 {
+    let config = maps::config();
+    let ipv6 = key.remote[..12] != V4_MAPPED;
+    if !protected(config, key.local_port)
+        || (config.has_allow != 0 && listed_address(&key.remote, ipv6, true))
+    {
+        return helper::ABSENT;
+    }
+    let source = source_key(&key.remote, config.ipv4_prefix, config.ipv6_prefix);
+    let now = now();
+    let flow = Flow {
+        first_seen_ns: now,
+        last_seen_ns: now,
+        source,
+        state: flow_state::ESTABLISHED,
+        _pad: 0,
+    };
+    let Some(per_source) = maps::get_or_insert(&SOURCE_CONNS, &source, &0) else {
+        return helper::ABSENT;
+    };
+    let Some(global) = GLOBAL_CONNS.get_ptr_mut(0) else {
+        return helper::ABSENT;
+    };
+    // The slots first, as at a handshake's ACK: a flow is never in the table without them, so
+    // a RST closing it at once cannot release slots not yet taken. Whoever inserts the flow
+    // keeps them: a racing handshake or a second adoption of the 4-tuple finds it there.
+    let per_source_before = atomics::fetch_add(per_source, 1);
+    let global_before = atomics::fetch_add(global, 1);
+    if FLOWS
+        .insert(key, flow, aya_ebpf::bindings::BPF_NOEXIST.into())
+        .is_err()
+    {
+        atomics::decrement(global);
+        atomics::decrement(per_source);
+        return helper::ABSENT;
+    }
+    event(Event::Opened);
+    let over = |before: u64, cap: u32| cap != 0 && before >= cap as u64;
+    if over(per_source_before, config.max_conn_per_ip) || over(global_before, config.max_conn_total)
+    {
+        helper::OVER_CAP
+    } else {
+        helper::DONE
     }
 }
 

@@ -435,6 +435,7 @@ async fn serve(
         let mut tasks = tokio::task::JoinSet::new();
         tasks.spawn(sweeper::run(
             SweepTargets {
+                interfaces: ifaces.clone(),
                 enforcer: Arc::clone(&enforcer),
                 limiter: Arc::clone(&limiter),
                 stats: sweep,

@@ -11,7 +11,7 @@
 
 use std::{
     net::{IpAddr, Ipv4Addr},
-    os::fd::{AsRawFd, FromRawFd, OwnedFd},
+    os::fd::{AsFd, AsRawFd},
     time::{Duration, Instant},
 };
 
@@ -23,9 +23,10 @@ use aya::{
 use limiter::datapath::{Datapath, LoadOptions, XdpAttachMode};
 use limiter_common::{Direction, Reason, Verdict};
 use limiter_tests::{
-    frames::{SERVER_MAC, Tcp},
+    frames::Tcp,
     kernel::settings,
     netns::{Pair, SERVER_V4},
+    packet::PacketSocket,
 };
 
 const PORT: u16 = 5672;
@@ -178,38 +179,8 @@ fn frames(sources: u32) -> Vec<Vec<u8>> {
         .collect()
 }
 
-/// An AF_PACKET socket bound to `iface` in the caller's namespace.
-fn packet_socket(iface: &str) -> Result<OwnedFd> {
-    let protocol = (libc::ETH_P_ALL as u16).to_be();
-    // SAFETY: plain socket(2); the descriptor is owned below.
-    let fd = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_RAW, i32::from(protocol)) };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error()).context("AF_PACKET socket");
-    }
-    // SAFETY: `fd` is a fresh descriptor nothing else owns.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-    let index = nix::net::if_::if_nametoindex(iface).context("the client interface")?;
-    // SAFETY: an all-zero sockaddr_ll is valid; the fields that matter are set next.
-    let mut addr: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
-    addr.sll_family = libc::AF_PACKET as u16;
-    addr.sll_protocol = protocol;
-    addr.sll_ifindex = index as i32;
-    // SAFETY: `addr` is a valid sockaddr_ll of the length given.
-    let rc = unsafe {
-        libc::bind(
-            fd.as_raw_fd(),
-            (&addr as *const libc::sockaddr_ll).cast(),
-            std::mem::size_of::<libc::sockaddr_ll>() as u32,
-        )
-    };
-    if rc != 0 {
-        return Err(std::io::Error::last_os_error()).context("binding the AF_PACKET socket");
-    }
-    Ok(fd)
-}
-
 /// Sends `count` frames, cycling through `frames`, in batches; returns how many went out.
-fn send(fd: &OwnedFd, frames: &[Vec<u8>], count: usize) -> Result<usize> {
+fn send(socket: &PacketSocket, frames: &[Vec<u8>], count: usize) -> Result<usize> {
     let mut iovecs: Vec<libc::iovec> = frames
         .iter()
         .map(|f| libc::iovec {
@@ -231,7 +202,14 @@ fn send(fd: &OwnedFd, frames: &[Vec<u8>], count: usize) -> Result<usize> {
             at = (at + 1) % frames.len();
         }
         // SAFETY: every header points at one iovec over a frame that outlives the call.
-        let rc = unsafe { libc::sendmmsg(fd.as_raw_fd(), headers.as_mut_ptr(), n as u32, 0) };
+        let rc = unsafe {
+            libc::sendmmsg(
+                socket.as_fd().as_raw_fd(),
+                headers.as_mut_ptr(),
+                n as u32,
+                0,
+            )
+        };
         if rc < 0 {
             let error = std::io::Error::last_os_error();
             if error.raw_os_error() == Some(libc::ENOBUFS) {
@@ -277,21 +255,13 @@ fn let_through(installed: &Installed) -> Result<Option<u64>> {
 /// One case: µs of softirq per SYN, and the SYNs limiter let through while measured.
 fn case(filter: Filter, frames: &[Vec<u8>]) -> Result<(f64, Option<u64>)> {
     let pair = Pair::new()?;
-    let mac = SERVER_MAC
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect::<Vec<_>>()
-        .join(":");
-    // The frames carry this destination: frames to another MAC never reach the IP layer.
-    pair.server
-        .exec(&["ip", "link", "set", &pair.server_if, "address", &mac])?;
     let installed = install(filter, &pair)?;
-    let fd = pair.client.run(|| packet_socket(&pair.client_if))??;
+    let socket = pair.client.run(|| PacketSocket::bind(&pair.client_if))??;
     // Warm the caches and the tables the filters keep, then measure.
-    send(&fd, frames, frames.len().min(SYNS / 10))?;
+    send(&socket, frames, frames.len().min(SYNS / 10))?;
     let passed_before = let_through(&installed)?;
     let before = softirq()?;
-    let sent = send(&fd, frames, SYNS)?;
+    let sent = send(&socket, frames, SYNS)?;
     let spent = softirq()? - before;
     let passed = let_through(&installed)?
         .zip(passed_before)

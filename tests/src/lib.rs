@@ -11,4 +11,5 @@ pub mod kernel;
 pub mod model;
 pub mod mosquitto;
 pub mod netns;
+pub mod packet;
 pub mod redis;

@@ -9,6 +9,8 @@ use std::{
 };
 
 use anyhow::{Context, Result, bail};
+
+use crate::frames::{CLIENT_MAC, SERVER_MAC};
 use nix::sched::{CloneFlags, setns};
 
 /// Runs `ip` with the given arguments and fails with its stderr.
@@ -117,6 +119,14 @@ pub struct Pair {
     pub client_if: String,
 }
 
+/// `02:00:00:00:00:01` for `[2, 0, 0, 0, 0, 1]`.
+pub fn mac_text(mac: [u8; 6]) -> String {
+    mac.iter()
+        .map(|b| format!("{b:02x}"))
+        .collect::<Vec<_>>()
+        .join(":")
+}
+
 pub const SERVER_V4: Ipv4Addr = Ipv4Addr::new(10, 77, 0, 1);
 pub const CLIENT_V4: Ipv4Addr = Ipv4Addr::new(10, 77, 0, 2);
 pub const SERVER_V6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x77, 0, 0, 0, 0, 0, 1);
@@ -128,17 +138,24 @@ impl Pair {
         let client = Netns::new("ltc")?;
         let server_if = unique_name("lvs");
         let client_if = unique_name("lvc");
-        // Created inside `server`, so nothing of it ever touches the root namespace.
+        // Created inside `server`, so nothing of it ever touches the root namespace. The ends
+        // carry the MAC addresses `frames` builds with, so a frame a test puts on the wire
+        // itself (AF_PACKET) reaches the other end's IP layer.
+        let (server_mac, client_mac) = (mac_text(SERVER_MAC), mac_text(CLIENT_MAC));
         server.exec(&[
             "ip",
             "link",
             "add",
             &server_if,
+            "address",
+            &server_mac,
             "type",
             "veth",
             "peer",
             "name",
             &client_if,
+            "address",
+            &client_mac,
             "netns",
             client.name(),
         ])?;

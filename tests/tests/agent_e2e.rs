@@ -10,8 +10,10 @@ use std::{
 use limiter_common::{Direction, Reason, Verdict};
 use limiter_tests::{
     agent::{AgentProcess, PinDir, http_in, startup_deadline},
+    frames::{CLIENT_MAC, Flags, Tcp},
     kernel::wait_for,
-    netns::{CLIENT_V4, Pair, SERVER_V4, Server, connect},
+    netns::{CLIENT_V4, Pair, SERVER_V4, Server, connect, mac_text},
+    packet::PacketSocket,
 };
 use nix::sys::signal::Signal;
 
@@ -310,6 +312,116 @@ fn a_half_open_client_holds_no_slot() {
     assert_eq!(s.pins.wait_global(1, Duration::from_secs(5)), 1);
     assert_eq!(maps.all_source_connections().unwrap().len(), 1);
     drop(conn);
+}
+
+/// The attacker's way past a cap: stage handshakes while under it, hold their ACKs back until
+/// the agent has swept the half-open records (after `syn-timeout`; a flood of the half-open
+/// table evicts them as well), then complete them all. The ACKs then belong to nothing the
+/// programs know, so they pass, and the host completes connections nobody counted. The client
+/// here is raw frames from an address its namespace does not hold (so no stack there answers
+/// the SYN-ACKs), through an AF_PACKET socket. The sweeper finds the connections in the host's
+/// socket table, counts the first and closes the two past the cap.
+#[test]
+fn handshakes_completed_after_their_records_were_swept_cannot_pass_the_cap() {
+    let s = Setup::new();
+    let agent = s.agent(&[
+        "--max-conn-per-ip",
+        "1",
+        "--syn-timeout",
+        "300ms",
+        "--sweep-interval",
+        "100ms",
+    ]);
+    agent
+        .wait_for("limiter is ready", startup_deadline())
+        .unwrap();
+    let attacker = Ipv4Addr::new(10, 77, 0, 60);
+    s.pair
+        .server
+        .exec(&[
+            "ip",
+            "neigh",
+            "replace",
+            &attacker.to_string(),
+            "lladdr",
+            &mac_text(CLIENT_MAC),
+            "dev",
+            &s.pair.server_if,
+        ])
+        .unwrap();
+    let port = s.server.addr.port();
+    let syns: Vec<Tcp> = (0..3)
+        .map(|i| {
+            Tcp::syn(
+                IpAddr::V4(attacker),
+                41_000 + i,
+                IpAddr::V4(SERVER_V4),
+                port,
+            )
+        })
+        .collect();
+    let maps = s.pins.maps();
+    s.pair
+        .client
+        .run(|| {
+            let socket = PacketSocket::bind(&s.pair.client_if).unwrap();
+            // Under the cap (no connection yet), each SYN passes half-open.
+            let mut isns = std::collections::HashMap::new();
+            for syn in &syns {
+                assert!(socket.send(&syn.build()).unwrap());
+            }
+            while isns.len() < syns.len() {
+                let (sport, isn) = socket
+                    .receive(Duration::from_secs(5), |frame| syn_ack_to(frame, port))
+                    .unwrap()
+                    .expect("the host's SYN-ACK");
+                isns.insert(sport, isn);
+            }
+            // Held back until the records are swept.
+            assert_eq!(wait_for(0, || maps.half_open().unwrap().len()), 0);
+            for syn in &syns {
+                let mut ack = syn.with_flags(Flags {
+                    ack: true,
+                    ..Flags::default()
+                });
+                ack.seq = syn.seq.wrapping_add(1);
+                ack.ack = isns[&syn.sport].wrapping_add(1);
+                ack.tcp_options = false;
+                assert!(socket.send(&ack.build()).unwrap());
+            }
+        })
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while s.server.accepted() < 3 && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(
+        s.server.accepted(),
+        3,
+        "the host completed the staged handshakes"
+    );
+    let source = IpAddr::V4(attacker);
+    assert_eq!(
+        wait_for(1, || maps.source_connections(source).unwrap()),
+        1,
+        "one counted, two closed"
+    );
+    let (_, text) = http(&s, reqwest::Method::GET, "/metrics", None, None);
+    assert_eq!(
+        sample(&text, r#"limiter_evictions_total{kind="over_cap"}"#),
+        2.0
+    );
+    assert_eq!(sample(&text, "limiter_adopted_flows_total"), 3.0);
+}
+
+/// The source port and sequence number of a SYN-ACK from the server's `port`, if `frame` is one.
+fn syn_ack_to(frame: &[u8], port: u16) -> Option<(u16, u32)> {
+    let sliced = etherparse::SlicedPacket::from_ethernet(frame).ok()?;
+    let Some(etherparse::TransportSlice::Tcp(tcp)) = sliced.transport else {
+        return None;
+    };
+    (tcp.source_port() == port && tcp.syn() && tcp.ack())
+        .then(|| (tcp.destination_port(), tcp.sequence_number()))
 }
 
 /// Sends one TCP SYN with a forged source address from the client namespace (raw socket).

@@ -1216,6 +1216,7 @@ fn the_first_scrape_passes_promtool_and_has_every_documented_series_and_no_impos
     let s = samples(text);
     for kind in [
         "closed",
+        "over_cap",
         "half_open",
         "idle",
         "syn_bucket",

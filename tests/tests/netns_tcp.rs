@@ -16,8 +16,10 @@ use std::{
 
 use limiter_common::{Direction, Reason, Verdict};
 use limiter_tests::{
+    frames::{CLIENT_MAC, SERVER_MAC},
     kernel::{Attached, wait_for},
     netns::{CLIENT_V4, CLIENT_V6, SERVER_V4, SERVER_V6, Server, connect},
+    packet::PacketSocket,
 };
 
 /// A second client address in the same /24, for tests with two sources.
@@ -267,23 +269,8 @@ fn a_bare_peer_gets_connection_refused() {
 
 #[test]
 fn a_spoofed_syn_flood_locks_no_real_client_out() {
-    const SERVER_MAC: [u8; 6] = [0x02, 0x77, 0, 0, 0, 1];
-    const CLIENT_MAC: [u8; 6] = [0x02, 0x77, 0, 0, 0, 2];
     const FLOOD: u32 = 200_000;
     let (t, server) = setup(&["--max-conn-per-ip", "3", "--max-conn-total", "10000"]);
-    let mac = |mac: [u8; 6]| {
-        mac.iter()
-            .map(|b| format!("{b:02x}"))
-            .collect::<Vec<_>>()
-            .join(":")
-    };
-    for (ns, ifname, addr) in [
-        (&t.pair.server, &t.pair.server_if, SERVER_MAC),
-        (&t.pair.client, &t.pair.client_if, CLIENT_MAC),
-    ] {
-        ns.exec(&["ip", "link", "set", ifname, "address", &mac(addr)])
-            .unwrap();
-    }
     // The host answers the spoofed sources, as it would on the internet (the client's
     // namespace drops the SYN-ACKs).
     t.pair
@@ -371,23 +358,7 @@ fn spoof_syns(
     port: u16,
 ) -> u32 {
     use etherparse::PacketBuilder;
-    let name = std::ffi::CString::new(ifname).unwrap();
-    // SAFETY: a valid C string.
-    let ifindex = unsafe { libc::if_nametoindex(name.as_ptr()) };
-    assert_ne!(ifindex, 0, "no interface {ifname}");
-    // SAFETY: plain socket creation; the descriptor is closed below.
-    let fd = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_RAW, 0) };
-    assert!(
-        fd >= 0,
-        "AF_PACKET socket: {}",
-        std::io::Error::last_os_error()
-    );
-    // SAFETY: an all-zero sockaddr_ll is valid; the fields that matter are set below.
-    let mut addr: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
-    addr.sll_family = libc::AF_PACKET as u16;
-    addr.sll_ifindex = ifindex as i32;
-    addr.sll_halen = 6;
-    addr.sll_addr[..6].copy_from_slice(&dst_mac);
+    let socket = PacketSocket::bind(ifname).unwrap();
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut state = 0x2545_F491_4F6C_DD1Du64;
     let mut sent = 0;
@@ -405,27 +376,12 @@ fn spoof_syns(
             .syn()
             .write(&mut frame, &[])
             .unwrap();
-        // SAFETY: `frame` and `addr` outlive the call; lengths are theirs.
-        let n = unsafe {
-            libc::sendto(
-                fd,
-                frame.as_ptr().cast(),
-                frame.len(),
-                0,
-                (&addr as *const libc::sockaddr_ll).cast(),
-                std::mem::size_of::<libc::sockaddr_ll>() as u32,
-            )
-        };
-        if n < 0 {
-            let error = std::io::Error::last_os_error();
-            // A full transmit queue: let it drain.
-            assert_eq!(error.raw_os_error(), Some(libc::ENOBUFS), "{error}");
+        // A full transmit queue: let it drain.
+        if socket.send(&frame).unwrap() {
+            sent += 1;
+        } else {
             std::thread::yield_now();
-            continue;
         }
-        sent += 1;
     }
-    // SAFETY: closing the descriptor opened above.
-    unsafe { libc::close(fd) };
     sent
 }

@@ -1,21 +1,26 @@
-//! The sweeper against a real agent's maps: evictions by kind, bounded passes, and counter
-//! repair. Flows come from handshakes run through the programs with BPF_PROG_TEST_RUN.
+//! The sweeper against a real agent's maps: evictions by kind, bounded passes, counter repair,
+//! and the adoption of connections the flow table lacks. Flows come from handshakes run
+//! through the programs with BPF_PROG_TEST_RUN, or from real loopback sockets in a namespace
+//! of the test's own.
 
 use std::{
-    net::{IpAddr, Ipv4Addr},
+    io::{ErrorKind, Read},
+    net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream},
     time::Duration,
 };
 
 use limiter::{
     buckets::{LimiterConfig, actions::builtin_actions},
-    datapath::keys::source_key,
+    datapath::{Adoption, keys::source_key},
     services::sweeper::Sweeper,
     settings::SweepSettings,
 };
-use limiter_common::{AdjustRequest, Event};
+use limiter_common::{AdjustRequest, Event, FlowKey};
 use limiter_tests::{
     frames::{Flags, Tcp},
     kernel::{TestAgent, XDP_PASS, agent, connect_run, xdp_run},
+    model::mapped,
+    netns::Netns,
 };
 
 fn v4(last: u8) -> IpAddr {
@@ -208,4 +213,106 @@ fn counters_of_a_table_larger_than_one_batch_are_repaired() {
     assert_eq!(agent.with_maps(|m| m.source_connections(v4(3))).unwrap(), 2);
     assert_eq!(agent.with_maps(|m| m.source_connections(v4(2))).unwrap(), 3);
     assert_eq!(agent.with_maps(|m| m.global_connections()).unwrap(), 7);
+}
+
+fn flow(remote: IpAddr, remote_port: u16, local_port: u16) -> FlowKey {
+    FlowKey {
+        remote: mapped(remote),
+        local: mapped(IpAddr::V4(Ipv4Addr::new(198, 51, 100, 1))),
+        remote_port,
+        local_port,
+        _pad: 0,
+    }
+}
+
+/// The kernel side of adoption: it takes a connection's slots once, even past a cap (the
+/// connection exists), and leaves alone what the datapath would not count.
+#[test]
+fn adoption_takes_slots_once_and_only_for_what_the_datapath_counts() {
+    let agent = start(&[
+        "--max-conn-per-ip",
+        "1",
+        "--ports",
+        "5672",
+        "--allow",
+        "192.0.2.200/32",
+    ]);
+    let adopt = |flow: &FlowKey| agent.datapath().adopt(flow).unwrap();
+    let tracked = syn(v4(2), 1);
+    assert_eq!(connect(&agent, &tracked), XDP_PASS);
+    assert_eq!(adopt(&flow(v4(2), 1, 5672)), Adoption::Skipped, "tracked");
+    assert_eq!(
+        adopt(&flow(v4(3), 1, 80)),
+        Adoption::Skipped,
+        "not protected"
+    );
+    assert_eq!(
+        adopt(&flow(v4(200), 1, 5672)),
+        Adoption::Skipped,
+        "allowlisted"
+    );
+    assert_eq!(agent.with_maps(|m| m.global_connections()).unwrap(), 1);
+    assert_eq!(adopt(&flow(v4(3), 1, 5672)), Adoption::Adopted);
+    assert_eq!(adopt(&flow(v4(3), 1, 5672)), Adoption::Skipped, "once");
+    assert_eq!(adopt(&flow(v4(3), 2, 5672)), Adoption::OverCap);
+    assert_eq!(agent.with_maps(|m| m.source_connections(v4(3))).unwrap(), 2);
+    assert_eq!(agent.with_maps(|m| m.global_connections()).unwrap(), 3);
+    // An adopted flow closes like any other: a RST releases its slot.
+    let rst = syn(v4(3), 2).with_flags(Flags {
+        rst: true,
+        ..Flags::default()
+    });
+    send(&agent, &rst);
+    assert_eq!(agent.with_maps(|m| m.source_connections(v4(3))).unwrap(), 1);
+}
+
+/// What an attacker gains by getting a handshake past the programs unjudged (holding its ACK
+/// back until its half-open record is swept after `syn-timeout`, or flooding the half-open
+/// table until the record is evicted): the host completes the connection, and nothing counts
+/// it. The sweeper finds such connections in the host's socket table: one open before the
+/// agent's first cycle is counted as it is; one that appears later and takes its source past
+/// its cap is closed, as the programs would have refused it at its ACK. Only connections to
+/// the addresses of the interfaces the programs are attached to are adopted.
+#[test]
+fn untracked_connections_are_adopted_and_those_past_a_cap_closed() {
+    let agent = start(&["--max-conn-per-ip", "2", "--ports", "5672"]);
+    let settings = agent.settings().sweep;
+    let client = IpAddr::V4(Ipv4Addr::LOCALHOST);
+    let ns = Netns::new("lsweep").unwrap();
+    ns.run(|| {
+        let server = SocketAddr::new(client, 5672);
+        let listener = TcpListener::bind(server).unwrap();
+        let open = || {
+            let conn = TcpStream::connect_timeout(&server, Duration::from_secs(5)).unwrap();
+            let accepted = listener.accept().unwrap().0;
+            (conn, accepted)
+        };
+        let connections = || agent.with_maps(|m| m.source_connections(client)).unwrap();
+        let before = [open(), open(), open()];
+        // Connections to an interface the programs are not attached to are not theirs.
+        let report = agent.sweep_pass(&mut Sweeper::new(), &settings).unwrap();
+        assert_eq!(report.adopted, 0, "{report:?}");
+        // The namespace's loopback stands in for the protected interface.
+        let mut sweeper = Sweeper::for_interfaces(vec!["lo".to_string()]);
+        let report = agent.sweep_pass(&mut sweeper, &settings).unwrap();
+        assert_eq!((report.adopted, report.over_cap), (3, 0), "{report:?}");
+        assert_eq!(connections(), 3, "open before the agent: counted, kept");
+        assert_eq!(agent.sweep.adoptions.get(), 3);
+
+        let (mut late, _accepted) = open();
+        let report = agent.sweep_pass(&mut sweeper, &settings).unwrap();
+        assert_eq!((report.adopted, report.over_cap), (1, 1), "{report:?}");
+        assert_eq!(evicted(&agent, "over_cap"), 1);
+        assert_eq!(connections(), 3, "the late one's slot is released");
+        late.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut byte = [0; 1];
+        match late.read(&mut byte) {
+            Err(e) => assert_eq!(e.kind(), ErrorKind::ConnectionReset, "{e}"),
+            Ok(n) => assert_eq!(n, 0, "the client's end is closed"),
+        }
+        let report = agent.sweep_pass(&mut sweeper, &settings).unwrap();
+        assert_eq!(report.adopted, 0, "every live connection is tracked now");
+        drop(before);
+    })
+    .unwrap();
 }

@@ -1,37 +1,62 @@
 //! The helper programs: never attached, run by the agent through `BPF_PROG_TEST_RUN` with a
-//! request as the packet, so that releasing a flow or repairing a counter happens in the
-//! kernel with the datapath's own atomics instead of racing it from userspace.
+//! request as the packet, so that releasing a flow, adopting one or repairing a counter
+//! happens in the kernel with the datapath's own atomics instead of racing it from userspace.
 
 use aya::{
     TestRun,
     programs::{TestRunOptions, Xdp},
 };
-use limiter_common::{AdjustRequest, FlowKey, ReleaseRequest, release};
+use limiter_common::{AdjustRequest, FlowKey, FlowRequest, helper};
 
 use super::{
     Datapath, LoadError,
-    programs::{ADJUST_PROGRAM, RELEASE_PROGRAM, program},
+    programs::{ADJUST_PROGRAM, ADOPT_PROGRAM, RELEASE_PROGRAM, program},
 };
+
+/// What adopting a connection did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Adoption {
+    /// Entered and counted, within the caps.
+    Adopted,
+    /// Entered and counted, past a cap.
+    OverCap,
+    /// Tracked already, not limiter's to count (a port not protected, an allowlisted source),
+    /// or no room in the table.
+    Skipped,
+}
 
 impl Datapath {
     /// Removes a flow and releases its slots exactly once, with the kernel's own atomics
     /// (through the release program), so it can never race the datapath into a double
     /// release. Returns whether this call released it.
     pub fn release(&mut self, flow: &FlowKey) -> Result<bool, LoadError> {
-        self.run_helper(RELEASE_PROGRAM, &ReleaseRequest { flow: *flow })
+        Ok(self.run_helper(RELEASE_PROGRAM, &FlowRequest { flow: *flow })? == helper::DONE)
     }
 
     /// Adds `delta` to a source's counter (or the global one), atomically in the kernel.
     pub fn adjust(&mut self, request: &AdjustRequest) -> Result<bool, LoadError> {
-        self.run_helper(ADJUST_PROGRAM, request)
+        Ok(self.run_helper(ADJUST_PROGRAM, request)? == helper::DONE)
     }
 
-    /// Runs one of the helper programs with `request` as its packet.
+    /// Enters an established connection the flow table lacks and takes its slots, in the
+    /// kernel (see `policy::adopt` in the kernel crate).
+    pub fn adopt(&mut self, flow: &FlowKey) -> Result<Adoption, LoadError> {
+        Ok(
+            match self.run_helper(ADOPT_PROGRAM, &FlowRequest { flow: *flow })? {
+                helper::DONE => Adoption::Adopted,
+                helper::OVER_CAP => Adoption::OverCap,
+                _ => Adoption::Skipped,
+            },
+        )
+    }
+
+    /// Runs one of the helper programs with `request` as its packet; returns its answer, one
+    /// of [`helper`]'s.
     fn run_helper<T: aya::Pod>(
         &mut self,
         name: &'static str,
         request: &T,
-    ) -> Result<bool, LoadError> {
+    ) -> Result<u32, LoadError> {
         // SAFETY: `T: Pod` is plain data with no padding the compiler adds.
         let bytes = unsafe {
             std::slice::from_raw_parts((request as *const T).cast::<u8>(), std::mem::size_of::<T>())
@@ -43,9 +68,8 @@ impl Datapath {
             })
             .map_err(|source| LoadError::Program { name, source })?;
         match result.return_value {
-            release::RELEASED => Ok(true),
-            release::ABSENT => Ok(false),
-            other => Err(LoadError::Release(other)),
+            answer @ (helper::DONE | helper::ABSENT | helper::OVER_CAP) => Ok(answer),
+            other => Err(LoadError::Helper(other)),
         }
     }
 }

@@ -19,7 +19,8 @@ use super::{
     kernel::{self, KernelError},
     pins,
     programs::{
-        ADJUST_PROGRAM, RELEASE_PROGRAM, TC_INGRESS_PROGRAM, TC_PROGRAM, XDP_PROGRAM, program,
+        ADJUST_PROGRAM, ADOPT_PROGRAM, RELEASE_PROGRAM, TC_INGRESS_PROGRAM, TC_PROGRAM,
+        XDP_PROGRAM, program,
     },
     tc_legacy::{self, TcLegacyError},
 };
@@ -63,7 +64,7 @@ pub enum LoadError {
     #[error("forwarding the kernel log")]
     Log(#[from] aya_log::Error),
     #[error("a helper program returned {0}, which it never should")]
-    Release(u32),
+    Helper(u32),
     #[error("pin {path}")]
     Pin {
         path: PathBuf,
@@ -261,7 +262,7 @@ impl Datapath {
             }
         }
         let mut ebpf = loader.load(EBPF_OBJECT)?;
-        for name in [XDP_PROGRAM, RELEASE_PROGRAM, ADJUST_PROGRAM] {
+        for name in [XDP_PROGRAM, RELEASE_PROGRAM, ADJUST_PROGRAM, ADOPT_PROGRAM] {
             program::<Xdp>(&mut ebpf, name)?
                 .load()
                 .map_err(|source| LoadError::Program { name, source })?;

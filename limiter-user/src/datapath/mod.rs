@@ -17,6 +17,7 @@ mod tc_legacy;
 mod walk;
 
 pub use enforcer::{EnforceError, Enforcer};
+pub use helpers::Adoption;
 pub use loader::{
     Attachment, Datapath, EBPF_OBJECT, KernelLogger, LoadError, LoadOptions, TcPath, XdpAttachMode,
 };

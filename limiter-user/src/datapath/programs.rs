@@ -11,6 +11,7 @@ pub const TC_PROGRAM: &str = "limiter_tc";
 pub const TC_INGRESS_PROGRAM: &str = "limiter_tc_ingress";
 pub const RELEASE_PROGRAM: &str = "limiter_release";
 pub const ADJUST_PROGRAM: &str = "limiter_adjust";
+pub const ADOPT_PROGRAM: &str = "limiter_adopt";
 
 pub(super) fn program<'a, P>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut P, LoadError>
 where

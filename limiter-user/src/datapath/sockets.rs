@@ -1,17 +1,21 @@
 //! The host's TCP socket table, read through `sock_diag` netlink: the truth the sweeper holds
 //! the flow table against. A tracked flow whose socket is gone (the host closed it in a way
 //! the programs did not see, or the agent was away) is released; one whose socket exists is
-//! kept however idle it is.
+//! kept however idle it is; an established connection the flow table lacks is adopted, and
+//! closed (`SOCK_DESTROY`) if it got past a cap unjudged.
 
-use std::{collections::HashSet, io};
+use std::{
+    collections::{HashMap, HashSet},
+    io,
+};
 
 use limiter_common::FlowKey;
 use netlink_packet_core::{
-    NLM_F_DUMP, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload,
+    NLM_F_ACK, NLM_F_DUMP, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload,
 };
 use netlink_packet_sock_diag::{
-    SockDiagMessage,
-    constants::{AF_INET, AF_INET6, IPPROTO_TCP, TCP_LISTEN},
+    SockDiagDestroy, SockDiagMessage,
+    constants::{AF_INET, AF_INET6, IPPROTO_TCP, TCP_ESTABLISHED, TCP_LISTEN},
     inet::{ExtensionFlags, InetRequest, SocketId, StateFlags},
 };
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_SOCK_DIAG};
@@ -25,6 +29,10 @@ pub enum SocketsError {
     Io(#[from] io::Error),
     #[error("sock_diag answer: {0}")]
     Decode(String),
+    #[error("SOCK_DESTROY refused (errno {0}); the kernel needs CONFIG_INET_DIAG_DESTROY")]
+    Destroy(i32),
+    #[error("no established socket for that connection")]
+    NoSocket,
 }
 
 /// The TCP sockets of this network namespace, keyed like the flow table.
@@ -36,6 +44,8 @@ pub struct SocketTable {
     /// table speaks for their flows. Flows to other ports (a broker in another namespace
     /// behind the protected interface) are not judged by it.
     listening: HashSet<u16>,
+    /// Established connections, each with its socket's id (which `SOCK_DESTROY` names).
+    established: HashMap<FlowKey, SocketId>,
 }
 
 impl SocketTable {
@@ -46,13 +56,22 @@ impl SocketTable {
             dump(family, |state, id| {
                 if state == TCP_LISTEN {
                     table.listening.insert(id.source_port);
-                } else {
-                    table.connections.insert((
-                        mapped(id.destination_address).octets(),
-                        id.destination_port,
-                        mapped(id.source_address).octets(),
-                        id.source_port,
-                    ));
+                    return;
+                }
+                let remote = mapped(id.destination_address).octets();
+                let local = mapped(id.source_address).octets();
+                table
+                    .connections
+                    .insert((remote, id.destination_port, local, id.source_port));
+                if state == TCP_ESTABLISHED {
+                    let flow = FlowKey {
+                        remote,
+                        local,
+                        remote_port: id.destination_port,
+                        local_port: id.source_port,
+                        _pad: 0,
+                    };
+                    table.established.insert(flow, id.clone());
                 }
             })?;
         }
@@ -69,6 +88,61 @@ impl SocketTable {
         self.connections
             .contains(&(flow.remote, flow.remote_port, flow.local, flow.local_port))
     }
+
+    /// Established connections to local ports served here, oriented as flows: the ones a
+    /// flow should exist for.
+    pub fn established(&self) -> impl Iterator<Item = &FlowKey> {
+        self.established.keys().filter(|flow| self.covers(flow))
+    }
+
+    /// Closes an established connection's socket (`SOCK_DESTROY`: the host sends the peer a
+    /// RST), as if the programs had refused it.
+    pub fn destroy(&self, flow: &FlowKey) -> Result<(), SocketsError> {
+        let id = self.established.get(flow).ok_or(SocketsError::NoSocket)?;
+        let family = if id.source_address.is_ipv4() {
+            AF_INET
+        } else {
+            AF_INET6
+        };
+        let mut header = NetlinkHeader::default();
+        header.flags = NLM_F_REQUEST | NLM_F_ACK;
+        let mut request = NetlinkMessage::new(
+            header,
+            NetlinkPayload::InnerMessage(SockDiagDestroy::new(SockDiagMessage::InetRequest(
+                InetRequest {
+                    family,
+                    protocol: IPPROTO_TCP,
+                    extensions: ExtensionFlags::empty(),
+                    states: StateFlags::ESTABLISHED,
+                    socket_id: id.clone(),
+                },
+            ))),
+        );
+        request.finalize();
+        let mut out = vec![0; request.buffer_len()];
+        request.serialize(&mut out);
+        let socket = connected()?;
+        socket.send(&out, 0)?;
+        let mut buffer = vec![0; 4096];
+        let size = socket.recv(&mut &mut buffer[..], 0)?;
+        let answer = NetlinkMessage::<SockDiagMessage>::deserialize(&buffer[..size])
+            .map_err(|e| SocketsError::Decode(e.to_string()))?;
+        match answer.payload {
+            NetlinkPayload::Error(error) => match error.code {
+                None => Ok(()),
+                Some(code) => Err(SocketsError::Destroy(-code.get())),
+            },
+            other => Err(SocketsError::Decode(format!("{other:?}"))),
+        }
+    }
+}
+
+/// A `sock_diag` netlink socket, bound and connected to the kernel.
+fn connected() -> Result<Socket, SocketsError> {
+    let mut socket = Socket::new(NETLINK_SOCK_DIAG)?;
+    socket.bind_auto()?;
+    socket.connect(&SocketAddr::new(0, 0))?;
+    Ok(socket)
 }
 
 /// The states worth reading: everything but the ends of a connection (TIME_WAIT, CLOSE),
@@ -78,9 +152,7 @@ fn wanted_states() -> StateFlags {
 }
 
 fn dump(family: u8, mut each: impl FnMut(u8, &SocketId)) -> Result<(), SocketsError> {
-    let mut socket = Socket::new(NETLINK_SOCK_DIAG)?;
-    socket.bind_auto()?;
-    socket.connect(&SocketAddr::new(0, 0))?;
+    let socket = connected()?;
     let mut header = NetlinkHeader::default();
     header.flags = NLM_F_REQUEST | NLM_F_DUMP;
     let mut request = NetlinkMessage::new(

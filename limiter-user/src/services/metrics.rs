@@ -46,9 +46,10 @@ impl Metrics {
         sweep: &SweepStats,
     ) -> Result<Self, MetricsError> {
         let registry = Registry::new();
-        let collectors: [Box<dyn Collector>; 6] = [
+        let collectors: [Box<dyn Collector>; 7] = [
             Box::new(sweep.evictions.clone()),
             Box::new(sweep.repairs.clone()),
+            Box::new(sweep.adoptions.clone()),
             Box::new(sweep.duration.clone()),
             Box::new(build_info()?),
             Box::new(AtScrape::new(KernelMetrics::new(Arc::clone(enforcer))?)),

@@ -1,21 +1,23 @@
 //! The sweeper: a periodic pass that evicts half-open and idle flows, idle SYN buckets, expired
-//! bans and the broker limiter's idle keys, and repairs counters that drifted from the flow
-//! table. Each pass does bounded work, resuming where the last one stopped.
+//! bans and the broker limiter's idle keys, adopts established connections the flow table
+//! lacks, and repairs counters that drifted from the flow table. Each pass does bounded work,
+//! resuming where the last one stopped.
 
 use std::{
-    collections::HashMap,
+    collections::{HashMap, HashSet},
+    net::IpAddr,
     sync::Arc,
     time::{Duration, Instant},
 };
 
-use limiter_common::{AdjustRequest, SourceKey};
+use limiter_common::{AdjustRequest, FlowKey, SourceKey};
 use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, Opts};
 
 use crate::{
     buckets::Limiter,
     datapath::{
-        EnforceError, Enforcer, SweepCursor,
-        keys::{boot_time_ns, rate_clock_ns},
+        Adoption, EnforceError, Enforcer, SweepCursor,
+        keys::{boot_time_ns, mapped, rate_clock_ns},
         sockets::SocketTable,
     },
     settings::{Live, SweepSettings},
@@ -24,15 +26,18 @@ use crate::{
 /// What the sweeper has done, as Prometheus metrics (registered by the metrics module).
 #[derive(Clone)]
 pub struct SweepStats {
-    /// By kind: `half_open`, `idle`, `syn_bucket`, `ban`, `app_key`.
+    /// By kind: `closed`, `over_cap`, `half_open`, `idle`, `syn_bucket`, `ban`, `app_key`.
     pub evictions: IntCounterVec,
+    /// Established connections the flow table lacked, entered and counted.
+    pub adoptions: IntCounter,
     pub repairs: IntCounter,
     pub duration: Histogram,
 }
 
 /// The `kind` label values of `limiter_evictions_total`, in the order a pass reports them.
-const EVICTION_KINDS: [&str; 6] = [
+const EVICTION_KINDS: [&str; 7] = [
     "closed",
+    "over_cap",
     "half_open",
     "idle",
     "syn_bucket",
@@ -49,6 +54,11 @@ impl SweepStats {
                     "Entries the sweeper evicted, by kind.",
                 ),
                 &["kind"],
+            )
+            .expect("valid metric"),
+            adoptions: IntCounter::new(
+                "limiter_adopted_flows_total",
+                "Established connections the flow table lacked, adopted from the host's socket table and counted.",
             )
             .expect("valid metric"),
             // Not `limiter_counter_...`: a metric name must not name a metric type.
@@ -86,6 +96,8 @@ impl Default for SweepStats {
 pub struct PassReport {
     /// Flows released because the host has no socket for them any more.
     pub closed: u64,
+    /// Adopted connections that got past a cap unjudged, closed (`SOCK_DESTROY`) and released.
+    pub over_cap: u64,
     /// Half-open connections older than `syn-timeout` removed (they held no slot).
     pub half_open: u64,
     /// Flows released by `idle-timeout`, where the socket table cannot speak for them.
@@ -93,6 +105,8 @@ pub struct PassReport {
     pub buckets: u64,
     pub bans: u64,
     pub app_keys: u64,
+    /// Established connections the flow table lacked, adopted (see [`Sweeper::adopt`]).
+    pub adopted: u64,
     pub repairs: u64,
 }
 
@@ -118,11 +132,31 @@ pub struct Sweeper {
     /// Mismatches of the last reconciliation: only a drift seen twice in a row is repaired, so
     /// a connection opening or closing between two reads is never "repaired" into a real drift.
     suspects: HashMap<Counter, Mismatch>,
+    /// Flows seen in the flow table so far in this cycle: established sockets not among them
+    /// are adopted when it ends.
+    tracked: HashSet<FlowKey>,
+    /// Whether a cycle has ended since the agent started: connections adopted at the first
+    /// were open before it and are counted as they are; later ones got past the programs
+    /// unjudged, and one past a cap is closed.
+    settled: bool,
+    /// The interfaces the programs are attached to: only connections to their addresses came
+    /// in through the programs and are adopted. Others (loopback clients, another interface
+    /// the operator left unprotected) were never the programs' to judge.
+    interfaces: Vec<String>,
 }
 
 impl Sweeper {
+    /// A sweeper that adopts nothing (no interface is judged).
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A sweeper for programs attached to `interfaces`.
+    pub fn for_interfaces(interfaces: Vec<String>) -> Self {
+        Self {
+            interfaces,
+            ..Self::default()
+        }
     }
 
     /// One pass: bounded by `settings.batch` entries per map.
@@ -170,14 +204,22 @@ impl Sweeper {
                     Release::Idle => report.idle += 1,
                 },
                 Some(_) => {}
-                None => *self.tally.entry(flow.source).or_default() += 1,
+                None => {
+                    *self.tally.entry(flow.source).or_default() += 1;
+                    self.tracked.insert(*key);
+                }
             }
         }
         if flows.wrapped {
+            if let Some(sockets) = &sockets {
+                (report.adopted, report.over_cap) = self.adopt(enforcer, sockets)?;
+            }
             if let Some(start) = self.cycle_start.take() {
                 report.repairs = self.reconcile(enforcer, &start)?;
             }
             self.tally.clear();
+            self.tracked.clear();
+            self.settled = true;
         }
         let syn_timeout = settings.syn_timeout.as_nanos().min(u128::from(u64::MAX)) as u64;
         report.half_open =
@@ -189,6 +231,7 @@ impl Sweeper {
         report.app_keys = limiter.sweep() as u64;
         let counts = [
             report.closed,
+            report.over_cap,
             report.half_open,
             report.idle,
             report.buckets,
@@ -198,9 +241,60 @@ impl Sweeper {
         for (kind, n) in EVICTION_KINDS.into_iter().zip(counts) {
             stats.evictions.with_label_values(&[kind]).inc_by(n);
         }
+        stats.adoptions.inc_by(report.adopted);
         stats.repairs.inc_by(report.repairs);
         stats.duration.observe(started.elapsed().as_secs_f64());
         Ok(report)
+    }
+
+    /// Enters every established connection to a port served here, on an address of a judged
+    /// interface, that the cycle just ended did not find in the flow table, with its slots taken (the kernel skips a 4-tuple tracked
+    /// meanwhile, a port not protected and an allowlisted source). Such a connection completed
+    /// its handshake unjudged: it was open before the programs were attached, or its half-open
+    /// record was evicted by a flood or swept after `syn-timeout` while its client held the ACK
+    /// back, which an attacker can do at will. After the first cycle, one that took its source
+    /// or the host past a cap is closed, as the programs would have refused it at its ACK;
+    /// those open before the agent started are only counted. Returns (adopted, closed).
+    fn adopt(
+        &mut self,
+        enforcer: &Enforcer,
+        sockets: &SocketTable,
+    ) -> Result<(u64, u64), EnforceError> {
+        let (mut adopted, mut closed) = (0, 0);
+        let judged = addresses_of(&self.interfaces);
+        // The kernel checks the port and the allowlist again; checked here too, so that a
+        // busy unprotected service or many allowlisted clients cost no helper run per cycle.
+        let policy = enforcer.policy();
+        let counted = |flow: &FlowKey| {
+            let remote = std::net::Ipv6Addr::from(flow.remote).to_canonical();
+            (policy.ports.is_empty() || policy.ports.contains(&flow.local_port))
+                && !policy.allow.iter().any(|net| net.contains(&remote))
+        };
+        for flow in sockets.established() {
+            if self.tracked.contains(flow) || !judged.contains(&flow.local) || !counted(flow) {
+                continue;
+            }
+            let adoption = enforcer.datapath().adopt(flow)?;
+            if adoption == Adoption::Skipped {
+                continue;
+            }
+            adopted += 1;
+            if adoption == Adoption::OverCap && self.settled {
+                let remote = std::net::Ipv6Addr::from(flow.remote).to_canonical();
+                match sockets.destroy(flow) {
+                    Ok(()) => {
+                        tracing::warn!(%remote, port = flow.remote_port, "closed a connection that got past a cap unjudged");
+                        // Its RST leaving the host may have released it already: once either way.
+                        enforcer.datapath().release(flow)?;
+                        closed += 1;
+                    }
+                    Err(error) => {
+                        tracing::warn!(%remote, %error, "a connection got past a cap unjudged and could not be closed; it stays counted")
+                    }
+                }
+            }
+        }
+        Ok((adopted, closed))
     }
 
     /// Compares every counter with the flows counted over the cycle just ended, in time linear
@@ -261,6 +355,31 @@ impl Sweeper {
     }
 }
 
+/// The addresses of `interfaces`, keyed as flows key them (IPv4 mapped into IPv6).
+fn addresses_of(interfaces: &[String]) -> HashSet<[u8; 16]> {
+    if interfaces.is_empty() {
+        return HashSet::new();
+    }
+    let all = match nix::ifaddrs::getifaddrs() {
+        Ok(all) => all,
+        Err(error) => {
+            tracing::warn!(%error, "the interfaces' addresses are unreadable; nothing is adopted this cycle");
+            return HashSet::new();
+        }
+    };
+    all.filter(|a| interfaces.contains(&a.interface_name))
+        .filter_map(|a| {
+            let address = a.address?;
+            let ip = match (address.as_sockaddr_in(), address.as_sockaddr_in6()) {
+                (Some(v4), _) => IpAddr::V4(v4.ip()),
+                (_, Some(v6)) => IpAddr::V6(v6.ip()),
+                _ => return None,
+            };
+            Some(mapped(ip).octets())
+        })
+        .collect()
+}
+
 /// Why a flow is released.
 enum Release {
     Closed,
@@ -285,6 +404,8 @@ fn older_than(now: u64, then: u64, age: Duration) -> bool {
 /// What the sweeper works on: the datapath, the broker limiter, its metrics, and the live
 /// settings (re-read before every pass, so SIGHUP changes the interval and timeouts).
 pub struct SweepTargets {
+    /// The interfaces the programs are attached to (see [`Sweeper::for_interfaces`]).
+    pub interfaces: Vec<String>,
     pub enforcer: Arc<Enforcer>,
     pub limiter: Arc<Limiter>,
     pub stats: SweepStats,
@@ -293,7 +414,7 @@ pub struct SweepTargets {
 
 /// Runs passes every `sweep.interval` until `shutdown` resolves.
 pub async fn run(targets: SweepTargets, shutdown: impl std::future::Future<Output = ()>) {
-    let mut sweeper = Sweeper::new();
+    let mut sweeper = Sweeper::for_interfaces(targets.interfaces.clone());
     tokio::pin!(shutdown);
     loop {
         let settings = targets.settings.get().sweep;

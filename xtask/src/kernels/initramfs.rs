@@ -1,6 +1,6 @@
 //! The guest's whole userland, one gzipped cpio: busybox, the agent, the test binaries,
-//! iproute2's `ip` (the tests drive it), the libraries they load, the kernel's veth, clsact and
-//! cls_bpf modules, and an `/init` that runs the tests and powers off.
+//! iproute2's `ip` (the tests drive it), the libraries they load, the kernel's veth, clsact,
+//! cls_bpf and TCP socket-diagnostics modules, and an `/init` that runs the tests and powers off.
 
 use std::{
     collections::BTreeSet,
@@ -20,6 +20,10 @@ const MODULES: &[&str] = &[
     "drivers/net/veth",
     "net/sched/sch_ingress",
     "net/sched/cls_bpf",
+    // The agent's socket table (`sock_diag` for TCP), which a host loads on demand and a
+    // guest without modprobe cannot: inet_diag first, tcp_diag needs it.
+    "net/ipv4/inet_diag",
+    "net/ipv4/tcp_diag",
 ];
 
 /// What goes into the guest besides the kernel's modules.
