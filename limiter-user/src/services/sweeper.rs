@@ -248,8 +248,9 @@ impl Sweeper {
     }
 
     /// Enters every established connection to a port served here, on an address of a judged
-    /// interface, that the cycle just ended did not find in the flow table, with its slots taken (the kernel skips a 4-tuple tracked
-    /// meanwhile, a port not protected and an allowlisted source). Such a connection completed
+    /// interface, that the cycle just ended did not find in the flow table, with its slots
+    /// taken (the kernel skips a 4-tuple tracked meanwhile, a port not protected and an
+    /// allowlisted source). Such a connection completed
     /// its handshake unjudged: it was open before the programs were attached, or its half-open
     /// record was evicted by a flood or swept after `syn-timeout` while its client held the ACK
     /// back, which an attacker can do at will. After the first cycle, one that took its source
@@ -265,13 +266,11 @@ impl Sweeper {
         // The kernel checks the port and the allowlist again; checked here too, so that a
         // busy unprotected service or many allowlisted clients cost no helper run per cycle.
         let policy = enforcer.policy();
-        let counted = |flow: &FlowKey| {
-            let remote = std::net::Ipv6Addr::from(flow.remote).to_canonical();
-            (policy.ports.is_empty() || policy.ports.contains(&flow.local_port))
-                && !policy.allow.iter().any(|net| net.contains(&remote))
-        };
         for flow in sockets.established() {
-            if self.tracked.contains(flow) || !judged.contains(&flow.local) || !counted(flow) {
+            let remote = std::net::Ipv6Addr::from(flow.remote).to_canonical();
+            let counted = (policy.ports.is_empty() || policy.ports.contains(&flow.local_port))
+                && !policy.allow.iter().any(|net| net.contains(&remote));
+            if self.tracked.contains(flow) || !judged.contains(&flow.local) || !counted {
                 continue;
             }
             let adoption = enforcer.datapath().adopt(flow)?;
@@ -280,7 +279,6 @@ impl Sweeper {
             }
             adopted += 1;
             if adoption == Adoption::OverCap && self.settled {
-                let remote = std::net::Ipv6Addr::from(flow.remote).to_canonical();
                 match sockets.destroy(flow) {
                     Ok(()) => {
                         tracing::warn!(%remote, port = flow.remote_port, "closed a connection that got past a cap unjudged");
