@@ -1,11 +1,11 @@
 //! The sweeper against a real agent's maps: evictions by kind, bounded passes, counter repair,
 //! and the adoption of connections the flow table lacks. Flows come from handshakes run
-//! through the programs with BPF_PROG_TEST_RUN, or from real loopback sockets in a namespace
-//! of the test's own.
+//! through the programs with BPF_PROG_TEST_RUN, or from real sockets across a veth between
+//! namespaces of the test's own.
 
 use std::{
     io::{ErrorKind, Read},
-    net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream},
+    net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener},
     time::Duration,
 };
 
@@ -20,7 +20,7 @@ use limiter_tests::{
     frames::{Flags, Tcp},
     kernel::{TestAgent, XDP_PASS, agent, connect_run, xdp_run},
     model::mapped,
-    netns::Netns,
+    netns::{self, CLIENT_V4, Netns, Pair, SERVER_V4},
 };
 
 fn v4(last: u8) -> IpAddr {
@@ -272,47 +272,75 @@ fn adoption_takes_slots_once_and_only_for_what_the_datapath_counts() {
 /// it. The sweeper finds such connections in the host's socket table: one open before the
 /// agent's first cycle is counted as it is; one that appears later and takes its source past
 /// its cap is closed, as the programs would have refused it at its ACK. Only connections to
-/// the addresses of the interfaces the programs are attached to are adopted.
+/// the addresses of the interfaces the programs are attached to, from another host, are
+/// adopted.
 #[test]
 fn untracked_connections_are_adopted_and_those_past_a_cap_closed() {
     let agent = start(&["--max-conn-per-ip", "2", "--ports", "5672"]);
     let settings = agent.settings().sweep;
-    let client = IpAddr::V4(Ipv4Addr::LOCALHOST);
-    let ns = Netns::new("lsweep").unwrap();
-    ns.run(|| {
-        let server = SocketAddr::new(client, 5672);
-        let listener = TcpListener::bind(server).unwrap();
-        let open = || {
-            let conn = TcpStream::connect_timeout(&server, Duration::from_secs(5)).unwrap();
-            let accepted = listener.accept().unwrap().0;
-            (conn, accepted)
-        };
-        let connections = || agent.with_maps(|m| m.source_connections(client)).unwrap();
-        let before = [open(), open(), open()];
-        // Connections to an interface the programs are not attached to are not theirs.
-        let report = agent.sweep_pass(&mut Sweeper::new(), &settings).unwrap();
-        assert_eq!(report.adopted, 0, "{report:?}");
-        // The namespace's loopback stands in for the protected interface.
-        let mut sweeper = Sweeper::for_interfaces(vec!["lo".to_string()]);
-        let report = agent.sweep_pass(&mut sweeper, &settings).unwrap();
-        assert_eq!((report.adopted, report.over_cap), (3, 0), "{report:?}");
-        assert_eq!(connections(), 3, "open before the agent: counted, kept");
-        assert_eq!(agent.sweep.adoptions.get(), 3);
+    // Real sockets across a veth (no program attached: the handshakes go unjudged).
+    let pair = Pair::new().unwrap();
+    let server = SocketAddr::new(IpAddr::V4(SERVER_V4), 5672);
+    let listener = pair
+        .server
+        .run(|| TcpListener::bind(server))
+        .unwrap()
+        .unwrap();
+    let open = |from: &Netns, src: Ipv4Addr| {
+        let conn = netns::connect(from, IpAddr::V4(src), server)
+            .unwrap()
+            .unwrap();
+        (conn, listener.accept().unwrap().0)
+    };
+    // The sweeper reads the socket table and the addresses of the namespace it runs in.
+    let pass = |sweeper: &mut Sweeper| {
+        pair.server
+            .run(|| agent.sweep_pass(sweeper, &settings).unwrap())
+            .unwrap()
+    };
+    let connections = |src: Ipv4Addr| {
+        agent
+            .with_maps(|m| m.source_connections(IpAddr::V4(src)))
+            .unwrap()
+    };
+    let before = [
+        open(&pair.client, CLIENT_V4),
+        open(&pair.client, CLIENT_V4),
+        open(&pair.client, CLIENT_V4),
+    ];
+    // From the host's own address: through loopback, never past the programs.
+    let _local = open(&pair.server, SERVER_V4);
+    assert_eq!(pass(&mut Sweeper::new()).adopted, 0, "no interface judged");
+    let mut sweeper = Sweeper::for_interfaces(vec![pair.server_if.clone()]);
+    let report = pass(&mut sweeper);
+    assert_eq!((report.adopted, report.over_cap), (3, 0), "{report:?}");
+    assert_eq!(
+        connections(CLIENT_V4),
+        3,
+        "open before the agent: counted, kept"
+    );
+    assert_eq!(
+        connections(SERVER_V4),
+        0,
+        "a local client is not the programs' to count"
+    );
+    assert_eq!(agent.sweep.adoptions.get(), 3);
 
-        let (mut late, _accepted) = open();
-        let report = agent.sweep_pass(&mut sweeper, &settings).unwrap();
-        assert_eq!((report.adopted, report.over_cap), (1, 1), "{report:?}");
-        assert_eq!(evicted(&agent, "over_cap"), 1);
-        assert_eq!(connections(), 3, "the late one's slot is released");
-        late.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-        let mut byte = [0; 1];
-        match late.read(&mut byte) {
-            Err(e) => assert_eq!(e.kind(), ErrorKind::ConnectionReset, "{e}"),
-            Ok(n) => assert_eq!(n, 0, "the client's end is closed"),
-        }
-        let report = agent.sweep_pass(&mut sweeper, &settings).unwrap();
-        assert_eq!(report.adopted, 0, "every live connection is tracked now");
-        drop(before);
-    })
-    .unwrap();
+    let (mut late, _accepted) = open(&pair.client, CLIENT_V4);
+    let report = pass(&mut sweeper);
+    assert_eq!((report.adopted, report.over_cap), (1, 1), "{report:?}");
+    assert_eq!(evicted(&agent, "over_cap"), 1);
+    assert_eq!(connections(CLIENT_V4), 3, "the late one's slot is released");
+    late.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut byte = [0; 1];
+    match late.read(&mut byte) {
+        Err(e) => assert_eq!(e.kind(), ErrorKind::ConnectionReset, "{e}"),
+        Ok(n) => assert_eq!(n, 0, "the client's end is closed"),
+    }
+    assert_eq!(
+        pass(&mut sweeper).adopted,
+        0,
+        "every live connection is tracked now"
+    );
+    drop(before);
 }

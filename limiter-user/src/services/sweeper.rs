@@ -247,22 +247,22 @@ impl Sweeper {
         Ok(report)
     }
 
-    /// Enters every established connection to a port served here, on an address of a judged
-    /// interface, that the cycle just ended did not find in the flow table, with its slots
-    /// taken (the kernel skips a 4-tuple tracked meanwhile, a port not protected and an
-    /// allowlisted source). Such a connection completed
-    /// its handshake unjudged: it was open before the programs were attached, or its half-open
-    /// record was evicted by a flood or swept after `syn-timeout` while its client held the ACK
-    /// back, which an attacker can do at will. After the first cycle, one that took its source
-    /// or the host past a cap is closed, as the programs would have refused it at its ACK;
-    /// those open before the agent started are only counted. Returns (adopted, closed).
+    /// Enters every established connection that the cycle just ended did not find in the flow
+    /// table, if it is to a port served here, on an address of a judged interface, and from
+    /// another host, with its slots taken (the kernel skips a 4-tuple tracked meanwhile, a port
+    /// not protected and an allowlisted source). Such a connection completed its handshake
+    /// unjudged: it was open before the programs were attached, or its half-open record was
+    /// evicted by a flood or swept after `syn-timeout` while its client held the ACK back,
+    /// which an attacker can do at will. After the first cycle, one that took its source or the
+    /// host past a cap is closed, as the programs would have refused it at its ACK; those open
+    /// before the agent started are only counted. Returns (adopted, closed).
     fn adopt(
         &mut self,
         enforcer: &Enforcer,
         sockets: &SocketTable,
     ) -> Result<(u64, u64), EnforceError> {
         let (mut adopted, mut closed) = (0, 0);
-        let judged = addresses_of(&self.interfaces);
+        let addresses = HostAddresses::read(&self.interfaces);
         // The kernel checks the port and the allowlist again; checked here too, so that a
         // busy unprotected service or many allowlisted clients cost no helper run per cycle.
         let policy = enforcer.policy();
@@ -270,7 +270,7 @@ impl Sweeper {
             let remote = std::net::Ipv6Addr::from(flow.remote).to_canonical();
             let counted = (policy.ports.is_empty() || policy.ports.contains(&flow.local_port))
                 && !policy.allow.iter().any(|net| net.contains(&remote));
-            if self.tracked.contains(flow) || !judged.contains(&flow.local) || !counted {
+            if self.tracked.contains(flow) || !addresses.came_in(flow) || !counted {
                 continue;
             }
             let adoption = enforcer.datapath().adopt(flow)?;
@@ -353,29 +353,52 @@ impl Sweeper {
     }
 }
 
-/// The addresses of `interfaces`, keyed as flows key them (IPv4 mapped into IPv6).
-fn addresses_of(interfaces: &[String]) -> HashSet<[u8; 16]> {
-    if interfaces.is_empty() {
-        return HashSet::new();
-    }
-    let all = match nix::ifaddrs::getifaddrs() {
-        Ok(all) => all,
-        Err(error) => {
-            tracing::warn!(%error, "the interfaces' addresses are unreadable; nothing is adopted this cycle");
-            return HashSet::new();
+/// The host's addresses, keyed as flows key them (IPv4 mapped into IPv6).
+#[derive(Default)]
+struct HostAddresses {
+    /// Those of the interfaces the programs are attached to: a connection to one of them came
+    /// in through the programs.
+    judged: HashSet<[u8; 16]>,
+    /// Every interface's: a connection from one of them never left the host (loopback), so
+    /// the programs never saw it, and a local user could otherwise fill the global cap with it.
+    own: HashSet<[u8; 16]>,
+}
+
+impl HostAddresses {
+    fn read(interfaces: &[String]) -> Self {
+        if interfaces.is_empty() {
+            return Self::default();
         }
-    };
-    all.filter(|a| interfaces.contains(&a.interface_name))
-        .filter_map(|a| {
-            let address = a.address?;
+        let all = match nix::ifaddrs::getifaddrs() {
+            Ok(all) => all,
+            Err(error) => {
+                tracing::warn!(%error, "the interfaces' addresses are unreadable; nothing is adopted this cycle");
+                return Self::default();
+            }
+        };
+        let mut addresses = Self::default();
+        for entry in all {
+            let Some(address) = entry.address else {
+                continue;
+            };
             let ip = match (address.as_sockaddr_in(), address.as_sockaddr_in6()) {
                 (Some(v4), _) => IpAddr::V4(v4.ip()),
                 (_, Some(v6)) => IpAddr::V6(v6.ip()),
-                _ => return None,
+                _ => continue,
             };
-            Some(mapped(ip).octets())
-        })
-        .collect()
+            let key = mapped(ip).octets();
+            if interfaces.contains(&entry.interface_name) {
+                addresses.judged.insert(key);
+            }
+            addresses.own.insert(key);
+        }
+        addresses
+    }
+
+    /// Whether `flow` came in through the programs from another host.
+    fn came_in(&self, flow: &FlowKey) -> bool {
+        self.judged.contains(&flow.local) && !self.own.contains(&flow.remote)
+    }
 }
 
 /// Why a flow is released.
