@@ -276,7 +276,19 @@ fn adoption_takes_slots_once_and_only_for_what_the_datapath_counts() {
 /// adopted.
 #[test]
 fn untracked_connections_are_adopted_and_those_past_a_cap_closed() {
-    let agent = start(&["--max-conn-per-ip", "2", "--ports", "5672"]);
+    // One flow per pass: a cycle over the flow table takes several passes, and a connection
+    // that gets in unjudged must still be found at the next pass, not at the cycle's end.
+    let agent = start(&[
+        "--max-conn-per-ip",
+        "2",
+        "--ports",
+        "5672",
+        "--sweep-batch",
+        "1",
+    ]);
+    for port in 1..=4 {
+        assert_eq!(connect(&agent, &syn(v4(9), port)), XDP_PASS);
+    }
     let settings = agent.settings().sweep;
     // Real sockets across a veth (no program attached: the handshakes go unjudged).
     let pair = Pair::new().unwrap();
@@ -327,6 +339,7 @@ fn untracked_connections_are_adopted_and_those_past_a_cap_closed() {
     assert_eq!(agent.sweep.adoptions.get(), 3);
 
     let (mut late, _accepted) = open(&pair.client, CLIENT_V4);
+    // The second pass of a cycle of at least seven (four flows from test runs, three adopted).
     let report = pass(&mut sweeper);
     assert_eq!((report.adopted, report.over_cap), (1, 1), "{report:?}");
     assert_eq!(evicted(&agent, "over_cap"), 1);

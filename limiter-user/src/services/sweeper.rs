@@ -132,12 +132,17 @@ pub struct Sweeper {
     /// Mismatches of the last reconciliation: only a drift seen twice in a row is repaired, so
     /// a connection opening or closing between two reads is never "repaired" into a real drift.
     suspects: HashMap<Counter, Mismatch>,
-    /// Flows seen in the flow table so far in this cycle: established sockets not among them
-    /// are adopted when it ends.
+    /// Flows seen in the flow table so far in this cycle and in the whole cycle before, and
+    /// 4-tuples the adoption helper found tracked (or not the programs' to count) since this
+    /// cycle began: established sockets among them need no helper run. Every other one is
+    /// looked at on every pass, so a connection that got in unjudged is found within one
+    /// pass, however many passes a cycle takes.
     tracked: HashSet<FlowKey>,
-    /// Whether a cycle has ended since the agent started: connections adopted at the first
-    /// were open before it and are counted as they are; later ones got past the programs
-    /// unjudged, and one past a cap is closed.
+    tracked_before: HashSet<FlowKey>,
+    checked: HashSet<FlowKey>,
+    /// Whether a pass has run since the agent started: connections adopted at the first were
+    /// open before it and are counted as they are; later ones got past the programs unjudged,
+    /// and one past a cap is closed.
     settled: bool,
     /// The interfaces the programs are attached to: only connections to their addresses came
     /// in through the programs and are adopted. Others (loopback clients, another interface
@@ -210,16 +215,17 @@ impl Sweeper {
                 }
             }
         }
+        if let Some(sockets) = &sockets {
+            (report.adopted, report.over_cap) = self.adopt(enforcer, sockets)?;
+        }
+        self.settled = true;
         if flows.wrapped {
-            if let Some(sockets) = &sockets {
-                (report.adopted, report.over_cap) = self.adopt(enforcer, sockets)?;
-            }
             if let Some(start) = self.cycle_start.take() {
                 report.repairs = self.reconcile(enforcer, &start)?;
             }
             self.tally.clear();
-            self.tracked.clear();
-            self.settled = true;
+            self.tracked_before = std::mem::take(&mut self.tracked);
+            self.checked.clear();
         }
         let syn_timeout = settings.syn_timeout.as_nanos().min(u128::from(u64::MAX)) as u64;
         report.half_open =
@@ -247,15 +253,15 @@ impl Sweeper {
         Ok(report)
     }
 
-    /// Enters every established connection that the cycle just ended did not find in the flow
-    /// table, if it is to a port served here, on an address of a judged interface, and from
-    /// another host, with its slots taken (the kernel skips a 4-tuple tracked meanwhile, a port
-    /// not protected and an allowlisted source). Such a connection completed its handshake
-    /// unjudged: it was open before the programs were attached, or its half-open record was
-    /// evicted by a flood or swept after `syn-timeout` while its client held the ACK back,
-    /// which an attacker can do at will. After the first cycle, one that took its source or the
-    /// host past a cap is closed, as the programs would have refused it at its ACK; those open
-    /// before the agent started are only counted. Returns (adopted, closed).
+    /// Enters every established connection not known to be tracked (see `tracked`), if it is
+    /// to a port served here, on an address of a judged interface, and from another host, with
+    /// its slots taken (the kernel skips a 4-tuple it tracks, a port not protected and an
+    /// allowlisted source). Such a connection completed its handshake unjudged: it was open
+    /// before the programs were attached, or its half-open record was evicted by a flood or
+    /// swept after `syn-timeout` while its client held the ACK back, which an attacker can do
+    /// at will. After the first pass, one that took its source or the host past a cap is
+    /// closed, as the programs would have refused it at its ACK; those open before the agent
+    /// started are only counted. Returns (adopted, closed).
     fn adopt(
         &mut self,
         enforcer: &Enforcer,
@@ -264,16 +270,20 @@ impl Sweeper {
         let (mut adopted, mut closed) = (0, 0);
         let addresses = HostAddresses::read(&self.interfaces);
         // The kernel checks the port and the allowlist again; checked here too, so that a
-        // busy unprotected service or many allowlisted clients cost no helper run per cycle.
+        // busy unprotected service or many allowlisted clients cost no helper run per pass.
         let policy = enforcer.policy();
         for flow in sockets.established() {
             let remote = std::net::Ipv6Addr::from(flow.remote).to_canonical();
             let counted = (policy.ports.is_empty() || policy.ports.contains(&flow.local_port))
                 && !policy.allow.iter().any(|net| net.contains(&remote));
-            if self.tracked.contains(flow) || !addresses.came_in(flow) || !counted {
+            let known = self.tracked.contains(flow)
+                || self.tracked_before.contains(flow)
+                || self.checked.contains(flow);
+            if known || !addresses.came_in(flow) || !counted {
                 continue;
             }
             let adoption = enforcer.datapath().adopt(flow)?;
+            self.checked.insert(*flow);
             if adoption == Adoption::Skipped {
                 continue;
             }
