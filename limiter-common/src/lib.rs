@@ -32,7 +32,7 @@ pub mod map_names {
     pub const SOURCE_CONNS: &str = maps::SOURCE_CONNS.name;
     /// Open connections to the host, for the total cap: a single counter.
     pub const GLOBAL_CONNS: &str = maps::GLOBAL_CONNS.name;
-    /// The SYN rate's [`SynBucket`](crate::SynBucket) per source.
+    /// The SYN rate's [`SynBucket`](crate::SynBucket)s, a slot per keyed hash of a source.
     pub const SYN_BUCKETS: &str = maps::SYN_BUCKETS.name;
     /// Banned sources and when each ban ends.
     pub const BANS: &str = maps::BANS.name;
@@ -123,9 +123,16 @@ pub struct Config {
     /// a marked SYN would reach the host). Non-zero: the RST|ACK is sent with `XDP_TX`, which
     /// is cheaper but on a veth reaches the client only if the peer runs NAPI (an XDP program).
     pub rst_xdp_tx: u8,
+    /// `SYN_BUCKETS` slots minus one (their count is a power of two): the mask of
+    /// [`bucket_slot`]. Follows the map the programs run with, which a pinned table keeps.
+    pub bucket_mask: u32,
+    /// The secret key of [`bucket_slot`]: which sources share a slot must not be something a
+    /// sender can work out. Chosen once, when the maps are made, and kept with them (a new
+    /// seed would move every source to a slot that counted others' connections).
+    pub bucket_seed: u64,
 }
 
-const _: () = assert!(core::mem::size_of::<Config>() == 28);
+const _: () = assert!(core::mem::size_of::<Config>() == 40);
 
 impl Config {
     /// What the programs do before the agent writes a configuration: count, limit nothing.
@@ -146,6 +153,8 @@ impl Config {
         has_deny: 0,
         has_bans: 0,
         rst_xdp_tx: 0,
+        bucket_mask: 0,
+        bucket_seed: 0,
     };
 }
 
@@ -214,20 +223,22 @@ pub struct Flow {
 
 const _: () = assert!(core::mem::size_of::<Flow>() == 40);
 
-/// A connection between its SYN and the client's ACK of the server's SYN-ACK, in the LRU
-/// `HALF_OPEN` map keyed by its [`FlowKey`]. It holds no slot: a source that never completes a
-/// handshake (a spoofed one cannot) costs the caps nothing, and the LRU forgets it.
+/// A connection between the server's SYN-ACK and the client's ACK of it, in the LRU
+/// `HALF_OPEN` map keyed by its [`FlowKey`]. Written when the SYN-ACK leaves the host, not
+/// when the SYN arrives, so that admitting a SYN writes no hash table. It holds no slot: a
+/// source that never completes a handshake (a spoofed one cannot) costs the caps nothing, and
+/// the LRU forgets it.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HalfOpen {
     /// The source key the connection will be charged to.
     pub source: SourceKey,
-    /// `CLOCK_BOOTTIME` nanoseconds of the SYN.
+    /// `CLOCK_BOOTTIME` nanoseconds of the SYN-ACK.
     pub first_seen_ns: u64,
-    /// The server's initial sequence number, from the first SYN-ACK seen leaving the host.
+    /// The server's initial sequence number: the client's ACK must acknowledge it plus one.
     pub server_isn: u32,
-    /// Non-zero once `server_isn` is known.
-    pub isn_seen: u32,
+    /// Explicit padding, always zero.
+    pub _pad: u32,
 }
 
 const _: () = assert!(core::mem::size_of::<HalfOpen>() == 32);
@@ -271,22 +282,69 @@ pub fn seen_slot(signature: u32) -> usize {
     (signature >> 30) as usize % SEEN_ATTEMPTS
 }
 
-/// GCRA state of one source's SYN rate: the theoretical arrival time of the next SYN.
+/// One slot of the `SYN_BUCKETS` array: the SYN rate's GCRA state of the source that last
+/// claimed it. A source's slot is [`bucket_slot`] of its key, so finding it is one array
+/// access, and admitting a SYN writes no hash table. A source that finds another in its slot
+/// takes the slot over with a fresh bucket, as if an LRU had evicted the other's: a flood of
+/// many sources can hand the sources it collides with a fresh burst, never lock them out.
 /// The bucket is full (idle) once `tat_ns <= now`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SynBucket {
+    /// The source whose bucket this is; all zero in a slot never claimed.
+    pub source: SourceKey,
     /// Theoretical arrival time, `CLOCK_MONOTONIC_COARSE` nanoseconds (the SYN rate's clock).
     pub tat_ns: u64,
     /// Connection attempts of this source refused for its SYN rate, for the top-blocked lists.
     /// Kept here rather than in `BLOCKED` so that a SYN refused for its rate, the one refusal
-    /// a flood is made of, costs one hash lookup: the bucket's, whose cache line it shares.
+    /// a flood is made of, costs one array access: the bucket's, whose cache line it shares.
     pub refused: u64,
     /// The source's last SYNs refused for its rate.
     pub seen: SeenAttempts,
+    /// [`attempt_signature`] of the source's last admitted SYN: a copy of it is a
+    /// retransmission and takes no token (0: none yet).
+    pub admitted: u32,
+    /// Explicit padding, always zero.
+    pub _pad: u32,
+    /// Connections held, between them, by every source whose key maps to this slot: a SYN
+    /// looks its source's count up in `SOURCE_CONNS` (a cold hash lookup) only when this is
+    /// non-zero. Belongs to the slot, not to the source that last claimed it, so a takeover
+    /// leaves it as it is.
+    pub holders: u64,
 }
 
-const _: () = assert!(core::mem::size_of::<SynBucket>() == 32);
+const _: () = assert!(core::mem::size_of::<SynBucket>() == 64);
+
+impl SynBucket {
+    /// A slot never claimed.
+    pub const EMPTY: SynBucket = SynBucket {
+        source: SourceKey { addr: [0; 16] },
+        tat_ns: 0,
+        refused: 0,
+        seen: [0; SEEN_ATTEMPTS],
+        admitted: 0,
+        _pad: 0,
+        holders: 0,
+    };
+}
+
+/// The `SYN_BUCKETS` slot of a source key: a hash keyed with the secret `seed`, masked to
+/// the array (`mask`: its size, a power of two, minus one). Multiply-xorshift rounds over the
+/// key's two words, each mixed with a half of the seed: cheap in the kernel, and without the
+/// seed a sender cannot tell which of its addresses share a slot with which.
+#[inline(always)]
+pub fn bucket_slot(source: &SourceKey, seed: u64, mask: u32) -> u32 {
+    const K: u64 = 0x9E37_79B9_7F4A_7C15;
+    let addr = u128::from_ne_bytes(source.addr);
+    let mut h = seed;
+    for word in [addr as u64, (addr >> 64) as u64] {
+        h = (h ^ word).wrapping_mul(K);
+        h ^= h >> 31;
+        h = h.wrapping_add(seed.rotate_left(32));
+    }
+    h = h.wrapping_mul(K);
+    (h >> 32) as u32 & mask
+}
 
 /// A ban set by the agent; it stops applying by itself at `expires_ns` (`CLOCK_BOOTTIME`).
 #[repr(C)]

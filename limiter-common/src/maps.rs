@@ -112,14 +112,17 @@ pub const GLOBAL_CONNS: MapDef = MapDef {
     default_entries: 1,
 };
 
-/// SYN-rate GCRA state per source key. An LRU: losing an idle bucket only hands its source a
-/// fresh burst, and a flood of sources must never stop new ones from being metered.
+/// SYN-rate GCRA state, one cache line per slot, a source's slot a keyed hash of its key
+/// ([`crate::bucket_slot`]). An array, direct-mapped: admitting a SYN must not cost a hash
+/// insert, and a source that collides with another takes the slot over with a fresh bucket,
+/// so a flood of sources never stops new ones from being metered nor locks them out. The
+/// agent sizes it to the power of two at or above the flow table's size.
 pub const SYN_BUCKETS: MapDef = MapDef {
     name: "SYN_BUCKETS",
-    kind: MapKind::LruHash,
-    key: "SourceKey",
+    kind: MapKind::Array,
+    key: "u32",
     value: "SynBucket",
-    default_entries: FLOWS.default_entries,
+    default_entries: FLOWS.default_entries.next_power_of_two(),
 };
 
 /// Bans by source key. A plain hash: an evicted ban would be lifted early.

@@ -51,12 +51,12 @@ pub enum Reason {
     /// Headers that are not what their type says (IP version, header lengths, VLAN nesting).
     /// Refused on ingress, passed on egress.
     Malformed = 9,
-    /// A SYN recorded half-open: it passes and holds no slot until its handshake completes.
+    /// A SYN admitted: it passes, and holds no slot until its handshake completes.
     HalfOpen = 10,
     /// A handshake-completing ACK that took its connection's slots: the connection is tracked.
     Admitted = 11,
-    /// A SYN of a connection already half-open or tracked (a retransmission, or a reuse of a
-    /// closing 4-tuple).
+    /// A copy of its source's last admitted SYN (a retransmission): it passes without taking
+    /// a token.
     Retransmit = 12,
     /// A SYN-ACK, FIN or RST of a half-open or tracked connection.
     Tracked = 13,

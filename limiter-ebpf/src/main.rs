@@ -141,18 +141,7 @@ pub fn limiter_adjust(ctx: XdpContext) -> u32 {
     let Some(request) = window.read::<AdjustRequest>(0) else {
         return helper::INVALID;
     };
-    let counter = if request.global != 0 {
-        maps::GLOBAL_CONNS.get_ptr_mut(0)
-    } else {
-        maps::get_or_insert(&maps::SOURCE_CONNS, &request.source, &0)
-    };
-    match counter {
-        Some(counter) => {
-            atomics::fetch_add(counter, request.delta as u64);
-            helper::DONE
-        }
-        None => helper::ABSENT,
-    }
+    policy::adjust(&request.source, request.global != 0, request.delta as u64)
 }
 
 /// Not attached anywhere: the agent runs it through `BPF_PROG_TEST_RUN` with a

@@ -1,8 +1,9 @@
 //! What to do with a packet: the allow and deny lists, bans, the SYN-rate bucket, the
 //! connection caps, and connection tracking from SYN through handshake to close.
 //!
-//! A SYN takes no slot. It is checked (lists, bans, rate, and the caps as they stand) and
-//! recorded in the LRU `HALF_OPEN`; the server's SYN-ACK leaving the host records its ISN;
+//! A SYN takes no slot and writes no hash table. It is checked (lists, bans, rate, and the
+//! caps as they stand) against its source's slot of the `SYN_BUCKETS` array; the server's
+//! SYN-ACK leaving the host records the connection, with its ISN, in the LRU `HALF_OPEN`;
 //! the client's ACK of that ISN proves the source real, and only then are the slots taken and
 //! the connection entered in `FLOWS`. A spoofed source never sees the SYN-ACK, so a flood of
 //! them holds no slot and creates no per-source counter. A handshake whose half-open record is
@@ -23,8 +24,8 @@ use aya_ebpf::{
 };
 use limiter_common::{
     Blocked, Config, Direction, Event, Flow, FlowKey, HalfOpen, Reason, Refusal, SEEN_ATTEMPTS,
-    SeenAttempts, SourceKey, SynBucket, Verdict, attempt_signature, flow_state, helper,
-    maps::ACK_HINT_BITS, seen_slot, source::V4_MAPPED, source_key, stats::stat_slot,
+    SeenAttempts, SourceKey, SynBucket, Verdict, attempt_signature, bucket_slot, flow_state,
+    helper, maps::ACK_HINT_BITS, seen_slot, source::V4_MAPPED, source_key, stats::stat_slot,
 };
 
 use crate::{
@@ -303,7 +304,7 @@ pub fn egress(seg: &Segment) -> Action {
         return pass(Direction::Egress, Reason::UnprotectedPort);
     }
     if seg.flags() & (TCP_SYN | TCP_ACK | TCP_RST) == TCP_SYN | TCP_ACK {
-        return syn_ack(seg, now());
+        return syn_ack(seg, config, now());
     }
     if seg.has(TCP_RST) {
         return reset(seg, Direction::Egress);
@@ -354,34 +355,34 @@ fn banned(source: &SourceKey, now: u64) -> bool {
 }
 
 /// A SYN: refused if its source has no SYN token left, or if a cap is reached as the counts
-/// stand (no slot is taken); else recorded half-open, where a copy already recorded is a
-/// retransmission and takes no token; else it takes its token.
+/// stand (no slot is taken); else passed, a copy of the source's last admitted SYN without
+/// taking a token.
 ///
-/// A new source's SYN costs a lookup of its bucket (none yet), of its connection count, and
-/// two inserts (the half-open entry, then the bucket with the token taken). The 4-tuple is
-/// not looked up in `FLOWS`: a SYN on a tracked 4-tuple (a connection reusing a closing
-/// one's, or a stray SYN the host answers with a challenge ACK) is recorded like any other,
-/// and if its handshake completes, [`complete`] finds the 4-tuple tracked and the new
+/// It writes no hash table: the source's SYN bucket is a slot of an array
+/// ([`limiter_common::bucket_slot`]), and the half-open record is written when the host's
+/// SYN-ACK leaves ([`syn_ack`]). A new source's SYN costs that slot and nothing more unless
+/// a source mapping to the slot holds connections (`holders`), when its count is looked up.
+/// The 4-tuple is not looked up in `FLOWS`: a SYN on a tracked 4-tuple (a connection reusing
+/// a closing one's, or a stray SYN the host answers with a challenge ACK) passes like any
+/// other, and if its handshake completes, [`complete`] finds the 4-tuple tracked and the new
 /// connection takes over the old one's slot.
 #[inline(never)]
 fn syn(seg: &Segment, config: &Config) -> Action {
     let source = source_of(seg, config);
+    let Some(bucket) = bucket_of(&source, config) else {
+        // Only before the agent sized the array into the config: nothing to meter with.
+        return pass(Direction::Ingress, Reason::HalfOpen);
+    };
     // Read once: the config lives in a map the agent may rewrite meanwhile.
     let rate = Gcra::of(config);
     let rate_now = rate_now();
-    // The rate first: a SYN over it is refused on its bucket alone, so a flood's refusals
-    // cost one hash lookup.
-    let bucket = if rate.limited() {
-        match SYN_BUCKETS.get_ptr_mut(source) {
-            Some(bucket) if rate.spent(bucket, rate_now) => {
-                return refuse_rate(seg, bucket, config);
-            }
-            found => found,
-        }
-    } else {
-        None
-    };
-    if let Some(reason) = at_cap(&source, config) {
+    // SAFETY: pointer from a successful lookup; the key is plain bytes.
+    let mine = unsafe { (*bucket).source == source };
+    // The rate first: a SYN over it is refused on its bucket alone.
+    if rate.limited() && mine && rate.spent(bucket, rate_now) {
+        return refuse_rate(seg, bucket, config);
+    }
+    if let Some(reason) = at_cap(&source, bucket, config) {
         return refuse(
             seg,
             Blame::Source(&source),
@@ -390,27 +391,34 @@ fn syn(seg: &Segment, config: &Config) -> Action {
             config,
         );
     }
-    let key = inbound(seg);
-    let half_open = HalfOpen {
-        source,
-        first_seen_ns: now(),
-        server_isn: 0,
-        isn_seen: 0,
-    };
-    match HALF_OPEN.insert(key, half_open, aya_ebpf::bindings::BPF_NOEXIST.into()) {
-        Ok(()) => {}
-        // Recorded already (on this CPU or another): a retransmission.
-        Err(error) if error == -EEXIST => return pass(Direction::Ingress, Reason::Retransmit),
-        Err(_) => return table_full(seg, &source, config),
+    let signature = attempt_signature(&seg.src, &seg.dst, seg.sport, seg.dport, seg.seq);
+    // SAFETY (both blocks): pointer from a successful lookup; a plain word a racing CPU can
+    // only overwrite with another signature of the same slot.
+    if mine && unsafe { (*bucket).admitted } == signature {
+        return pass(Direction::Ingress, Reason::Retransmit);
     }
-    if rate.limited()
-        && let Err(bucket) = rate.take(bucket, &source, rate_now)
-    {
+    if rate.take(bucket, &source, mine, rate_now).is_err() {
         // Other CPUs took the last tokens since the check above.
-        let _ = HALF_OPEN.remove(key);
         return refuse_rate(seg, bucket, config);
     }
+    unsafe { (*bucket).admitted = signature };
     pass(Direction::Ingress, Reason::HalfOpen)
+}
+
+/// The `SYN_BUCKETS` slot of a source key.
+#[inline(always)]
+fn bucket_of(source: &SourceKey, config: &Config) -> Option<*mut SynBucket> {
+    SYN_BUCKETS.get_ptr_mut(bucket_slot(source, config.bucket_seed, config.bucket_mask))
+}
+
+/// Adds `delta` to the connections held through a source's bucket slot (see
+/// [`SynBucket::holders`]), as its count in `SOURCE_CONNS` moves by the same.
+#[inline(always)]
+fn hold(source: &SourceKey, config: &Config, delta: u64) {
+    if let Some(bucket) = bucket_of(source, config) {
+        // SAFETY: pointer from a successful lookup.
+        atomics::fetch_add(unsafe { &raw mut (*bucket).holders }, delta);
+    }
 }
 
 #[inline(always)]
@@ -427,10 +435,14 @@ fn refuse_rate(seg: &Segment, bucket: *mut SynBucket, config: &Config) -> Action
 const EEXIST: i32 = 17;
 
 /// The cap a new connection of `source` would exceed right now, if any. Only a precheck:
-/// the slots are taken, exactly, when the handshake completes.
+/// the slots are taken, exactly, when the handshake completes. The source's count is looked
+/// up only if some source of its bucket slot holds connections: a new source's SYN, the one a
+/// flood is made of, then pays no hash lookup.
 #[inline(always)]
-fn at_cap(source: &SourceKey, config: &Config) -> Option<Reason> {
+fn at_cap(source: &SourceKey, bucket: *mut SynBucket, config: &Config) -> Option<Reason> {
+    // SAFETY: pointer from a successful lookup.
     if config.max_conn_per_ip != 0
+        && atomics::load(unsafe { &(*bucket).holders }) != 0
         && let Some(count) = SOURCE_CONNS.get_ptr(source)
         && atomics::load(count) >= config.max_conn_per_ip as u64
     {
@@ -443,21 +455,6 @@ fn at_cap(source: &SourceKey, config: &Config) -> Option<Reason> {
         return Some(Reason::ConnTotal);
     }
     None
-}
-
-#[inline(always)]
-fn table_full(seg: &Segment, source: &SourceKey, config: &Config) -> Action {
-    if config.fail_closed != 0 {
-        refuse(
-            seg,
-            Blame::Source(source),
-            Reason::FlowTableFull,
-            config.reject_conn,
-            config,
-        )
-    } else {
-        pass(Direction::Ingress, Reason::FlowTableFull)
-    }
 }
 
 /// The SYN rate as GCRA: a source's bucket is the theoretical arrival time (TAT) of its next
@@ -503,51 +500,48 @@ impl Gcra {
             .is_none()
     }
 
-    /// Takes a token from the source's bucket, `found` by an earlier lookup or made now with
-    /// the token taken. The TAT moves by compare-and-swap, so racing CPUs each pay for their
-    /// own token. `Err` with the bucket if it ran dry; a bucket that cannot be made (the LRU
-    /// insert failed) leaves the SYN unmetered.
+    /// Takes a token from the source's bucket, claiming the slot first unless it is `mine`
+    /// already: a claimed slot starts full, the other source's state gone. The TAT moves by
+    /// compare-and-swap, so racing CPUs each pay for their own token, and two CPUs claiming a
+    /// slot for the same source both pay too: the loser's swap fails, and it takes its token
+    /// from the winner's bucket. `Err` if the bucket ran dry.
     #[inline(always)]
     fn take(
         self,
-        found: Option<*mut SynBucket>,
+        bucket: *mut SynBucket,
         source: &SourceKey,
+        mine: bool,
         now: u64,
-    ) -> Result<(), *mut SynBucket> {
-        let bucket = match found {
-            Some(bucket) => bucket,
-            None => {
-                let fresh = SynBucket {
-                    tat_ns: now + self.interval,
-                    refused: 0,
-                    seen: [0; SEEN_ATTEMPTS],
-                };
-                if SYN_BUCKETS
-                    .insert(source, fresh, aya_ebpf::bindings::BPF_NOEXIST.into())
-                    .is_ok()
-                {
-                    return Ok(());
-                }
-                // Another CPU made it first: take from theirs.
-                match SYN_BUCKETS.get_ptr_mut(source) {
-                    Some(bucket) => bucket,
-                    None => return Ok(()),
-                }
-            }
-        };
-        // SAFETY: pointer from a successful lookup.
-        let tat = unsafe { &mut (*bucket).tat_ns };
+    ) -> Result<(), ()> {
+        // SAFETY (all blocks): pointer from a successful lookup; besides the TAT, plain words
+        // racing CPUs may overwrite, which only the top-blocked counts would feel.
+        let tat = unsafe { &raw mut (*bucket).tat_ns };
+        if mine && !self.limited() {
+            return Ok(());
+        }
+        let mut claim = !mine;
         for _ in 0..8 {
             let current = atomics::load(tat);
-            let Some(next) = self.next(current, now) else {
-                return Err(bucket);
+            let base = if claim { 0 } else { current };
+            let Some(next) = self.next(base, now) else {
+                return Err(());
             };
+            if claim {
+                unsafe { (*bucket).source = *source };
+            }
             if atomics::compare_exchange(tat, current, next) {
+                if claim {
+                    unsafe {
+                        (*bucket).refused = 0;
+                        (*bucket).seen = [0; SEEN_ATTEMPTS];
+                    }
+                }
                 return Ok(());
             }
+            claim = unsafe { (*bucket).source != *source };
         }
         // Eight CPUs beat us to the same source's bucket: it is being flooded.
-        Err(bucket)
+        Err(())
     }
 }
 
@@ -604,19 +598,30 @@ fn hinted(ack: u32) -> bool {
         .is_some_and(|clock| (clock.wrapping_sub(stamp) as i32) <= HINT_WINDOW as i32)
 }
 
-/// The server's SYN-ACK of a half-open connection: record its ISN (the first one: a client
-/// answers the first SYN-ACK it gets) and stamp the ACK hint.
+/// The server's SYN-ACK: the connection is half-open, and its record (source and ISN) is
+/// written now rather than at the SYN, so that admitting a SYN writes no hash table. Only
+/// SYNs the ingress policy admitted get here, besides those of allowlisted sources, which are
+/// left untracked. A retransmitted SYN-ACK finds its record; one with another ISN (a new
+/// handshake on the 4-tuple) replaces it. Stamps the ACK hint either way.
 #[inline(always)]
-fn syn_ack(seg: &Segment, now: u64) -> Action {
-    let Some(entry) = HALF_OPEN.get_ptr_mut(outbound(seg)) else {
+fn syn_ack(seg: &Segment, config: &Config, now: u64) -> Action {
+    if config.has_allow != 0 && listed_address(&seg.dst, seg.ipv6(), true) {
         return pass(Direction::Egress, Reason::Untracked);
-    };
-    // SAFETY: pointer from a successful lookup; plain words. The client's ACK can only come
-    // after this SYN-ACK has left, so the ISN is written before it is read.
-    unsafe {
-        if (*entry).isn_seen == 0 {
-            (*entry).server_isn = seg.seq;
-            (*entry).isn_seen = 1;
+    }
+    let key = outbound(seg);
+    // SAFETY: pointer from a successful lookup; a plain word.
+    let recorded = HALF_OPEN
+        .get_ptr(key)
+        .is_some_and(|entry| unsafe { (*entry).server_isn } == seg.seq);
+    if !recorded {
+        let half_open = HalfOpen {
+            source: source_key(&seg.dst, config.ipv4_prefix, config.ipv6_prefix),
+            first_seen_ns: now,
+            server_isn: seg.seq,
+            _pad: 0,
+        };
+        if HALF_OPEN.insert(key, half_open, 0).is_err() {
+            return pass(Direction::Egress, Reason::Untracked);
         }
     }
     let stamp = hint_now(now);
@@ -654,7 +659,7 @@ fn complete(seg: &Segment, config: &Config, now: u64) -> Completion {
     // SAFETY: pointer from a successful lookup; copied before the delete below, after which
     // the element's memory may be reused.
     let half_open = unsafe { *entry };
-    if half_open.isn_seen == 0 || half_open.server_isn.wrapping_add(1) != seg.ack {
+    if half_open.server_isn.wrapping_add(1) != seg.ack {
         return Completion::NotAHandshake;
     }
     // Whoever deletes the entry completes the handshake: a copy of the ACK on another CPU
@@ -690,6 +695,7 @@ fn complete(seg: &Segment, config: &Config, now: u64) -> Completion {
     };
     match FLOWS.insert(key, flow, aya_ebpf::bindings::BPF_NOEXIST.into()) {
         Ok(()) => {
+            hold(&source, config, 1);
             event(Event::Opened);
             Completion::Admitted
         }
@@ -781,6 +787,7 @@ pub fn adopt(key: &FlowKey) -> u32 {
         atomics::decrement(per_source);
         return helper::ABSENT;
     }
+    hold(&source, config, 1);
     event(Event::Opened);
     let over = |before: u64, cap: u32| cap != 0 && before >= cap as u64;
     if over(per_source_before, config.max_conn_per_ip) || over(global_before, config.max_conn_total)
@@ -836,12 +843,34 @@ pub fn close(key: &FlowKey, flow: *mut Flow, why: Event) -> bool {
     if FLOWS.remove(key).is_err() {
         return false;
     }
-    if let Some(per_source) = SOURCE_CONNS.get_ptr_mut(source) {
-        atomics::decrement(per_source);
+    if let Some(per_source) = SOURCE_CONNS.get_ptr_mut(source)
+        && atomics::decrement(per_source)
+    {
+        hold(&source, maps::config(), u64::MAX);
     }
     if let Some(global) = GLOBAL_CONNS.get_ptr_mut(0) {
         atomics::decrement(global);
     }
     event(why);
     true
+}
+
+/// Repairs a drifted counter by `delta` (two's complement), for the agent
+/// (`limiter_adjust`): the global count, or a source's and with it its bucket slot's
+/// holders.
+#[inline(always)]
+pub fn adjust(source: &SourceKey, global: bool, delta: u64) -> u32 {
+    if global {
+        let Some(counter) = GLOBAL_CONNS.get_ptr_mut(0) else {
+            return helper::ABSENT;
+        };
+        atomics::fetch_add(counter, delta);
+        return helper::DONE;
+    }
+    let Some(counter) = maps::get_or_insert(&SOURCE_CONNS, source, &0) else {
+        return helper::ABSENT;
+    };
+    atomics::fetch_add(counter, delta);
+    hold(source, maps::config(), delta);
+    helper::DONE
 }

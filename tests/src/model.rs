@@ -7,14 +7,17 @@
 //! clock is left out: the model serves configurations with no SYN rate and no bans, and the
 //! ACK hint pre-filter is taken as exact (a false positive only costs the kernel a lookup,
 //! so the verdict must not depend on it). `HALF_OPEN` is an LRU; runs stay far below its size,
-//! so it behaves as a plain map here.
+//! so it behaves as a plain map here. The SYN buckets are modelled for what they decide
+//! without a rate: which source claimed a slot last and its last admitted SYN (a copy is a
+//! retransmission), and whether a slot's sources hold connections (the per-source precheck
+//! is skipped when none do).
 
 use std::{collections::HashMap, net::IpAddr};
 
 use limiter::datapath::Policy;
 use limiter_common::{
-    Config, Direction, Event, FlowKey, Reason, Refusal, SourceKey, Verdict, flow_state, source_key,
-    stats::stat_slot,
+    Config, Direction, Event, FlowKey, Reason, Refusal, SourceKey, Verdict, attempt_signature,
+    bucket_slot, flow_state, source_key, stats::stat_slot,
 };
 
 use crate::kernel::{XDP_DROP, XDP_PASS, XDP_TX};
@@ -46,11 +49,23 @@ pub enum Input {
     Unparsed(Reason),
 }
 
-/// A half-open connection: its source key and, once the SYN-ACK left, the server's ISN.
+/// A half-open connection, recorded when the host's SYN-ACK left: its source key and the
+/// server's ISN.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HalfOpen {
     pub source: SourceKey,
-    pub isn: Option<u32>,
+    pub isn: u32,
+}
+
+/// What a SYN bucket slot decides when no rate is set.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Bucket {
+    /// The source that claimed the slot last.
+    pub source: Option<SourceKey>,
+    /// The signature of that source's last admitted SYN.
+    pub admitted: u32,
+    /// Connections held by the sources mapping to the slot.
+    pub holders: u64,
 }
 
 /// A tracked connection: the source charged and its `flow_state` bits.
@@ -69,6 +84,8 @@ pub struct Model {
     /// Events by `Event as usize`.
     pub events: [u64; Event::COUNT],
     pub half_open: HashMap<FlowKey, HalfOpen>,
+    /// By slot, only those a SYN or a connection touched.
+    pub buckets: HashMap<u32, Bucket>,
     pub flows: HashMap<FlowKey, Flow>,
     /// Entries are created at a handshake's completion and never removed, as in the kernel.
     pub source_conns: HashMap<SourceKey, u64>,
@@ -108,13 +125,19 @@ pub fn flow_key(seg: &Segment, inbound: bool) -> FlowKey {
 }
 
 impl Model {
-    pub fn new(policy: &Policy) -> Self {
+    /// The model of `policy`, hashing sources to bucket slots as the `live` config does.
+    pub fn new(policy: &Policy, live: &Config) -> Self {
         Self {
-            config: policy.config(),
+            config: Config {
+                bucket_mask: live.bucket_mask,
+                bucket_seed: live.bucket_seed,
+                ..policy.config()
+            },
             policy: policy.clone(),
             stats: HashMap::new(),
             events: [0; Event::COUNT],
             half_open: HashMap::new(),
+            buckets: HashMap::new(),
             flows: HashMap::new(),
             source_conns: HashMap::new(),
             global: 0,
@@ -238,15 +261,17 @@ impl Model {
         }
         let key = flow_key(seg, false);
         if seg.flags & (SYN | ACK | RST) == SYN | ACK {
-            let reason = match self.half_open.get_mut(&key) {
-                Some(entry) => {
-                    // The first SYN-ACK's ISN is the one a client answers.
-                    entry.isn.get_or_insert(seg.seq);
-                    Reason::Tracked
-                }
-                None => Reason::Untracked,
+            // Only admitted SYNs get a SYN-ACK, besides allowlisted sources' (untracked).
+            if self.policy.allow.iter().any(|net| net.contains(&seg.dst)) {
+                self.pass(Direction::Egress, Reason::Untracked);
+                return;
+            }
+            let half_open = HalfOpen {
+                source: self.source(seg.dst),
+                isn: seg.seq,
             };
-            self.pass(Direction::Egress, reason);
+            self.half_open.insert(key, half_open);
+            self.pass(Direction::Egress, Reason::Tracked);
         } else if seg.flags & RST != 0 {
             self.reset(&key, Direction::Egress);
         } else if seg.flags & FIN != 0 {
@@ -256,23 +281,42 @@ impl Model {
         }
     }
 
+    fn slot(&self, source: &SourceKey) -> u32 {
+        bucket_slot(source, self.config.bucket_seed, self.config.bucket_mask)
+    }
+
     fn syn(&mut self, seg: &Segment) -> Action {
-        let key = flow_key(seg, true);
-        // The caps as they stand first, then the half-open table: a copy recorded already is
-        // a retransmission. A tracked 4-tuple is not looked at (see `complete`).
+        // The caps as they stand first (the source's count only if its slot's sources hold
+        // connections), then the bucket: a copy of the source's last admitted SYN is a
+        // retransmission. A tracked 4-tuple is not looked at (see `complete`).
         let source = self.source(seg.src);
+        let slot = self.slot(&source);
+        let bucket = self.buckets.get(&slot).copied().unwrap_or_default();
         let per_ip = self.config.max_conn_per_ip as u64;
         let total = self.config.max_conn_total as u64;
-        if per_ip != 0 && self.source_conns.get(&source).is_some_and(|n| *n >= per_ip) {
+        if per_ip != 0
+            && bucket.holders != 0
+            && self.source_conns.get(&source).is_some_and(|n| *n >= per_ip)
+        {
             return self.refuse(seg, Reason::ConnPerIp, self.config.reject_conn);
         }
         if total != 0 && self.global >= total {
             return self.refuse(seg, Reason::ConnTotal, self.config.reject_conn);
         }
-        if self.half_open.contains_key(&key) {
+        let signature = attempt_signature(
+            &mapped(seg.src),
+            &mapped(seg.dst),
+            seg.sport,
+            seg.dport,
+            seg.seq,
+        );
+        let mine = bucket.source == Some(source);
+        if mine && bucket.admitted == signature {
             return self.pass(Direction::Ingress, Reason::Retransmit);
         }
-        self.half_open.insert(key, HalfOpen { source, isn: None });
+        let entry = self.buckets.entry(slot).or_default();
+        entry.source = Some(source);
+        entry.admitted = signature;
         self.pass(Direction::Ingress, Reason::HalfOpen)
     }
 
@@ -280,7 +324,7 @@ impl Model {
     fn complete(&mut self, seg: &Segment) -> Option<Completion> {
         let key = flow_key(seg, true);
         let entry = *self.half_open.get(&key)?;
-        if entry.isn?.wrapping_add(1) != seg.ack {
+        if entry.isn.wrapping_add(1) != seg.ack {
             return None;
         }
         self.half_open.remove(&key);
@@ -307,6 +351,8 @@ impl Model {
         }
         *per_source += 1;
         self.global += 1;
+        let slot = self.slot(&entry.source);
+        self.buckets.entry(slot).or_default().holders += 1;
         let flow = Flow {
             source: entry.source,
             state: flow_state::ESTABLISHED,
@@ -348,6 +394,8 @@ impl Model {
         };
         if let Some(n) = self.source_conns.get_mut(&flow.source) {
             *n -= 1;
+            let slot = self.slot(&flow.source);
+            self.buckets.entry(slot).or_default().holders -= 1;
         }
         self.global -= 1;
         self.event(why);

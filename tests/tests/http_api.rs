@@ -1214,15 +1214,7 @@ fn the_first_scrape_passes_promtool_and_has_every_documented_series_and_no_impos
         );
     }
     let s = samples(text);
-    for kind in [
-        "closed",
-        "over_cap",
-        "half_open",
-        "idle",
-        "syn_bucket",
-        "ban",
-        "app_key",
-    ] {
+    for kind in ["closed", "over_cap", "half_open", "idle", "ban", "app_key"] {
         assert_eq!(value(&s, "limiter_evictions_total", &[("kind", kind)]), 0.0);
     }
     let packets: Vec<&String> = s

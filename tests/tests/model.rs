@@ -99,7 +99,8 @@ fn seed(default: u64) -> u64 {
 /// Runs `count` frames of seed `seed` through a kernel loaded with `flags` and the model.
 fn run(flags: &[&str], seed: u64, count: usize) {
     let k = Kernel::new(flags);
-    let mut model = Model::new(&settings(flags).policy);
+    let live = k.dp.maps.config().expect("the live config");
+    let mut model = Model::new(&settings(flags).policy, &live);
     let mut generator = Generator::new(seed);
     let started = std::time::Instant::now();
     println!("model: seed {seed} ({count} frames, flags {flags:?})");
@@ -196,13 +197,13 @@ fn compare(k: &Kernel, model: &Model, clients: &[IpAddr]) -> Result<(), String> 
     if flows != want {
         return Err(format!("flows: kernel {flows:?}, model {want:?}"));
     }
-    let half_open: HashMap<FlowKey, (SourceKey, Option<u32>)> = maps
+    let half_open: HashMap<FlowKey, (SourceKey, u32)> = maps
         .half_open()
         .expect("half-open")
         .into_iter()
-        .map(|(key, h)| (key, (h.source, (h.isn_seen != 0).then_some(h.server_isn))))
+        .map(|(key, h)| (key, (h.source, h.server_isn)))
         .collect();
-    let want: HashMap<FlowKey, (SourceKey, Option<u32>)> = model
+    let want: HashMap<FlowKey, (SourceKey, u32)> = model
         .half_open
         .iter()
         .map(|(key, h)| (*key, (h.source, h.isn)))

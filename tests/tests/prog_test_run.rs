@@ -10,8 +10,8 @@ use std::{
 
 use etherparse::{IpFragOffset, IpHeaders, IpNumber, Ipv4Extensions, Ipv4Header, PacketBuilder};
 use limiter_common::{
-    Direction, Event, FlowKey, HalfOpen, RST_MARK, Reason, Verdict, attempt_signature, flow_state,
-    maps, seen_slot,
+    Direction, Event, FlowKey, HalfOpen, RST_MARK, Reason, Verdict, attempt_signature,
+    bucket_slot, flow_state, maps, seen_slot, source_key,
 };
 use limiter_tests::{
     frames::{self, CLIENT_MAC, Flags, SERVER_MAC, Tcp, Vlans},
@@ -110,8 +110,9 @@ fn a_syn_holds_no_slot_until_its_handshake_completes() {
     assert_eq!(k.ingress(Verdict::Pass, Reason::HalfOpen), 1);
     assert_eq!(k.global(), 0);
     assert!(k.dp.maps.all_source_connections().unwrap().is_empty());
-    assert_eq!(half_open(&k).len(), 1);
-    // A retransmitted SYN is the same half-open connection.
+    // Admitting a SYN writes no hash table: the record waits for the host's SYN-ACK.
+    assert!(half_open(&k).is_empty());
+    // A retransmitted SYN is the same connection attempt.
     assert_eq!(k.xdp(&s.build()).action, XDP_PASS);
     assert_eq!(k.ingress(Verdict::Pass, Reason::Retransmit), 1);
     let h = handshake(&s, 0xDEAD_BEEF);
@@ -123,7 +124,12 @@ fn a_syn_holds_no_slot_until_its_handshake_completes() {
         k.packets(Direction::Egress, Verdict::Pass, Reason::Tracked),
         1
     );
-    assert_eq!(half_open(&k)[0].1.server_isn, 0xDEAD_BEEF);
+    let recorded = half_open(&k);
+    assert_eq!(recorded.len(), 1);
+    assert_eq!(recorded[0].1.server_isn, 0xDEAD_BEEF);
+    // A retransmitted SYN-ACK keeps the record as it is.
+    assert_eq!(k.tc(&h.syn_ack), TC_ACT_OK);
+    assert_eq!(half_open(&k), recorded);
     // An ACK of another number does not complete it.
     let mut wrong = s.with_flags(ACK);
     wrong.ack = 0xDEAD_BEF1;
@@ -277,7 +283,7 @@ fn syn_rate_admits_exactly_the_burst() {
         .count();
     assert_eq!(passed, 3);
     assert_eq!(k.ingress(Verdict::Drop, Reason::SynRate), 7);
-    assert_eq!(half_open(&k).len(), 3);
+    assert_eq!(k.ingress(Verdict::Pass, Reason::HalfOpen), 3);
     // Past its rate, a source's SYNs are refused before their 4-tuple is looked up, so a
     // retransmission too (the host's own SYN-ACK retransmissions still complete it).
     assert_eq!(k.xdp(&syn(v4(2), 1000).build()).action, XDP_DROP);
@@ -299,16 +305,86 @@ fn a_retransmitted_syn_takes_no_token() {
     // ...so it is still there for a second connection, and only the third is refused.
     assert_eq!(k.xdp(&syn(v4(2), 1001).build()).action, XDP_PASS);
     assert_eq!(k.xdp(&syn(v4(2), 1002).build()).action, XDP_DROP);
-    assert_eq!(half_open(&k).len(), 2);
-    // A SYN on a tracked connection's 4-tuple is not a retransmission of a recorded one: the
+    assert_eq!(k.ingress(Verdict::Pass, Reason::HalfOpen), 2);
+    // Only the source's last admitted SYN is remembered: once another was admitted, a
+    // retransmission of the first takes a token (here the last one is gone).
+    assert_eq!(k.xdp(&first.build()).action, XDP_DROP);
+    // A new SYN on a tracked connection's 4-tuple (a new ISN) is no retransmission: the
     // datapath does not look the 4-tuple up in the flow table on a SYN (the host answers it
     // with a challenge ACK, or with a SYN-ACK if that socket is gone), so it takes a token.
     let k = Kernel::new(&["--syn-rate", "1", "--syn-burst", "2"]);
     k.connect(&first);
-    assert_eq!(k.xdp(&first.build()).action, XDP_PASS);
+    let mut reuse = first.clone();
+    reuse.seq = first.seq.wrapping_add(100_000);
+    assert_eq!(k.xdp(&reuse.build()).action, XDP_PASS);
     assert_eq!(k.ingress(Verdict::Pass, Reason::HalfOpen), 2);
     assert_eq!(k.xdp(&syn(v4(2), 1001).build()).action, XDP_DROP);
     assert_eq!(k.global(), 1);
+}
+
+/// An address of another source whose SYN bucket slot is `victim`'s under the live seed: what
+/// an attacker would need the seed for. Bounded: 1,024 slots, so one in about a thousand
+/// addresses shares it.
+fn sharing_a_slot(k: &Kernel, victim: IpAddr) -> IpAddr {
+    let config = k.dp.maps.config().unwrap();
+    assert_eq!(config.bucket_mask, 1023, "the array is the flow table's size");
+    assert_ne!(config.bucket_seed, 0, "the agent drew a seed");
+    let slot = |addr: IpAddr| {
+        let key = source_key(&limiter_tests::model::mapped(addr), 32, 128);
+        bucket_slot(&key, config.bucket_seed, config.bucket_mask)
+    };
+    (1..1u32 << 20)
+        .map(|i| IpAddr::V4(Ipv4Addr::from(0x0A00_0000 | i)))
+        .find(|addr| slot(*addr) == slot(victim))
+        .expect("an address sharing the slot")
+}
+
+#[test]
+fn sources_sharing_a_bucket_slot_cannot_lock_each_other_out() {
+    let k = Kernel::new(&["--syn-rate", "1", "--syn-burst", "1", "--flow-table-size", "1024"]);
+    let victim = v4(2);
+    let attacker = sharing_a_slot(&k, victim);
+    assert_eq!(k.xdp(&syn(victim, 1000).build()).action, XDP_PASS);
+    assert_eq!(k.xdp(&syn(victim, 1001).build()).action, XDP_DROP, "its rate");
+    // The attacker floods from the victim's slot: its first SYN takes the slot over with a
+    // fresh bucket, and its own rate refuses the rest.
+    let flood = (0..50)
+        .filter(|i| k.xdp(&syn(attacker, 2000 + i).build()).action == XDP_PASS)
+        .count();
+    assert_eq!(flood, 1);
+    // Top-blocked lists name the source that claimed the slot last, with its refusals.
+    let rate = Reason::SynRate.blocked_slot().unwrap();
+    let blocked = k.dp.maps.blocked().unwrap();
+    assert_eq!(blocked.len(), 1, "{blocked:?}");
+    assert_eq!(blocked[0].0.addr, limiter_tests::model::mapped(attacker));
+    assert_eq!(blocked[0].1.counts[rate], 49);
+    // The victim's next SYN takes the slot back, with a fresh bucket: sharing a slot can
+    // hand a source a fresh burst, never lock it out.
+    assert_eq!(k.xdp(&syn(victim, 1002).build()).action, XDP_PASS);
+    // The takeover starts the slot's history afresh, as an LRU's eviction would.
+    assert!(k.dp.maps.blocked().unwrap().is_empty());
+}
+
+#[test]
+fn a_source_at_its_cap_is_refused_at_the_syn_whoever_shares_its_slot() {
+    let k = Kernel::new(&["--max-conn-per-ip", "1", "--flow-table-size", "1024"]);
+    let victim = v4(2);
+    let other = sharing_a_slot(&k, victim);
+    k.connect(&syn(victim, 1000));
+    // The other source takes its slot over (and back), connects and closes: the slot still
+    // counts the victim's connection, so the victim's next SYN is judged on its count.
+    k.connect(&syn(other, 1000));
+    k.xdp(&syn(other, 1000).with_flags(RST).build());
+    assert_eq!(k.dp.maps.source_connections(other).unwrap(), 0);
+    assert_eq!(k.xdp(&syn(victim, 1001).build()).action, XDP_PASS);
+    assert_eq!(k.ingress(Verdict::Rst, Reason::ConnPerIp), 1, "refused at the SYN");
+    // Once the victim's connection closes, nothing in the slot holds one: its SYN passes
+    // without a lookup of its count.
+    k.xdp(&syn(victim, 1000).with_flags(RST).build());
+    assert_eq!(k.global(), 0);
+    assert_eq!(k.xdp(&syn(victim, 1002).build()).action, XDP_PASS);
+    assert_eq!(k.ingress(Verdict::Rst, Reason::ConnPerIp), 1);
+    assert_eq!(k.ingress(Verdict::Pass, Reason::HalfOpen), 3);
 }
 
 #[test]
@@ -426,11 +502,13 @@ fn a_syn_reusing_a_closing_tuple_keeps_one_slot() {
     let s = syn(v4(2), 1);
     k.connect(&s);
     k.xdp(&s.with_flags(FIN).build());
-    // The client reuses the 4-tuple before the host's FIN: the new connection takes over
-    // the old one's slot, and its handshake takes no second one.
-    assert_eq!(k.xdp(&s.build()).action, XDP_PASS);
+    // The client reuses the 4-tuple (a new ISN) before the host's FIN: the new connection
+    // takes over the old one's slot, and its handshake takes no second one.
+    let mut reuse = s.clone();
+    reuse.seq = s.seq.wrapping_add(100_000);
+    assert_eq!(k.xdp(&reuse.build()).action, XDP_PASS);
     assert_eq!(k.ingress(Verdict::Pass, Reason::HalfOpen), 2);
-    let h = handshake(&s, 999);
+    let h = handshake(&reuse, 999);
     k.tc(&h.syn_ack);
     k.xdp(&h.ack);
     assert_eq!(k.global(), 1);

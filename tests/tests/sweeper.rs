@@ -18,7 +18,7 @@ use limiter::{
 use limiter_common::{AdjustRequest, Event, FlowKey};
 use limiter_tests::{
     frames::{Flags, Tcp},
-    kernel::{TestAgent, XDP_PASS, agent, connect_run, xdp_run},
+    kernel::{TestAgent, XDP_PASS, agent, connect_run, handshake, isn, tc_run, xdp_run},
     model::mapped,
     netns::{self, CLIENT_V4, Netns, Pair, SERVER_V4},
 };
@@ -66,6 +66,11 @@ fn idle_flows_are_evicted_and_their_slots_released_once() {
     let half_open = syn(v4(2), 1);
     let established = syn(v4(3), 1);
     assert_eq!(send(&agent, &half_open), XDP_PASS);
+    // The host answers; the client never acknowledges.
+    tc_run(
+        &agent.datapath(),
+        &handshake(&half_open, isn(half_open.sport)).syn_ack,
+    );
     assert_eq!(connect(&agent, &established), XDP_PASS);
     // The half-open connection is not a flow and holds no slot.
     assert_eq!(agent.with_maps(|m| m.global_connections()).unwrap(), 1);
@@ -98,22 +103,17 @@ fn idle_flows_are_evicted_and_their_slots_released_once() {
 }
 
 #[test]
-fn idle_buckets_and_expired_bans_are_removed() {
-    // 1000 SYNs a second: a bucket is full again one millisecond after its SYN.
-    let agent = start(&["--syn-rate", "1000", "--syn-burst", "1"]);
-    for host in 2..6 {
-        assert_eq!(send(&agent, &syn(v4(host), 1)), XDP_PASS);
-    }
+fn expired_bans_are_removed() {
+    let agent = start(&[]);
     agent.ban(v4(9), Duration::from_millis(10)).unwrap();
     agent.ban(v4(10), Duration::from_secs(600)).unwrap();
     outlive(Duration::from_millis(10));
     let report = agent
         .sweep_pass(&mut Sweeper::new(), &agent.settings().sweep)
         .unwrap();
-    assert_eq!((report.buckets, report.bans), (4, 1));
+    assert_eq!(report.bans, 1);
     let bans = agent.with_maps(|m| m.bans()).unwrap();
     assert_eq!(bans.len(), 1, "the unexpired ban stays");
-    assert_eq!(evicted(&agent, "syn_bucket"), 4);
     assert_eq!(evicted(&agent, "ban"), 1);
 }
 

@@ -55,9 +55,16 @@ pub fn boot_time_ns() -> Result<u64, MapsError> {
     clock_ns(libc::CLOCK_BOOTTIME)
 }
 
-/// `CLOCK_MONOTONIC_COARSE` in nanoseconds, the clock of the SYN-rate buckets.
-pub fn rate_clock_ns() -> Result<u64, MapsError> {
-    clock_ns(libc::CLOCK_MONOTONIC_COARSE)
+/// A fresh secret for [`limiter_common::bucket_slot`], never 0 (the mark of a config that
+/// has none yet).
+pub fn bucket_seed() -> Result<u64, MapsError> {
+    let mut seed = [0u8; 8];
+    // SAFETY: `seed` is a valid buffer of the length passed for the call's duration.
+    let read = unsafe { libc::getrandom(seed.as_mut_ptr().cast(), seed.len(), 0) };
+    if read != seed.len() as isize {
+        return Err(MapsError::Random(std::io::Error::last_os_error()));
+    }
+    Ok(u64::from_ne_bytes(seed) | 1)
 }
 
 fn clock_ns(clock: libc::clockid_t) -> Result<u64, MapsError> {

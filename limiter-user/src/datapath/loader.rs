@@ -247,7 +247,10 @@ impl Datapath {
             .map_max_entries(map_names::FLOWS, options.flow_table_size)
             .map_max_entries(map_names::HALF_OPEN, options.half_open_size)
             .map_max_entries(map_names::SOURCE_CONNS, options.flow_table_size)
-            .map_max_entries(map_names::SYN_BUCKETS, options.flow_table_size)
+            .map_max_entries(
+                map_names::SYN_BUCKETS,
+                options.flow_table_size.next_power_of_two(),
+            )
             .map_max_entries(map_names::BLOCKED, options.flow_table_size)
             .override_global(aya_log::LEVEL, &log_level, true);
         if let Some(dir) = &options.pin_dir {

@@ -16,7 +16,7 @@ use thiserror::Error;
 
 use super::{
     Policy,
-    keys::{boot_time_ns, source_key},
+    keys::{boot_time_ns, bucket_seed, source_key},
     pins,
 };
 
@@ -32,6 +32,8 @@ pub enum MapsError {
     },
     #[error("reading the boot-time clock")]
     Clock(#[source] std::io::Error),
+    #[error("drawing the SYN buckets' hash seed from the kernel's random source")]
+    Random(#[source] std::io::Error),
 }
 
 pub(super) fn map_error(name: &'static str) -> impl FnOnce(MapError) -> MapsError {
@@ -104,7 +106,7 @@ pub struct Maps {
     pub(super) half_open: HashMap<MapData, FlowKey, HalfOpen>,
     source_conns: HashMap<MapData, SourceKey, u64>,
     global_conns: Array<MapData, u64>,
-    pub(super) syn_buckets: HashMap<MapData, SourceKey, SynBucket>,
+    syn_buckets: Array<MapData, SynBucket>,
     pub(super) bans: HashMap<MapData, SourceKey, Ban>,
     allow: Trie,
     deny: Trie,
@@ -186,6 +188,12 @@ impl Maps {
         let mut config = policy.config();
         // The ban table's, not the policy's: bans come and go apart from settings.
         config.has_bans = self.bans.keys().next().is_some().into();
+        // The bucket array's, which a pinned table keeps, and its seed with it.
+        config.bucket_mask = self.syn_buckets.len().saturating_sub(1);
+        config.bucket_seed = match self.config()?.bucket_seed {
+            0 => bucket_seed()?,
+            kept => kept,
+        };
         self.config
             .set(0, config, 0)
             .map_err(map_error(map_names::CONFIG))
@@ -375,10 +383,10 @@ impl Maps {
             all.insert(key, blocked);
         }
         if let Some(rate) = Reason::SynRate.blocked_slot() {
-            for entry in self.syn_buckets.iter() {
-                let (key, bucket) = entry.map_err(map_error(map_names::SYN_BUCKETS))?;
+            for bucket in self.syn_buckets.iter() {
+                let bucket = bucket.map_err(map_error(map_names::SYN_BUCKETS))?;
                 if bucket.refused > 0 {
-                    all.entry(key).or_default().counts[rate] += bucket.refused;
+                    all.entry(bucket.source).or_default().counts[rate] += bucket.refused;
                 }
             }
         }

@@ -91,7 +91,6 @@ fn next_key<K: Pod>(map: &MapData, key: Option<&K>) -> Result<Option<K>, std::io
 pub struct SweepCursor {
     flows: Option<FlowKey>,
     half_open: Option<FlowKey>,
-    buckets: Option<SourceKey>,
     bans: Option<SourceKey>,
 }
 
@@ -123,32 +122,6 @@ impl Maps {
             }
         }
         Ok(FlowBatch { flows, wrapped })
-    }
-
-    /// Deletes SYN-rate buckets that are full again (idle) at `now` (the buckets' clock,
-    /// [`super::keys::rate_clock_ns`]) among the next `max`; returns how many. A bucket
-    /// deleted as a SYN races it costs that source at most one token. A bucket that counted
-    /// refusals stays, for the top-blocked lists, until the LRU needs its room.
-    pub fn sweep_buckets(
-        &mut self,
-        cursor: &mut SweepCursor,
-        max: usize,
-        now: u64,
-    ) -> Result<u64, MapsError> {
-        let (keys, wrapped) = keys_after(self.syn_buckets.map(), cursor.buckets, max)
-            .map_err(walk_error(map_names::SYN_BUCKETS))?;
-        cursor.buckets = if wrapped { None } else { keys.last().copied() };
-        let mut removed = 0;
-        for key in keys {
-            if let Ok(bucket) = self.syn_buckets.get(&key, 0)
-                && bucket.tat_ns <= now
-                && bucket.refused == 0
-                && self.syn_buckets.remove(&key).is_ok()
-            {
-                removed += 1;
-            }
-        }
-        Ok(removed)
     }
 
     /// Deletes half-open connections older than `timeout_ns` among the next `max`; returns

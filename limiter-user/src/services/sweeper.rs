@@ -17,7 +17,7 @@ use crate::{
     buckets::Limiter,
     datapath::{
         Adoption, EnforceError, Enforcer, SweepCursor,
-        keys::{boot_time_ns, mapped, rate_clock_ns},
+        keys::{boot_time_ns, mapped},
         sockets::SocketTable,
     },
     settings::{Live, SweepSettings},
@@ -26,7 +26,7 @@ use crate::{
 /// What the sweeper has done, as Prometheus metrics (registered by the metrics module).
 #[derive(Clone)]
 pub struct SweepStats {
-    /// By kind: `closed`, `over_cap`, `half_open`, `idle`, `syn_bucket`, `ban`, `app_key`.
+    /// By kind: `closed`, `over_cap`, `half_open`, `idle`, `ban`, `app_key`.
     pub evictions: IntCounterVec,
     /// Established connections the flow table lacked, entered and counted.
     pub adoptions: IntCounter,
@@ -35,15 +35,7 @@ pub struct SweepStats {
 }
 
 /// The `kind` label values of `limiter_evictions_total`, in the order a pass reports them.
-const EVICTION_KINDS: [&str; 7] = [
-    "closed",
-    "over_cap",
-    "half_open",
-    "idle",
-    "syn_bucket",
-    "ban",
-    "app_key",
-];
+const EVICTION_KINDS: [&str; 6] = ["closed", "over_cap", "half_open", "idle", "ban", "app_key"];
 
 impl SweepStats {
     pub fn new() -> Self {
@@ -102,7 +94,6 @@ pub struct PassReport {
     pub half_open: u64,
     /// Flows released by `idle-timeout`, where the socket table cannot speak for them.
     pub idle: u64,
-    pub buckets: u64,
     pub bans: u64,
     pub app_keys: u64,
     /// Established connections the flow table lacked, adopted (see [`Sweeper::adopt`]).
@@ -230,9 +221,6 @@ impl Sweeper {
         let syn_timeout = settings.syn_timeout.as_nanos().min(u128::from(u64::MAX)) as u64;
         report.half_open =
             enforcer.with_maps(|m| m.sweep_half_open(&mut self.cursor, batch, now, syn_timeout))?;
-        let rate_now = rate_clock_ns()?;
-        report.buckets =
-            enforcer.with_maps(|m| m.sweep_buckets(&mut self.cursor, batch, rate_now))?;
         report.bans = enforcer.with_maps(|m| m.sweep_bans(&mut self.cursor, batch, now))?;
         report.app_keys = limiter.sweep() as u64;
         let counts = [
@@ -240,7 +228,6 @@ impl Sweeper {
             report.over_cap,
             report.half_open,
             report.idle,
-            report.buckets,
             report.bans,
             report.app_keys,
         ];
