@@ -10,8 +10,8 @@ use std::{
 
 use etherparse::{IpFragOffset, IpHeaders, IpNumber, Ipv4Extensions, Ipv4Header, PacketBuilder};
 use limiter_common::{
-    Direction, Event, FlowKey, HalfOpen, RST_MARK, Reason, Verdict, attempt_signature,
-    bucket_slot, flow_state, maps, seen_slot, source_key,
+    Direction, Event, FlowKey, HalfOpen, RST_MARK, Reason, Verdict, attempt_signature, bucket_slot,
+    flow_state, maps, seen_slot, source_key,
 };
 use limiter_tests::{
     frames::{self, CLIENT_MAC, Flags, SERVER_MAC, Tcp, Vlans},
@@ -327,7 +327,10 @@ fn a_retransmitted_syn_takes_no_token() {
 /// addresses shares it.
 fn sharing_a_slot(k: &Kernel, victim: IpAddr) -> IpAddr {
     let config = k.dp.maps.config().unwrap();
-    assert_eq!(config.bucket_mask, 1023, "the array is the flow table's size");
+    assert_eq!(
+        config.bucket_mask, 1023,
+        "the array is the flow table's size"
+    );
     assert_ne!(config.bucket_seed, 0, "the agent drew a seed");
     let slot = |addr: IpAddr| {
         let key = source_key(&limiter_tests::model::mapped(addr), 32, 128);
@@ -341,11 +344,22 @@ fn sharing_a_slot(k: &Kernel, victim: IpAddr) -> IpAddr {
 
 #[test]
 fn sources_sharing_a_bucket_slot_cannot_lock_each_other_out() {
-    let k = Kernel::new(&["--syn-rate", "1", "--syn-burst", "1", "--flow-table-size", "1024"]);
+    let k = Kernel::new(&[
+        "--syn-rate",
+        "1",
+        "--syn-burst",
+        "1",
+        "--flow-table-size",
+        "1024",
+    ]);
     let victim = v4(2);
     let attacker = sharing_a_slot(&k, victim);
     assert_eq!(k.xdp(&syn(victim, 1000).build()).action, XDP_PASS);
-    assert_eq!(k.xdp(&syn(victim, 1001).build()).action, XDP_DROP, "its rate");
+    assert_eq!(
+        k.xdp(&syn(victim, 1001).build()).action,
+        XDP_DROP,
+        "its rate"
+    );
     // The attacker floods from the victim's slot: its first SYN takes the slot over with a
     // fresh bucket, and its own rate refuses the rest.
     let flood = (0..50)
@@ -377,7 +391,11 @@ fn a_source_at_its_cap_is_refused_at_the_syn_whoever_shares_its_slot() {
     k.xdp(&syn(other, 1000).with_flags(RST).build());
     assert_eq!(k.dp.maps.source_connections(other).unwrap(), 0);
     assert_eq!(k.xdp(&syn(victim, 1001).build()).action, XDP_PASS);
-    assert_eq!(k.ingress(Verdict::Rst, Reason::ConnPerIp), 1, "refused at the SYN");
+    assert_eq!(
+        k.ingress(Verdict::Rst, Reason::ConnPerIp),
+        1,
+        "refused at the SYN"
+    );
     // Once the victim's connection closes, nothing in the slot holds one: its SYN passes
     // without a lookup of its count.
     k.xdp(&syn(victim, 1000).with_flags(RST).build());
