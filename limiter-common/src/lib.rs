@@ -124,9 +124,9 @@ pub struct Config {
     /// is cheaper but on a veth reaches the client only if the peer runs NAPI (an XDP program).
     pub rst_xdp_tx: u8,
     /// `SYN_BUCKETS` slots minus one (their count is a power of two): the mask of
-    /// [`bucket_slot`]. Follows the map the programs run with, which a pinned table keeps.
+    /// [`bucket_place`]. Follows the map the programs run with, which a pinned table keeps.
     pub bucket_mask: u32,
-    /// The secret key of [`bucket_slot`]: which sources share a slot must not be something a
+    /// The secret key of [`bucket_place`]: which sources share a slot must not be something a
     /// sender can work out. Chosen once, when the maps are made, and kept with them (a new
     /// seed would move every source to a slot that counted others' connections).
     pub bucket_seed: u64,
@@ -283,18 +283,24 @@ pub fn seen_slot(signature: u32) -> usize {
 }
 
 /// One slot of the `SYN_BUCKETS` array: the SYN rate's GCRA state of the source that last
-/// claimed it. A source's slot is [`bucket_slot`] of its key, so finding it is one array
+/// claimed it. A source's slot is [`bucket_place`] of its key, so finding it is one array
 /// access, and admitting a SYN writes no hash table. A source that finds another in its slot
 /// takes the slot over with a fresh bucket, as if an LRU had evicted the other's: a flood of
 /// many sources can hand the sources it collides with a fresh burst, never lock them out.
-/// The bucket is full (idle) once `tat_ns <= now`.
+/// The bucket is full (idle) once its TAT is not after now.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SynBucket {
-    /// The source whose bucket this is; all zero in a slot never claimed.
+    /// The source whose bucket this is, for the top-blocked lists and retransmissions; all
+    /// zero in a slot never claimed. Written after a claim, so readers may see it late.
     pub source: SourceKey,
-    /// Theoretical arrival time, `CLOCK_MONOTONIC_COARSE` nanoseconds (the SYN rate's clock).
-    pub tat_ns: u64,
+    /// The theoretical arrival time, `CLOCK_MONOTONIC_COARSE` nanoseconds (the SYN rate's
+    /// clock), with its low [`BUCKET_TAG_BITS`] bits replaced by the claiming source's tag
+    /// ([`BucketPlace::tag`]). One word, so that telling whose bucket it is and taking a token
+    /// are one compare-and-swap: two CPUs claiming a slot for one source at once cannot both
+    /// start it full. The TAT is kept to 256 ns, rounded down: a source may get up to 255 ns
+    /// of its rate more per SYN, a quarter more at a million SYNs a second, 0.03% at 1,000.
+    pub tat_tag: u64,
     /// Connection attempts of this source refused for its SYN rate, for the top-blocked lists.
     /// Kept here rather than in `BLOCKED` so that a SYN refused for its rate, the one refusal
     /// a flood is made of, costs one array access: the bucket's, whose cache line it shares.
@@ -319,7 +325,7 @@ impl SynBucket {
     /// A slot never claimed.
     pub const EMPTY: SynBucket = SynBucket {
         source: SourceKey { addr: [0; 16] },
-        tat_ns: 0,
+        tat_tag: 0,
         refused: 0,
         seen: [0; SEEN_ATTEMPTS],
         admitted: 0,
@@ -328,12 +334,29 @@ impl SynBucket {
     };
 }
 
-/// The `SYN_BUCKETS` slot of a source key: a hash keyed with the secret `seed`, masked to
-/// the array (`mask`: its size, a power of two, minus one). Multiply-xorshift rounds over the
-/// key's two words, each mixed with a half of the seed: cheap in the kernel, and without the
-/// seed a sender cannot tell which of its addresses share a slot with which.
+/// Bits of [`SynBucket::tat_tag`] that hold the claiming source's tag.
+pub const BUCKET_TAG_BITS: u32 = 8;
+/// The mask of those bits.
+pub const BUCKET_TAG_MASK: u64 = (1 << BUCKET_TAG_BITS) - 1;
+
+/// Where a source's SYN bucket lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BucketPlace {
+    /// Its slot of `SYN_BUCKETS`.
+    pub slot: u32,
+    /// What marks the slot as this source's in [`SynBucket::tat_tag`]: other bits of the same
+    /// hash, never 0, so a slot never claimed (all zero) is no source's. Sources sharing a
+    /// slot and a tag (one pair in 255 of those sharing a slot) share one bucket.
+    pub tag: u64,
+}
+
+/// The `SYN_BUCKETS` place of a source key: a hash keyed with the secret `seed`, its high
+/// half masked to the array (`mask`: its size, a power of two, minus one) for the slot, its
+/// low bits for the tag. Multiply-xorshift rounds over the key's two words, each mixed with a
+/// half of the seed: cheap in the kernel, and without the seed a sender cannot tell which of
+/// its addresses share a slot with which.
 #[inline(always)]
-pub fn bucket_slot(source: &SourceKey, seed: u64, mask: u32) -> u32 {
+pub fn bucket_place(source: &SourceKey, seed: u64, mask: u32) -> BucketPlace {
     const K: u64 = 0x9E37_79B9_7F4A_7C15;
     let addr = u128::from_ne_bytes(source.addr);
     let mut h = seed;
@@ -343,7 +366,10 @@ pub fn bucket_slot(source: &SourceKey, seed: u64, mask: u32) -> u32 {
         h = h.wrapping_add(seed.rotate_left(32));
     }
     h = h.wrapping_mul(K);
-    (h >> 32) as u32 & mask
+    BucketPlace {
+        slot: (h >> 32) as u32 & mask,
+        tag: (h & BUCKET_TAG_MASK).max(1),
+    }
 }
 
 /// A ban set by the agent; it stops applying by itself at `expires_ns` (`CLOCK_BOOTTIME`).

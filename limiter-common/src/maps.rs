@@ -113,7 +113,7 @@ pub const GLOBAL_CONNS: MapDef = MapDef {
 };
 
 /// SYN-rate GCRA state, one cache line per slot, a source's slot a keyed hash of its key
-/// ([`crate::bucket_slot`]). An array, direct-mapped: admitting a SYN must not cost a hash
+/// ([`crate::bucket_place`]). An array, direct-mapped: admitting a SYN must not cost a hash
 /// insert, and a source that collides with another takes the slot over with a fresh bucket,
 /// so a flood of sources never stops new ones from being metered nor locks them out. The
 /// agent sizes it to the power of two at or above the flow table's size.

@@ -40,16 +40,16 @@ pub fn load(ptr: *const u64) -> u64 {
     unsafe { core::ptr::read_volatile(ptr) }
 }
 
-/// Replaces `current` with `new`; returns whether the value was still `current`.
+/// Replaces `current` with `new`; `Err` with the value found if it was not `current`.
 #[inline(always)]
-pub fn compare_exchange(ptr: *mut u64, current: u64, new: u64) -> bool {
+pub fn compare_exchange(ptr: *mut u64, current: u64, new: u64) -> Result<(), u64> {
     // SAFETY: as for `fetch_add`.
-    unsafe {
+    let (found, swapped) = unsafe {
         atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(
             ptr, current, new,
         )
-        .1
-    }
+    };
+    if swapped { Ok(()) } else { Err(found) }
 }
 
 #[inline(always)]

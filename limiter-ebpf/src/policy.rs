@@ -23,9 +23,10 @@ use aya_ebpf::{
     maps::lpm_trie::Key,
 };
 use limiter_common::{
-    Blocked, Config, Direction, Event, Flow, FlowKey, HalfOpen, Reason, Refusal, SEEN_ATTEMPTS,
-    SeenAttempts, SourceKey, SynBucket, Verdict, attempt_signature, bucket_slot, flow_state,
-    helper, maps::ACK_HINT_BITS, seen_slot, source::V4_MAPPED, source_key, stats::stat_slot,
+    BUCKET_TAG_MASK, Blocked, Config, Direction, Event, Flow, FlowKey, HalfOpen, Reason, Refusal,
+    SEEN_ATTEMPTS, SeenAttempts, SourceKey, SynBucket, Verdict, attempt_signature, bucket_place,
+    flow_state, helper, maps::ACK_HINT_BITS, seen_slot, source::V4_MAPPED, source_key,
+    stats::stat_slot,
 };
 
 use crate::{
@@ -359,7 +360,7 @@ fn banned(source: &SourceKey, now: u64) -> bool {
 /// taking a token.
 ///
 /// It writes no hash table: the source's SYN bucket is a slot of an array
-/// ([`limiter_common::bucket_slot`]), and the half-open record is written when the host's
+/// ([`limiter_common::bucket_place`]), and the half-open record is written when the host's
 /// SYN-ACK leaves ([`syn_ack`]). A new source's SYN costs that slot and nothing more unless
 /// a source mapping to the slot holds connections (`holders`), when its count is looked up.
 /// The 4-tuple is not looked up in `FLOWS`: a SYN on a tracked 4-tuple (a connection reusing
@@ -369,17 +370,19 @@ fn banned(source: &SourceKey, now: u64) -> bool {
 #[inline(never)]
 fn syn(seg: &Segment, config: &Config) -> Action {
     let source = source_of(seg, config);
-    let Some(bucket) = bucket_of(&source, config) else {
+    let place = bucket_place(&source, config.bucket_seed, config.bucket_mask);
+    let Some(bucket) = SYN_BUCKETS.get_ptr_mut(place.slot) else {
         // Only before the agent sized the array into the config: nothing to meter with.
         return pass(Direction::Ingress, Reason::HalfOpen);
     };
     // Read once: the config lives in a map the agent may rewrite meanwhile.
     let rate = Gcra::of(config);
     let rate_now = rate_now();
-    // SAFETY: pointer from a successful lookup; the key is plain bytes.
-    let mine = unsafe { (*bucket).source == source };
+    // SAFETY: pointer from a successful lookup.
+    let word = atomics::load(unsafe { &(*bucket).tat_tag });
+    let mine = word & BUCKET_TAG_MASK == place.tag;
     // The rate first: a SYN over it is refused on its bucket alone.
-    if rate.limited() && mine && rate.spent(bucket, rate_now) {
+    if rate.limited() && mine && rate.next(word & !BUCKET_TAG_MASK, rate_now).is_none() {
         return refuse_rate(seg, bucket, config);
     }
     if let Some(reason) = at_cap(&source, bucket, config) {
@@ -392,12 +395,15 @@ fn syn(seg: &Segment, config: &Config) -> Action {
         );
     }
     let signature = attempt_signature(&seg.src, &seg.dst, seg.sport, seg.dport, seg.seq);
-    // SAFETY (both blocks): pointer from a successful lookup; a plain word a racing CPU can
-    // only overwrite with another signature of the same slot.
-    if mine && unsafe { (*bucket).admitted } == signature {
+    // SAFETY (both blocks): pointer from a successful lookup; plain words a racing CPU can
+    // only overwrite with another source key or signature of the same slot.
+    if mine && unsafe { (*bucket).source == source && (*bucket).admitted == signature } {
         return pass(Direction::Ingress, Reason::Retransmit);
     }
-    if rate.take(bucket, &source, mine, rate_now).is_err() {
+    if rate
+        .take(bucket, &source, place.tag, word, rate_now)
+        .is_err()
+    {
         // Other CPUs took the last tokens since the check above.
         return refuse_rate(seg, bucket, config);
     }
@@ -408,7 +414,7 @@ fn syn(seg: &Segment, config: &Config) -> Action {
 /// The `SYN_BUCKETS` slot of a source key.
 #[inline(always)]
 fn bucket_of(source: &SourceKey, config: &Config) -> Option<*mut SynBucket> {
-    SYN_BUCKETS.get_ptr_mut(bucket_slot(source, config.bucket_seed, config.bucket_mask))
+    SYN_BUCKETS.get_ptr_mut(bucket_place(source, config.bucket_seed, config.bucket_mask).slot)
 }
 
 /// Adds `delta` to the connections held through a source's bucket slot (see
@@ -492,55 +498,49 @@ impl Gcra {
         (next - now <= self.tolerance).then_some(next)
     }
 
-    /// Whether the bucket has no token left, without taking one.
-    #[inline(always)]
-    fn spent(self, bucket: *mut SynBucket, now: u64) -> bool {
-        // SAFETY: pointer from a successful lookup.
-        self.next(atomics::load(unsafe { &(*bucket).tat_ns }), now)
-            .is_none()
-    }
-
-    /// Takes a token from the source's bucket, claiming the slot first unless it is `mine`
-    /// already: a claimed slot starts full, the other source's state gone. The TAT moves by
-    /// compare-and-swap, so racing CPUs each pay for their own token, and two CPUs claiming a
-    /// slot for the same source both pay too: the loser's swap fails, and it takes its token
-    /// from the winner's bucket. `Err` if the bucket ran dry.
+    /// Takes a token from the bucket of the source tagged `tag`, whose word read `word`,
+    /// claiming the slot if another source's tag is there: a claimed slot starts full, the
+    /// other source's state gone. Who owns the slot and its TAT are one word, moved by
+    /// compare-and-swap, so racing CPUs each pay for their own token, and of two claiming the
+    /// slot for one source at once only one starts it full: the other's swap fails and it
+    /// takes its token from the bucket the first made. `Err` if the bucket ran dry.
     #[inline(always)]
     fn take(
         self,
         bucket: *mut SynBucket,
         source: &SourceKey,
-        mine: bool,
+        tag: u64,
+        word: u64,
         now: u64,
     ) -> Result<(), ()> {
-        // SAFETY (all blocks): pointer from a successful lookup; besides the TAT, plain words
-        // racing CPUs may overwrite, which only the top-blocked counts would feel.
-        let tat = unsafe { &raw mut (*bucket).tat_ns };
-        if mine && !self.limited() {
-            return Ok(());
-        }
-        let mut claim = !mine;
+        // SAFETY (all blocks): pointer from a successful lookup; besides the word, plain
+        // fields racing CPUs may overwrite, which only the top-blocked counts would feel.
+        let tat_tag = unsafe { &raw mut (*bucket).tat_tag };
+        let mut current = word;
         for _ in 0..8 {
-            let current = atomics::load(tat);
-            let base = if claim { 0 } else { current };
-            let Some(next) = self.next(base, now) else {
-                return Err(());
-            };
-            if claim {
-                unsafe { (*bucket).source = *source };
-            }
-            if atomics::compare_exchange(tat, current, next) {
-                if claim {
-                    unsafe {
-                        (*bucket).refused = 0;
-                        (*bucket).seen = [0; SEEN_ATTEMPTS];
-                    }
-                }
+            let claim = current & BUCKET_TAG_MASK != tag;
+            if !claim && !self.limited() {
                 return Ok(());
             }
-            claim = unsafe { (*bucket).source != *source };
+            let tat = if claim { 0 } else { current & !BUCKET_TAG_MASK };
+            let Some(next) = self.next(tat, now) else {
+                return Err(());
+            };
+            match atomics::compare_exchange(tat_tag, current, (next & !BUCKET_TAG_MASK) | tag) {
+                Ok(()) => {
+                    if claim {
+                        unsafe {
+                            (*bucket).source = *source;
+                            (*bucket).refused = 0;
+                            (*bucket).seen = [0; SEEN_ATTEMPTS];
+                        }
+                    }
+                    return Ok(());
+                }
+                Err(found) => current = found,
+            }
         }
-        // Eight CPUs beat us to the same source's bucket: it is being flooded.
+        // Eight CPUs beat us to the same slot: it is being flooded.
         Err(())
     }
 }

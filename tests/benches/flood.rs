@@ -236,7 +236,7 @@ fn softirq() -> Result<Duration> {
     Ok(Duration::from_nanos(ticks * 1_000_000_000 / hz))
 }
 
-/// SYNs limiter let through to the host so far (recorded half-open), if `installed` is
+/// SYNs limiter let through to the host so far (admitted: `half_open`), if `installed` is
 /// limiter's datapath.
 fn let_through(installed: &Installed) -> Result<Option<u64>> {
     let Some(dp) = installed

@@ -2,7 +2,7 @@
 //! BPF_PROG_TEST_RUN, each beside an XDP program that only passes, measured in the same run.
 //!
 //! Paths that leave no state behind (established segments, a retransmitted refused SYN) run
-//! with the kernel's own repeat loop; paths that change state (a SYN recorded half-open, an
+//! with the kernel's own repeat loop; paths that change state (an admitted SYN, an
 //! ACK that completes a handshake, a refused new connection attempt) run once per call on
 //! fresh frames, and so does their anchor. Each path and its anchor take turns over rounds
 //! ([`REPEATED_ROUNDS`], or [`ROUNDS`] for the fresh-frame paths, each round a share of the
@@ -13,8 +13,8 @@
 use std::net::{IpAddr, Ipv4Addr};
 
 use aya::{
-    Ebpf, TestRun,
-    programs::{TestRunOptions, Xdp},
+    Ebpf, TestRun, TestRunResult,
+    programs::{SchedClassifier, TestRunOptions, Xdp},
 };
 use limiter_tests::{
     frames::{Flags, Tcp},
@@ -34,6 +34,8 @@ fn anchor() -> Ebpf {
     let mut ebpf = Ebpf::load_file(path).expect("the anchor object (cargo xtask build builds it)");
     let prog: &mut Xdp = ebpf.program_mut("pass").unwrap().try_into().unwrap();
     prog.load().unwrap();
+    let prog: &mut SchedClassifier = ebpf.program_mut("pass_tc").unwrap().try_into().unwrap();
+    prog.load().unwrap();
     ebpf
 }
 
@@ -50,7 +52,10 @@ fn repeated(prog: &Xdp, frame: &[u8]) -> f64 {
 }
 
 /// Mean nanoseconds over one run per call, one frame each.
-fn single(prog: &Xdp, frames: &[Vec<u8>]) -> f64 {
+fn single<P>(prog: &P, frames: &[Vec<u8>]) -> f64
+where
+    P: for<'a> TestRun<Opts<'a> = TestRunOptions<'a>, Result = TestRunResult>,
+{
     let total: u128 = frames
         .iter()
         .map(|frame| {
@@ -154,7 +159,7 @@ fn main() {
         ),
     ));
 
-    // New sources' SYNs, each recorded half-open: one run per fresh frame.
+    // New sources' SYNs, each admitted: one run per fresh frame.
     let syns: Vec<Vec<u8>> = (0..SINGLE_RUNS).map(|i| syn(i).build()).collect();
     rows.push((
         "admitted SYN, 262,144-slot table",
@@ -165,14 +170,29 @@ fn main() {
         ),
     ));
 
-    // The host's SYN-ACKs (through TC, not timed), then the ACKs that complete the handshakes.
-    let acks: Vec<Vec<u8>> = (0..SINGLE_RUNS)
+    // The host's SYN-ACKs through TC egress, each writing its connection's half-open record
+    // (a TC anchor that only passes), then the ACKs that complete the handshakes.
+    let (syn_acks, acks): (Vec<Vec<u8>>, Vec<Vec<u8>>) = (0..SINGLE_RUNS)
         .map(|i| {
             let h = handshake(&syn(i), isn(syn(i).sport));
-            k.tc(&h.syn_ack);
-            h.ack
+            (h.syn_ack, h.ack)
         })
-        .collect();
+        .unzip();
+    let tc_anchor: &SchedClassifier = anchor_obj.program("pass_tc").unwrap().try_into().unwrap();
+    let egress: &SchedClassifier =
+        k.dp.ebpf()
+            .program(limiter::datapath::TC_PROGRAM)
+            .unwrap()
+            .try_into()
+            .unwrap();
+    rows.push((
+        "host's SYN-ACK (TC), records half-open",
+        in_turns(
+            ROUNDS,
+            |round| single(egress, share(&syn_acks, round)),
+            |round| single(tc_anchor, share(&syn_acks, round)),
+        ),
+    ));
     rows.push((
         "handshake-completing ACK",
         in_turns(

@@ -16,8 +16,8 @@ use std::{collections::HashMap, net::IpAddr};
 
 use limiter::datapath::Policy;
 use limiter_common::{
-    Config, Direction, Event, FlowKey, Reason, Refusal, SourceKey, Verdict, attempt_signature,
-    bucket_slot, flow_state, source_key, stats::stat_slot,
+    BucketPlace, Config, Direction, Event, FlowKey, Reason, Refusal, SourceKey, Verdict,
+    attempt_signature, bucket_place, flow_state, source_key, stats::stat_slot,
 };
 
 use crate::kernel::{XDP_DROP, XDP_PASS, XDP_TX};
@@ -60,7 +60,9 @@ pub struct HalfOpen {
 /// What a SYN bucket slot decides when no rate is set.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Bucket {
-    /// The source that claimed the slot last.
+    /// The tag of the source that claimed the slot last (0: none).
+    pub tag: u64,
+    /// That source's key.
     pub source: Option<SourceKey>,
     /// The signature of that source's last admitted SYN.
     pub admitted: u32,
@@ -281,8 +283,8 @@ impl Model {
         }
     }
 
-    fn slot(&self, source: &SourceKey) -> u32 {
-        bucket_slot(source, self.config.bucket_seed, self.config.bucket_mask)
+    fn place(&self, source: &SourceKey) -> BucketPlace {
+        bucket_place(source, self.config.bucket_seed, self.config.bucket_mask)
     }
 
     fn syn(&mut self, seg: &Segment) -> Action {
@@ -290,8 +292,8 @@ impl Model {
         // connections), then the bucket: a copy of the source's last admitted SYN is a
         // retransmission. A tracked 4-tuple is not looked at (see `complete`).
         let source = self.source(seg.src);
-        let slot = self.slot(&source);
-        let bucket = self.buckets.get(&slot).copied().unwrap_or_default();
+        let place = self.place(&source);
+        let bucket = self.buckets.get(&place.slot).copied().unwrap_or_default();
         let per_ip = self.config.max_conn_per_ip as u64;
         let total = self.config.max_conn_total as u64;
         if per_ip != 0
@@ -310,12 +312,17 @@ impl Model {
             seg.dport,
             seg.seq,
         );
-        let mine = bucket.source == Some(source);
-        if mine && bucket.admitted == signature {
+        // The slot is the source's while its tag is there; sources sharing slot and tag share
+        // the bucket, and only the one that claimed it is named in it.
+        let mine = bucket.tag == place.tag;
+        if mine && bucket.source == Some(source) && bucket.admitted == signature {
             return self.pass(Direction::Ingress, Reason::Retransmit);
         }
-        let entry = self.buckets.entry(slot).or_default();
-        entry.source = Some(source);
+        let entry = self.buckets.entry(place.slot).or_default();
+        if !mine {
+            entry.tag = place.tag;
+            entry.source = Some(source);
+        }
         entry.admitted = signature;
         self.pass(Direction::Ingress, Reason::HalfOpen)
     }
@@ -351,7 +358,7 @@ impl Model {
         }
         *per_source += 1;
         self.global += 1;
-        let slot = self.slot(&entry.source);
+        let slot = self.place(&entry.source).slot;
         self.buckets.entry(slot).or_default().holders += 1;
         let flow = Flow {
             source: entry.source,
@@ -394,7 +401,7 @@ impl Model {
         };
         if let Some(n) = self.source_conns.get_mut(&flow.source) {
             *n -= 1;
-            let slot = self.slot(&flow.source);
+            let slot = self.place(&flow.source).slot;
             self.buckets.entry(slot).or_default().holders -= 1;
         }
         self.global -= 1;

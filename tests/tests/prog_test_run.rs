@@ -10,8 +10,8 @@ use std::{
 
 use etherparse::{IpFragOffset, IpHeaders, IpNumber, Ipv4Extensions, Ipv4Header, PacketBuilder};
 use limiter_common::{
-    Direction, Event, FlowKey, HalfOpen, RST_MARK, Reason, Verdict, attempt_signature, bucket_slot,
-    flow_state, maps, seen_slot, source_key,
+    Direction, Event, FlowKey, HalfOpen, RST_MARK, Reason, Verdict, attempt_signature,
+    bucket_place, flow_state, maps, seen_slot, source_key,
 };
 use limiter_tests::{
     frames::{self, CLIENT_MAC, Flags, SERVER_MAC, Tcp, Vlans},
@@ -322,9 +322,9 @@ fn a_retransmitted_syn_takes_no_token() {
     assert_eq!(k.global(), 1);
 }
 
-/// An address of another source whose SYN bucket slot is `victim`'s under the live seed: what
-/// an attacker would need the seed for. Bounded: 1,024 slots, so one in about a thousand
-/// addresses shares it.
+/// An address of another source whose SYN bucket slot is `victim`'s under the live seed (with
+/// another tag: a source of its own), what an attacker would need the seed for. Bounded: 1,024
+/// slots, so one in about a thousand addresses shares it.
 fn sharing_a_slot(k: &Kernel, victim: IpAddr) -> IpAddr {
     let config = k.dp.maps.config().unwrap();
     assert_eq!(
@@ -332,13 +332,14 @@ fn sharing_a_slot(k: &Kernel, victim: IpAddr) -> IpAddr {
         "the array is the flow table's size"
     );
     assert_ne!(config.bucket_seed, 0, "the agent drew a seed");
-    let slot = |addr: IpAddr| {
+    let place = |addr: IpAddr| {
         let key = source_key(&limiter_tests::model::mapped(addr), 32, 128);
-        bucket_slot(&key, config.bucket_seed, config.bucket_mask)
+        bucket_place(&key, config.bucket_seed, config.bucket_mask)
     };
+    let victim = place(victim);
     (1..1u32 << 20)
         .map(|i| IpAddr::V4(Ipv4Addr::from(0x0A00_0000 | i)))
-        .find(|addr| slot(*addr) == slot(victim))
+        .find(|addr| place(*addr).slot == victim.slot && place(*addr).tag != victim.tag)
         .expect("an address sharing the slot")
 }
 

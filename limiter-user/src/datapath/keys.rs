@@ -55,7 +55,7 @@ pub fn boot_time_ns() -> Result<u64, MapsError> {
     clock_ns(libc::CLOCK_BOOTTIME)
 }
 
-/// A fresh secret for [`limiter_common::bucket_slot`], never 0 (the mark of a config that
+/// A fresh secret for [`limiter_common::bucket_place`], never 0 (the mark of a config that
 /// has none yet).
 pub fn bucket_seed() -> Result<u64, MapsError> {
     let mut seed = [0u8; 8];
