@@ -356,8 +356,8 @@ fn banned(source: &SourceKey, now: u64) -> bool {
 }
 
 /// A SYN: refused if its source has no SYN token left, or if a cap is reached as the counts
-/// stand (no slot is taken); else passed, a copy of the source's last admitted SYN without
-/// taking a token.
+/// stand (no slot is taken); else passed, taking a token unless it is a copy of the source's
+/// last admitted SYN (a retransmission).
 ///
 /// It writes no hash table: the source's SYN bucket is a slot of an array
 /// ([`limiter_common::bucket_place`]), and the half-open record is written when the host's
