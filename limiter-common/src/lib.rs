@@ -321,19 +321,6 @@ pub struct SynBucket {
 
 const _: () = assert!(core::mem::size_of::<SynBucket>() == 64);
 
-impl SynBucket {
-    /// A slot never claimed.
-    pub const EMPTY: SynBucket = SynBucket {
-        source: SourceKey { addr: [0; 16] },
-        tat_tag: 0,
-        refused: 0,
-        seen: [0; SEEN_ATTEMPTS],
-        admitted: 0,
-        _pad: 0,
-        holders: 0,
-    };
-}
-
 /// Bits of [`SynBucket::tat_tag`] that hold the claiming source's tag.
 pub const BUCKET_TAG_BITS: u32 = 8;
 /// The mask of those bits.
