@@ -130,9 +130,16 @@ pub struct Config {
     /// sender can work out. Chosen once, when the maps are made, and kept with them (a new
     /// seed would move every source to a slot that counted others' connections).
     pub bucket_seed: u64,
+    /// The SYN rate's emission interval in nanoseconds (0: not limited), derived from
+    /// `syn_rate` by [`Config::derive_syn_terms`]: the programs would otherwise divide by the
+    /// rate on every SYN.
+    pub syn_interval_ns: u64,
+    /// The SYN rate's burst tolerance in nanoseconds (the interval times `syn_burst`), derived
+    /// with the interval.
+    pub syn_tolerance_ns: u64,
 }
 
-const _: () = assert!(core::mem::size_of::<Config>() == 40);
+const _: () = assert!(core::mem::size_of::<Config>() == 56);
 
 impl Config {
     /// What the programs do before the agent writes a configuration: count, limit nothing.
@@ -155,7 +162,18 @@ impl Config {
         rst_xdp_tx: 0,
         bucket_mask: 0,
         bucket_seed: 0,
+        syn_interval_ns: 0,
+        syn_tolerance_ns: 0,
     };
+
+    /// Sets the GCRA terms the programs meter SYNs with from `syn_rate` and `syn_burst`
+    /// (at least one SYN of burst), as whoever writes a config must before writing it.
+    pub fn derive_syn_terms(&mut self) {
+        self.syn_interval_ns = 1_000_000_000u64
+            .checked_div(self.syn_rate as u64)
+            .unwrap_or(0);
+        self.syn_tolerance_ns = self.syn_interval_ns * self.syn_burst.max(1) as u64;
+    }
 }
 
 /// A source address masked to its configured prefix. IPv4 addresses are stored IPv4-mapped

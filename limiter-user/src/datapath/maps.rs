@@ -17,6 +17,7 @@ use thiserror::Error;
 use super::{
     Policy,
     keys::{boot_time_ns, bucket_seed, source_key},
+    mapped::MappedArray,
     pins,
 };
 
@@ -34,6 +35,12 @@ pub enum MapsError {
     Clock(#[source] std::io::Error),
     #[error("drawing the SYN buckets' hash seed from the kernel's random source")]
     Random(#[source] std::io::Error),
+    #[error("mapping map {name} into memory")]
+    Mapping {
+        name: &'static str,
+        #[source]
+        source: nix::Error,
+    },
 }
 
 pub(super) fn map_error(name: &'static str) -> impl FnOnce(MapError) -> MapsError {
@@ -383,8 +390,13 @@ impl Maps {
             all.insert(key, blocked);
         }
         if let Some(rate) = Reason::SynRate.blocked_slot() {
-            for bucket in self.syn_buckets.iter() {
-                let bucket = bucket.map_err(map_error(map_names::SYN_BUCKETS))?;
+            let buckets =
+                MappedArray::<SynBucket>::new(self.syn_buckets.map().fd(), self.syn_buckets.len())
+                    .map_err(|source| MapsError::Mapping {
+                        name: map_names::SYN_BUCKETS,
+                        source,
+                    })?;
+            for bucket in buckets.iter() {
                 if bucket.refused > 0 {
                     all.entry(bucket.source).or_default().counts[rate] += bucket.refused;
                 }

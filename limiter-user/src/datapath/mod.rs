@@ -7,6 +7,7 @@ mod helpers;
 pub mod kernel;
 pub mod keys;
 mod loader;
+mod mapped;
 mod maps;
 pub mod pins;
 mod policy;

@@ -7,8 +7,8 @@ use limiter_common::Config;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Policy {
     /// Limits, prefixes and refusal modes. Its fields that follow from the ports and lists
-    /// (`all_ports`, `has_allow`, `has_deny`) are ignored here and derived by
-    /// [`Policy::config`], so they can never disagree with what the maps hold; `has_bans`
+    /// (`all_ports`, `has_allow`, `has_deny`) or from its rate (the SYN rate's terms) are
+    /// ignored here and derived by [`Policy::config`], so they can never disagree with what the maps hold; `has_bans`
     /// follows the ban table, which [`super::Maps`] keeps.
     pub limits: Config,
     /// Protected ports; empty means every port.
@@ -20,12 +20,14 @@ pub struct Policy {
 impl Policy {
     /// The config map's value for this policy.
     pub fn config(&self) -> Config {
-        Config {
+        let mut config = Config {
             all_ports: self.ports.is_empty().into(),
             has_allow: (!self.allow.is_empty()).into(),
             has_deny: (!self.deny.is_empty()).into(),
             ..self.limits
-        }
+        };
+        config.derive_syn_terms();
+        config
     }
 
     /// This policy with extra list entries (the admin API's) added to its own.
@@ -69,6 +71,31 @@ mod tests {
         assert_eq!(
             (config.all_ports, config.has_allow, config.has_deny),
             (0, 0, 1)
+        );
+    }
+
+    #[test]
+    fn the_syn_rate_reaches_the_programs_as_gcra_terms() {
+        let policy = |syn_rate, syn_burst| Policy {
+            limits: Config {
+                syn_rate,
+                syn_burst,
+                syn_interval_ns: 7,
+                syn_tolerance_ns: 7,
+                ..Config::UNCONFIGURED
+            },
+            ports: Vec::new(),
+            allow: Vec::new(),
+            deny: Vec::new(),
+        };
+        let terms = |c: Config| (c.syn_interval_ns, c.syn_tolerance_ns);
+        assert_eq!(terms(policy(50, 10).config()), (20_000_000, 200_000_000));
+        assert_eq!(terms(policy(3, 1).config()), (333_333_333, 333_333_333));
+        assert_eq!(terms(policy(1_000_000_000, 0).config()), (1, 1));
+        assert_eq!(
+            terms(policy(0, 40).config()),
+            (0, 0),
+            "no rate, no metering"
         );
     }
 }
