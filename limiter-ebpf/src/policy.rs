@@ -472,9 +472,10 @@ fn at_cap(source: &SourceKey, bucket: *mut SynBucket, config: &Config) -> Option
 
 /// The SYN rate as GCRA: a source's bucket is the theoretical arrival time (TAT) of its next
 /// SYN, and a SYN is allowed while that time is no further ahead of now than the burst. Holds
-/// the emission interval and burst tolerance, in nanoseconds; an interval of 0 when the rate
-/// is not limited, as the agent derived them ([`Config::derive_syn_terms`]). (Not an `Option`: LLVM spills the fields of a `None` it never
-/// initialised, and the verifier rejects reads of uninitialised registers.)
+/// the emission interval and burst tolerance, in nanoseconds, as the agent derived them
+/// ([`Config::derive_syn_terms`]); an interval of 0 when the rate is not limited. (Not an
+/// `Option`: LLVM spills the fields of a `None` it never initialised, and the verifier
+/// rejects reads of uninitialised registers.)
 #[derive(Clone, Copy)]
 struct Gcra {
     interval: u64,

@@ -7,9 +7,9 @@ use limiter_common::Config;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Policy {
     /// Limits, prefixes and refusal modes. Its fields that follow from the ports and lists
-    /// (`all_ports`, `has_allow`, `has_deny`) or from its rate (the SYN rate's terms) are
-    /// ignored here and derived by [`Policy::config`], so they can never disagree with what the maps hold; `has_bans`
-    /// follows the ban table, which [`super::Maps`] keeps.
+    /// (`all_ports`, `has_allow`, `has_deny`) or from the SYN rate (its GCRA terms) are
+    /// ignored here and derived by [`Policy::config`], so they can never disagree with what
+    /// the maps hold; `has_bans` follows the ban table, which [`super::Maps`] keeps.
     pub limits: Config,
     /// Protected ports; empty means every port.
     pub ports: Vec<u16>,
