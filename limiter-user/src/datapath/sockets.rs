@@ -38,14 +38,20 @@ pub enum SocketsError {
 /// The TCP sockets of this network namespace, keyed like the flow table.
 #[derive(Debug, Default)]
 pub struct SocketTable {
-    /// Connections, oriented as flows are: `remote` is the peer, `local` this host.
-    connections: HashSet<([u8; 16], u16, [u8; 16], u16)>,
+    /// Connections, oriented as flows are (`remote` is the peer, `local` this host), each with
+    /// its state and its socket's id (which `SOCK_DESTROY` names).
+    connections: HashMap<FlowKey, Entry>,
     /// Local ports something listens on: connections to them end in this namespace, so the
     /// table speaks for their flows. Flows to other ports (a broker in another namespace
     /// behind the protected interface) are not judged by it.
     listening: HashSet<u16>,
-    /// Established connections, each with its socket's id (which `SOCK_DESTROY` names).
-    established: HashMap<FlowKey, SocketId>,
+}
+
+/// One socket of the table: its TCP state (`TCP_ESTABLISHED`, ...) and its id.
+#[derive(Debug)]
+struct Entry {
+    state: u8,
+    id: SocketId,
 }
 
 impl SocketTable {
@@ -58,21 +64,18 @@ impl SocketTable {
                     table.listening.insert(id.source_port);
                     return;
                 }
-                let remote = mapped(id.destination_address).octets();
-                let local = mapped(id.source_address).octets();
-                table
-                    .connections
-                    .insert((remote, id.destination_port, local, id.source_port));
-                if state == TCP_ESTABLISHED {
-                    let flow = FlowKey {
-                        remote,
-                        local,
-                        remote_port: id.destination_port,
-                        local_port: id.source_port,
-                        _pad: 0,
-                    };
-                    table.established.insert(flow, id.clone());
-                }
+                let flow = FlowKey {
+                    remote: mapped(id.destination_address).octets(),
+                    local: mapped(id.source_address).octets(),
+                    remote_port: id.destination_port,
+                    local_port: id.source_port,
+                    _pad: 0,
+                };
+                let socket = Entry {
+                    state,
+                    id: id.clone(),
+                };
+                table.connections.insert(flow, socket);
             })?;
         }
         Ok(table)
@@ -85,20 +88,25 @@ impl SocketTable {
 
     /// Whether a socket for `flow` exists.
     pub fn has(&self, flow: &FlowKey) -> bool {
-        self.connections
-            .contains(&(flow.remote, flow.remote_port, flow.local, flow.local_port))
+        self.connections.contains_key(flow)
     }
 
     /// Established connections to local ports served here, oriented as flows: the ones a
     /// flow should exist for.
     pub fn established(&self) -> impl Iterator<Item = &FlowKey> {
-        self.established.keys().filter(|flow| self.covers(flow))
+        self.connections
+            .iter()
+            .filter(|(flow, socket)| socket.state == TCP_ESTABLISHED && self.covers(flow))
+            .map(|(flow, _)| flow)
     }
 
     /// Closes an established connection's socket (`SOCK_DESTROY`: the host sends the peer a
     /// RST), as if the programs had refused it.
     pub fn destroy(&self, flow: &FlowKey) -> Result<(), SocketsError> {
-        let id = self.established.get(flow).ok_or(SocketsError::NoSocket)?;
+        let id = match self.connections.get(flow) {
+            Some(socket) if socket.state == TCP_ESTABLISHED => &socket.id,
+            _ => return Err(SocketsError::NoSocket),
+        };
         let family = if id.source_address.is_ipv4() {
             AF_INET
         } else {
@@ -235,5 +243,33 @@ mod tests {
         );
         assert!(table.covers(&gone));
         assert!(!table.has(&gone));
+        let established: Vec<_> = table.established().collect();
+        assert!(established.contains(&&live));
+        assert!(!established.contains(&&gone));
+        // The listener's own socket is no connection.
+        let listening = key(Ipv4Addr::UNSPECIFIED.into(), 0, server.ip(), server.port());
+        assert!(!table.has(&listening));
+    }
+
+    #[test]
+    fn a_connection_its_peer_closed_exists_but_is_not_established() {
+        let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+        let server = listener.local_addr().unwrap();
+        let client = TcpStream::connect(server).unwrap();
+        let (_accepted, _) = listener.accept().unwrap();
+        let from = client.local_addr().unwrap();
+        let flow = key(from.ip(), from.port(), server.ip(), server.port());
+        drop(client);
+        // The server's end is in CLOSE_WAIT once the client's FIN arrived: over loopback at
+        // once, but not synchronously with `drop`.
+        let closing = (0..1_000)
+            .map(|_| SocketTable::read().unwrap())
+            .find(|table| !table.established().any(|f| *f == flow))
+            .expect("the server's end left ESTABLISHED");
+        assert!(closing.has(&flow));
+        assert!(matches!(
+            closing.destroy(&flow),
+            Err(SocketsError::NoSocket)
+        ));
     }
 }
