@@ -4,20 +4,21 @@
 //!
 //! Parsing is not modelled here: each frame's generator knows what it built, so it hands the
 //! model either the segment or the reason the parser must refuse it with ([`Input`]). The
-//! clock is left out: the model serves configurations with no SYN rate and no bans, and the
-//! ACK hint pre-filter is taken as exact (a false positive only costs the kernel a lookup,
-//! so the verdict must not depend on it). `HALF_OPEN` is an LRU; runs stay far below its size,
-//! so it behaves as a plain map here. The SYN buckets are modelled for what they decide
-//! without a rate: which source claimed a slot last and its last admitted SYN (a copy is a
-//! retransmission), and whether a slot's sources hold connections (the per-source precheck
-//! is skipped when none do).
+//! SYN rate's clock is the test's to set ([`Model::rate_now`]): it reads the same coarse
+//! clock the program does around each frame. Bans are left out (their expiry is on the boot
+//! clock), and the ACK hint pre-filter is taken as exact (a false positive only costs the
+//! kernel a lookup, so the verdict must not depend on it). `HALF_OPEN` is an LRU; runs stay
+//! far below its size, so it behaves as a plain map here. The SYN buckets are modelled whole
+//! but for the top-blocked counts: which source claimed a slot last, its theoretical arrival
+//! time and its last admitted SYN (a copy is a retransmission), and whether a slot's sources
+//! hold connections (the per-source precheck is skipped when none do).
 
 use std::{collections::HashMap, net::IpAddr};
 
 use limiter::datapath::Policy;
 use limiter_common::{
-    BucketPlace, Config, Direction, Event, FlowKey, Reason, Refusal, SourceKey, Verdict,
-    attempt_signature, bucket_place, flow_state, source_key, stats::stat_slot,
+    BUCKET_TAG_MASK, BucketPlace, Config, Direction, Event, FlowKey, Reason, Refusal, SourceKey,
+    Verdict, attempt_signature, bucket_place, flow_state, source_key, stats::stat_slot,
 };
 
 use crate::kernel::{XDP_DROP, XDP_PASS, XDP_TX};
@@ -57,13 +58,18 @@ pub struct HalfOpen {
     pub isn: u32,
 }
 
-/// What a SYN bucket slot decides when no rate is set.
+/// A SYN bucket slot.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Bucket {
     /// The tag of the source that claimed the slot last (0: none).
     pub tag: u64,
     /// That source's key.
     pub source: Option<SourceKey>,
+    /// The theoretical arrival time of its next SYN, when a rate is set (rate clock ns).
+    pub tat: u64,
+    /// Refused for its rate since its last admission (not kernel state: the test counts the
+    /// admissions after such a refusal, tokens that came back with time).
+    pub refused: bool,
     /// The signature of that source's last admitted SYN.
     pub admitted: u32,
     /// Connections held by the sources mapping to the slot.
@@ -78,9 +84,14 @@ pub struct Flow {
 }
 
 /// The kernel's state as the policy leaves it; see the module doc for what is left out.
+#[derive(Clone)]
 pub struct Model {
     config: Config,
     policy: Policy,
+    /// The SYN rate's clock (`CLOCK_MONOTONIC_COARSE` ns) at the next frame.
+    pub rate_now: u64,
+    /// SYNs admitted by a bucket that had refused its source for the rate before.
+    pub refills: u64,
     /// Packets by `stat_slot(direction, verdict, reason)`.
     pub stats: HashMap<u32, u64>,
     /// Events by `Event as usize`.
@@ -136,6 +147,8 @@ impl Model {
                 ..policy.config()
             },
             policy: policy.clone(),
+            rate_now: 0,
+            refills: 0,
             stats: HashMap::new(),
             events: [0; Event::COUNT],
             half_open: HashMap::new(),
@@ -288,12 +301,25 @@ impl Model {
     }
 
     fn syn(&mut self, seg: &Segment) -> Action {
-        // The caps as they stand first (the source's count only if its slot's sources hold
-        // connections), then the bucket: a copy of the source's last admitted SYN is a
-        // retransmission. A tracked 4-tuple is not looked at (see `complete`).
+        // The rate first, on the source's own bucket alone; then the caps as they stand (the
+        // source's count only if its slot's sources hold connections); then the bucket again:
+        // a copy of the source's last admitted SYN is a retransmission and takes no token. A
+        // tracked 4-tuple is not looked at (see `complete`).
         let source = self.source(seg.src);
         let place = self.place(&source);
         let bucket = self.buckets.get(&place.slot).copied().unwrap_or_default();
+        // The slot is the source's while its tag is there; sources sharing slot and tag share
+        // the bucket, and only the one that claimed it is named in it. A source claiming the
+        // slot starts with a full bucket.
+        let mine = bucket.tag == place.tag;
+        let rate = Rate::of(&self.config);
+        if let Some(rate) = rate
+            && mine
+            && rate.admit(bucket.tat, self.rate_now).is_none()
+        {
+            self.buckets.entry(place.slot).or_default().refused = true;
+            return self.refuse(seg, Reason::SynRate, self.config.reject_rate);
+        }
         let per_ip = self.config.max_conn_per_ip as u64;
         let total = self.config.max_conn_total as u64;
         if per_ip != 0
@@ -312,16 +338,25 @@ impl Model {
             seg.dport,
             seg.seq,
         );
-        // The slot is the source's while its tag is there; sources sharing slot and tag share
-        // the bucket, and only the one that claimed it is named in it.
-        let mine = bucket.tag == place.tag;
         if mine && bucket.source == Some(source) && bucket.admitted == signature {
             return self.pass(Direction::Ingress, Reason::Retransmit);
         }
+        let now = self.rate_now;
         let entry = self.buckets.entry(place.slot).or_default();
         if !mine {
             entry.tag = place.tag;
             entry.source = Some(source);
+            entry.tat = 0;
+            entry.refused = false;
+        }
+        if let Some(rate) = rate {
+            entry.tat = rate
+                .admit(entry.tat, now)
+                .expect("a full bucket, or one the check above found a token in");
+            if entry.refused {
+                entry.refused = false;
+                self.refills += 1;
+            }
         }
         entry.admitted = signature;
         self.pass(Direction::Ingress, Reason::HalfOpen)
@@ -408,6 +443,11 @@ impl Model {
         self.event(why);
     }
 
+    /// Whether a SYN rate is set: the buckets' TATs mean something only then.
+    pub fn rated(&self) -> bool {
+        self.config.syn_rate != 0
+    }
+
     /// Open connections charged to `addr`'s source (0 if it never had one).
     pub fn source_connections(&self, addr: IpAddr) -> u64 {
         self.source_conns
@@ -420,6 +460,31 @@ impl Model {
 enum Completion {
     Admitted,
     Refused,
+}
+
+/// The SYN rate as README states it: `syn_rate` SYNs a second per source after a burst of
+/// `syn_burst`, as GCRA over the theoretical arrival time (TAT) of the source's next SYN, which
+/// the slot keeps to 256 ns, rounded down (its low bits hold the claiming source's tag).
+#[derive(Clone, Copy)]
+struct Rate {
+    interval: u64,
+    burst: u64,
+}
+
+impl Rate {
+    fn of(config: &Config) -> Option<Rate> {
+        (config.syn_rate != 0).then(|| Rate {
+            interval: 1_000_000_000 / u64::from(config.syn_rate),
+            burst: u64::from(config.syn_burst.max(1)),
+        })
+    }
+
+    /// The TAT a SYN at `now` leaves if the bucket holds a token for it: one whose TAT, one
+    /// interval on, is at most the burst's worth of intervals ahead of now.
+    fn admit(self, tat: u64, now: u64) -> Option<u64> {
+        let next = tat.max(now) + self.interval;
+        (next - now <= self.burst * self.interval).then_some(next & !BUCKET_TAG_MASK)
+    }
 }
 
 /// A connection request: SYN without ACK or RST.

@@ -390,19 +390,32 @@ impl Maps {
             all.insert(key, blocked);
         }
         if let Some(rate) = Reason::SynRate.blocked_slot() {
-            let buckets =
-                MappedArray::<SynBucket>::new(self.syn_buckets.map().fd(), self.syn_buckets.len())
-                    .map_err(|source| MapsError::Mapping {
-                        name: map_names::SYN_BUCKETS,
-                        source,
-                    })?;
-            for bucket in buckets.iter() {
+            for bucket in self.mapped_buckets()?.iter() {
                 if bucket.refused > 0 {
                     all.entry(bucket.source).or_default().counts[rate] += bucket.refused;
                 }
             }
         }
         Ok(all.into_iter().collect())
+    }
+
+    /// Every SYN bucket slot that a source claimed or whose sources hold connections, by slot:
+    /// what the differential test holds against its model.
+    pub fn syn_buckets(&self) -> Result<Vec<(u32, SynBucket)>, MapsError> {
+        Ok((0..)
+            .zip(self.mapped_buckets()?.iter())
+            .filter(|(_, bucket)| bucket.tat_tag != 0 || bucket.holders != 0)
+            .collect())
+    }
+
+    /// The SYN bucket array, mapped read-only: one pass over it costs no syscall per slot.
+    fn mapped_buckets(&self) -> Result<MappedArray<SynBucket>, MapsError> {
+        MappedArray::new(self.syn_buckets.map().fd(), self.syn_buckets.len()).map_err(|source| {
+            MapsError::Mapping {
+                name: map_names::SYN_BUCKETS,
+                source,
+            }
+        })
     }
 
     /// Deletes a source's counter entry if it still reads zero.
