@@ -13,7 +13,9 @@ use std::{
 };
 
 use etherparse::{EtherType, SingleVlanHeader, VlanId};
-use limiter_common::{BUCKET_TAG_MASK, Event, FlowKey, Reason, SourceKey, stats::stat_slot};
+use limiter_common::{
+    BUCKET_TAG_MASK, Direction, Event, FlowKey, Reason, SourceKey, Verdict, stats::stat_slot,
+};
 use limiter_tests::{
     frames::{self, Flags, Tcp, Vlans},
     kernel::{Kernel, TC_ACT_OK, settings},
@@ -47,9 +49,22 @@ const CAPS: &[&str] = &[
     "3",
     "--max-conn-total",
     "150",
-    "--syn-rate",
-    "0",
     "--rst-xdp-tx",
+];
+
+/// No SYN rate: the caps and lists alone decide.
+const NO_RATE: &[&str] = &["--syn-rate", "0"];
+
+/// A SYN rate that bites: 200 clients against 4 SYNs a second each after a burst of 2, so
+/// that sources are refused for their rate, get tokens back as the run goes on, and (over
+/// the caps' 256 bucket slots) take shared slots over with a fresh bucket.
+const RATE: &[&str] = &[
+    "--syn-rate",
+    "4",
+    "--syn-burst",
+    "2",
+    "--reject-rate",
+    "rst",
 ];
 
 /// The same caps with an allow list and a deny list over part of the clients, and refused
@@ -61,8 +76,6 @@ const LISTS: &[&str] = &[
     "2",
     "--max-conn-total",
     "40",
-    "--syn-rate",
-    "0",
     "--allow",
     "192.0.2.0/28",
     "--deny",
@@ -72,44 +85,31 @@ const LISTS: &[&str] = &[
     "--rst-xdp-tx",
 ];
 
-/// The caps with a SYN rate that bites: 200 clients against 4 SYNs a second each after a
-/// burst of 2, over 256 bucket slots, so that sources are refused for their rate, get tokens
-/// back as the run goes on, and take shared slots over with a fresh bucket.
-const RATE: &[&str] = &[
-    "--ports",
-    "5672",
-    "--flow-table-size",
-    "256",
-    "--max-conn-per-ip",
-    "3",
-    "--max-conn-total",
-    "150",
-    "--syn-rate",
-    "4",
-    "--syn-burst",
-    "2",
-    "--reject-rate",
-    "rst",
-    "--rst-xdp-tx",
-];
-
 #[test]
 fn caps_agree_with_the_model() {
-    run(CAPS, seed(0x11A1_7E55), frames());
+    run(&[CAPS, NO_RATE].concat(), seed(0x11A1_7E55), frames());
 }
 
 #[test]
 fn lists_agree_with_the_model() {
-    run(LISTS, seed(0xDE1A_7157).wrapping_add(1), frames());
+    run(
+        &[LISTS, NO_RATE].concat(),
+        seed(0xDE1A_7157).wrapping_add(1),
+        frames(),
+    );
 }
 
 #[test]
 fn the_syn_rate_agrees_with_the_model() {
-    let model = run(RATE, seed(0x5EED_4A7E).wrapping_add(2), frames());
+    let model = run(
+        &[CAPS, RATE].concat(),
+        seed(0x5EED_4A7E).wrapping_add(2),
+        frames(),
+    );
     // The run must have met the rate both ways: refusals, and admissions after them.
     let refused = model.stats.get(&stat_slot(
-        limiter_common::Direction::Ingress,
-        limiter_common::Verdict::Rst,
+        Direction::Ingress,
+        Verdict::Rst,
         Reason::SynRate,
     ));
     println!(
@@ -268,19 +268,15 @@ fn judge(
 /// Every SYN bucket slot of the kernel against the model's.
 fn compare_buckets(k: &Kernel, model: &Model) -> Result<(), String> {
     let kernel = k.dp.maps.syn_buckets().expect("SYN buckets");
-    let claimed = model
+    let in_use = model
         .buckets
         .values()
-        .filter(|b| b.tag != 0 || b.holders != 0);
-    if kernel.len() != claimed.count() {
+        .filter(|b| b.tag != 0 || b.holders != 0)
+        .count();
+    if kernel.len() != in_use {
         return Err(format!(
-            "SYN buckets in use: kernel {}, model {}",
-            kernel.len(),
-            model
-                .buckets
-                .values()
-                .filter(|b| b.tag != 0 || b.holders != 0)
-                .count()
+            "SYN buckets in use: kernel {}, model {in_use}",
+            kernel.len()
         ));
     }
     let rated = model.rated();
