@@ -224,44 +224,60 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_live_loopback_connection_is_in_the_table_and_a_made_up_one_is_not() {
+    /// A loopback connection, both ends open, and its flow as the server's end sees it.
+    struct Loopback {
+        _listener: TcpListener,
+        client: TcpStream,
+        _accepted: TcpStream,
+        flow: FlowKey,
+    }
+
+    fn connect() -> Loopback {
         let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
         let server = listener.local_addr().unwrap();
         let client = TcpStream::connect(server).unwrap();
-        let (_accepted, _) = listener.accept().unwrap();
+        let (accepted, _) = listener.accept().unwrap();
         let from = client.local_addr().unwrap();
+        Loopback {
+            _listener: listener,
+            client,
+            _accepted: accepted,
+            flow: key(from.ip(), from.port(), server.ip(), server.port()),
+        }
+    }
+
+    #[test]
+    fn a_live_loopback_connection_is_in_the_table_and_a_made_up_one_is_not() {
+        let connection = connect();
         let table = SocketTable::read().unwrap();
-        let live = key(from.ip(), from.port(), server.ip(), server.port());
+        let live = connection.flow;
         assert!(table.covers(&live));
         assert!(table.has(&live));
-        let gone = key(
-            from.ip(),
-            from.port().wrapping_add(1),
-            server.ip(),
-            server.port(),
-        );
+        let gone = FlowKey {
+            remote_port: live.remote_port.wrapping_add(1),
+            ..live
+        };
         assert!(table.covers(&gone));
         assert!(!table.has(&gone));
         let established: Vec<_> = table.established().collect();
         assert!(established.contains(&&live));
         assert!(!established.contains(&&gone));
         // The listener's own socket is no connection.
-        let listening = key(Ipv4Addr::UNSPECIFIED.into(), 0, server.ip(), server.port());
+        let listening = FlowKey {
+            remote: mapped(Ipv4Addr::UNSPECIFIED.into()).octets(),
+            remote_port: 0,
+            ..live
+        };
         assert!(!table.has(&listening));
     }
 
     #[test]
     fn a_connection_its_peer_closed_exists_but_is_not_established() {
-        let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
-        let server = listener.local_addr().unwrap();
-        let client = TcpStream::connect(server).unwrap();
-        let (_accepted, _) = listener.accept().unwrap();
-        let from = client.local_addr().unwrap();
-        let flow = key(from.ip(), from.port(), server.ip(), server.port());
-        drop(client);
-        // The server's end is in CLOSE_WAIT once the client's FIN arrived: over loopback at
-        // once, but not synchronously with `drop`.
+        let connection = connect();
+        let flow = connection.flow;
+        drop(connection.client);
+        // Only the client's end closes: the server's is in CLOSE_WAIT once the FIN arrived,
+        // over loopback at once, but not synchronously with `drop`.
         let closing = (0..1_000)
             .map(|_| SocketTable::read().unwrap())
             .find(|table| !table.established().any(|f| *f == flow))
