@@ -71,11 +71,16 @@ impl SocketTable {
                     local_port: id.source_port,
                     _pad: 0,
                 };
-                let socket = Entry {
-                    state,
-                    id: id.clone(),
-                };
-                table.connections.insert(flow, socket);
+                // A 4-tuple has one socket; should a dump ever name one twice (a request
+                // socket beside its child), the established one is what adoption and
+                // `SOCK_DESTROY` need, as when they were kept apart.
+                if state == TCP_ESTABLISHED || !table.connections.contains_key(&flow) {
+                    let socket = Entry {
+                        state,
+                        id: id.clone(),
+                    };
+                    table.connections.insert(flow, socket);
+                }
             })?;
         }
         Ok(table)
