@@ -8,6 +8,10 @@
 //! cost is the softirq time all CPUs spent (from `/proc/stat`) divided by the SYNs sent: on a
 //! veth the receive side, XDP included, runs in softirq. Rounds interleave the cases so that
 //! machine noise hits all of them alike; the median of the rounds is printed, and the ratios.
+//!
+//! More rounds, after those, split the cost: with the kernel's BPF run-time statistics on, they
+//! read how long the XDP program itself ran per SYN, for the floor and for limiter. The
+//! statistics add their own clock reads to every run, so those rounds' softirq time is not used.
 
 use std::{
     net::{IpAddr, Ipv4Addr},
@@ -18,9 +22,10 @@ use std::{
 use anyhow::{Context, Result, bail};
 use aya::{
     Ebpf,
-    programs::{Xdp, XdpMode},
+    programs::{ProgramInfo, Xdp, XdpMode},
+    sys::{Stats, enable_stats},
 };
-use limiter::datapath::{Datapath, LoadOptions, XdpAttachMode};
+use limiter::datapath::{Datapath, LoadOptions, XDP_PROGRAM, XdpAttachMode};
 use limiter_common::{Direction, Reason, Verdict};
 use limiter_tests::{
     frames::Tcp,
@@ -35,6 +40,8 @@ const SYNS: usize = 1_000_000;
 /// A case that cannot send its SYNs in this long is cut short (and says so).
 const CASE_LIMIT: Duration = Duration::from_secs(30);
 const ROUNDS: usize = 5;
+/// Rounds of the floor and limiter with the run-time statistics on, after the measured ones.
+const STATS_ROUNDS: usize = 3;
 /// Sent per `sendmmsg` call.
 const BATCH: usize = 64;
 
@@ -252,17 +259,48 @@ fn let_through(installed: &Installed) -> Result<Option<u64>> {
     )?))
 }
 
-/// One case: µs of softirq per SYN, and the SYNs limiter let through while measured.
-fn case(filter: Filter, frames: &[Vec<u8>]) -> Result<(f64, Option<u64>)> {
+/// The XDP program `installed` put on the interface, as the kernel reports it now: the floor's
+/// or limiter's (the firewalls have none).
+fn xdp_program(installed: &Installed) -> Result<Option<ProgramInfo>> {
+    let Some(installed) = installed.as_ref() else {
+        return Ok(None);
+    };
+    let program = if let Some(dp) = installed.downcast_ref::<Datapath>() {
+        dp.ebpf().program(XDP_PROGRAM)
+    } else if let Some(ebpf) = installed.downcast_ref::<Ebpf>() {
+        ebpf.program("drop_all")
+    } else {
+        None
+    };
+    program
+        .map(|p| p.info())
+        .transpose()
+        .context("the XDP program's info")
+}
+
+/// What one case measured while its SYNs were sent.
+struct Measured {
+    /// Softirq µs per SYN.
+    cost: f64,
+    /// SYNs limiter let through to the host.
+    passed: Option<u64>,
+    /// ns the XDP program ran per run, when the kernel's run-time statistics are on.
+    program_ns: Option<f64>,
+}
+
+/// One case.
+fn case(filter: Filter, frames: &[Vec<u8>]) -> Result<Measured> {
     let pair = Pair::new()?;
     let installed = install(filter, &pair)?;
     let socket = pair.client.run(|| PacketSocket::bind(&pair.client_if))??;
     // Warm the caches and the tables the filters keep, then measure.
     send(&socket, frames, frames.len().min(SYNS / 10))?;
     let passed_before = let_through(&installed)?;
+    let program_before = xdp_program(&installed)?;
     let before = softirq()?;
     let sent = send(&socket, frames, SYNS)?;
     let spent = softirq()? - before;
+    let program_after = xdp_program(&installed)?;
     let passed = let_through(&installed)?
         .zip(passed_before)
         .map(|(after, before)| after - before);
@@ -273,7 +311,18 @@ fn case(filter: Filter, frames: &[Vec<u8>]) -> Result<(f64, Option<u64>)> {
     if sent == 0 {
         bail!("no SYN went out");
     }
-    Ok((spent.as_secs_f64() * 1e6 / sent as f64, passed))
+    let program_ns = program_before
+        .zip(program_after)
+        .and_then(|(before, after)| {
+            let runs = after.run_count() - before.run_count();
+            let time = after.run_time() - before.run_time();
+            (runs > 0 && !time.is_zero()).then(|| time.as_nanos() as f64 / runs as f64)
+        });
+    Ok(Measured {
+        cost: spent.as_secs_f64() * 1e6 / sent as f64,
+        passed,
+        program_ns,
+    })
 }
 
 fn median(mut values: Vec<f64>) -> f64 {
@@ -298,15 +347,16 @@ fn main() -> Result<()> {
         "ipt/limiter"
     );
     let mut passes = Vec::new();
+    let mut split = Vec::new();
     for sources in [1, 10_000] {
         let frames = frames(sources);
         let mut results = vec![Vec::new(); Filter::ALL.len()];
         let mut passed = Vec::new();
         for _ in 0..ROUNDS {
             for (i, filter) in Filter::ALL.into_iter().enumerate() {
-                let (cost, let_through) = case(filter, &frames)?;
-                results[i].push(cost);
-                passed.extend(let_through.map(|n| n as f64));
+                let measured = case(filter, &frames)?;
+                results[i].push(measured.cost);
+                passed.extend(measured.passed.map(|n| n as f64));
             }
         }
         let m: Vec<f64> = results.into_iter().map(median).collect();
@@ -322,6 +372,7 @@ fn main() -> Result<()> {
             m[3] / m[1]
         );
         passes.push((sources, median(passed)));
+        split.push((sources, m[1] - m[0], program_times(&frames)?));
     }
     // What the floor never pays: the SYNs the policy admits (1 per second per source) reach
     // the host, which answers each (here with a RST: nothing listens).
@@ -330,5 +381,34 @@ fn main() -> Result<()> {
             "{sources:>8} sources: limiter let {passed:.0} of the {SYNS} SYNs through to the host (median)"
         );
     }
+    println!(
+        "XDP program's own ns per SYN ({STATS_ROUNDS} more rounds, median; run-time statistics on, \
+         their clock reads included in both):"
+    );
+    for (sources, extra_us, (floor_ns, limiter_ns)) in split {
+        println!(
+            "{sources:>8} sources: drop-all {floor_ns:.0}, limiter {limiter_ns:.0}: limiter's \
+             program ran {:.0} ns longer than the floor's; its softirq cost above is {:.0} ns more",
+            limiter_ns - floor_ns,
+            extra_us * 1e3
+        );
+    }
     Ok(())
+}
+
+/// The floor's and limiter's XDP programs' own time per SYN: the medians of rounds of their
+/// own, the two interleaved as in the measured rounds.
+fn program_times(frames: &[Vec<u8>]) -> Result<(f64, f64)> {
+    let _stats = enable_stats(Stats::RunTime).context("BPF run-time statistics")?;
+    let program_ns = |filter: Filter| {
+        case(filter, frames)?
+            .program_ns
+            .with_context(|| format!("{}: the kernel reported no run time", filter.name()))
+    };
+    let (mut floor, mut limiter) = (Vec::new(), Vec::new());
+    for _ in 0..STATS_ROUNDS {
+        floor.push(program_ns(Filter::DropAll)?);
+        limiter.push(program_ns(Filter::Limiter)?);
+    }
+    Ok((median(floor), median(limiter)))
 }
