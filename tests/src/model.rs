@@ -8,17 +8,21 @@
 //! clock the program does around each frame. Bans are left out (their expiry is on the boot
 //! clock), and the ACK hint pre-filter is taken as exact (a false positive only costs the
 //! kernel a lookup, so the verdict must not depend on it). `HALF_OPEN` is an LRU; runs stay
-//! far below its size, so it behaves as a plain map here. The SYN buckets are modelled whole
-//! but for the top-blocked counts: which source claimed a slot last, its theoretical arrival
-//! time and its last admitted SYN (a copy is a retransmission), and whether a slot's sources
-//! hold connections (the per-source precheck is skipped when none do).
+//! far below its size, so it behaves as a plain map here, and so does `BLOCKED`. The SYN
+//! buckets are modelled whole: which source claimed a slot last, its theoretical arrival
+//! time and its last admitted SYN (a copy is a retransmission), whether a slot's sources
+//! hold connections (the per-source precheck is skipped when none do), and its source's
+//! refusals for the rate with the last refused SYNs that tell a retransmission from a new
+//! attempt. The refused connection attempts are modelled too: by reason, and by source for
+//! the top-blocked lists.
 
 use std::{collections::HashMap, net::IpAddr};
 
 use limiter::datapath::Policy;
 use limiter_common::{
-    BUCKET_TAG_MASK, BucketPlace, Config, Direction, Event, FlowKey, Reason, Refusal, SourceKey,
-    Verdict, attempt_signature, bucket_place, flow_state, source_key, stats::stat_slot,
+    BUCKET_TAG_MASK, Blocked, BucketPlace, Config, Direction, Event, FlowKey, Reason, Refusal,
+    SEEN_ATTEMPTS, SeenAttempts, SourceKey, Verdict, attempt_signature, bucket_place, flow_state,
+    seen_slot, source_key, stats::stat_slot,
 };
 
 use crate::kernel::{XDP_DROP, XDP_PASS, XDP_TX};
@@ -69,7 +73,11 @@ pub struct Bucket {
     pub tat: u64,
     /// Refused for its rate since its last admission (not kernel state: the test counts the
     /// admissions after such a refusal, tokens that came back with time).
-    pub refused: bool,
+    pub ran_dry: bool,
+    /// Connection attempts of that source refused for its rate.
+    pub refused: u64,
+    /// That source's last SYNs refused for its rate.
+    pub seen: SeenAttempts,
     /// The signature of that source's last admitted SYN.
     pub admitted: u32,
     /// Connections held by the sources mapping to the slot.
@@ -92,6 +100,9 @@ pub struct Model {
     pub rate_now: u64,
     /// SYNs admitted by a bucket that had refused its source for the rate before.
     pub refills: u64,
+    /// Refused SYNs that repeated one of their record's last refused SYNs, so counted no
+    /// new attempt (not kernel state: the test checks that the run had some).
+    pub repeats: u64,
     /// Packets by `stat_slot(direction, verdict, reason)`.
     pub stats: HashMap<u32, u64>,
     /// Events by `Event as usize`.
@@ -103,6 +114,19 @@ pub struct Model {
     /// Entries are created at a handshake's completion and never removed, as in the kernel.
     pub source_conns: HashMap<SourceKey, u64>,
     pub global: u64,
+    /// Refused connection attempts by `Reason::blocked_slot`.
+    pub refused_conns: [u64; Reason::REFUSAL_COUNT],
+    /// Refused connection attempts by source, but for the SYN rate's (counted in the buckets).
+    pub blocked: HashMap<SourceKey, Blocked>,
+}
+
+/// Who a refused connection attempt is counted against.
+#[derive(Clone, Copy)]
+enum Blame {
+    /// Its source, in `BLOCKED`.
+    Source(SourceKey),
+    /// The SYN bucket slot its source claimed (refused for the rate).
+    Bucket(u32),
 }
 
 /// What the XDP program returns for a policy decision.
@@ -149,6 +173,7 @@ impl Model {
             policy: policy.clone(),
             rate_now: 0,
             refills: 0,
+            repeats: 0,
             stats: HashMap::new(),
             events: [0; Event::COUNT],
             half_open: HashMap::new(),
@@ -156,6 +181,8 @@ impl Model {
             flows: HashMap::new(),
             source_conns: HashMap::new(),
             global: 0,
+            refused_conns: [0; Reason::REFUSAL_COUNT],
+            blocked: HashMap::new(),
         }
     }
 
@@ -221,7 +248,12 @@ impl Model {
         self.policy.ports.is_empty() || self.policy.ports.contains(&port)
     }
 
-    fn refuse(&mut self, seg: &Segment, reason: Reason, mode: u8) -> Action {
+    /// Only a SYN counts as a refused connection attempt; a copy of one of the blamed
+    /// record's last refused SYNs is a retransmission and counts nothing.
+    fn refuse(&mut self, seg: &Segment, blame: Blame, reason: Reason, mode: u8) -> Action {
+        if is_syn(seg.flags) {
+            self.refused_attempt(blame, reason, Some(signature(seg)));
+        }
         if Refusal::from_u8(mode) == Refusal::Rst && is_syn(seg.flags) {
             self.count(Direction::Ingress, Verdict::Rst, reason);
             Action::Rst
@@ -229,6 +261,34 @@ impl Model {
             self.count(Direction::Ingress, Verdict::Drop, reason);
             Action::Drop
         }
+    }
+
+    /// A refused connection attempt: `syn` is the refused SYN's signature, `None` for a
+    /// handshake refused at its ACK (always a new attempt).
+    fn refused_attempt(&mut self, blame: Blame, reason: Reason, syn: Option<u32>) {
+        let Some(slot) = reason.blocked_slot() else {
+            return;
+        };
+        let (counter, seen) = match blame {
+            Blame::Source(source) => {
+                let blocked = self.blocked.entry(source).or_default();
+                (&mut blocked.counts[slot], &mut blocked.seen)
+            }
+            Blame::Bucket(place) => {
+                let bucket = self.buckets.entry(place).or_default();
+                (&mut bucket.refused, &mut bucket.seen)
+            }
+        };
+        if let Some(signature) = syn {
+            let remembered = &mut seen[seen_slot(signature)];
+            if *remembered == signature {
+                self.repeats += 1;
+                return;
+            }
+            *remembered = signature;
+        }
+        *counter += 1;
+        self.refused_conns[slot] += 1;
     }
 
     fn ingress(&mut self, seg: &Segment) -> Action {
@@ -243,7 +303,8 @@ impl Model {
             return self.pass(Direction::Ingress, Reason::Allowlisted);
         }
         if self.policy.deny.iter().any(|net| net.contains(&seg.src)) {
-            return self.refuse(seg, Reason::Denylisted, self.config.reject_deny);
+            let blame = Blame::Source(self.source(seg.src));
+            return self.refuse(seg, blame, Reason::Denylisted, self.config.reject_deny);
         }
         if is_syn(seg.flags) {
             return self.syn(seg);
@@ -317,8 +378,9 @@ impl Model {
             && mine
             && rate.admit(bucket.tat, self.rate_now).is_none()
         {
-            self.buckets.entry(place.slot).or_default().refused = true;
-            return self.refuse(seg, Reason::SynRate, self.config.reject_rate);
+            self.buckets.entry(place.slot).or_default().ran_dry = true;
+            let blame = Blame::Bucket(place.slot);
+            return self.refuse(seg, blame, Reason::SynRate, self.config.reject_rate);
         }
         let per_ip = self.config.max_conn_per_ip as u64;
         let total = self.config.max_conn_total as u64;
@@ -326,18 +388,14 @@ impl Model {
             && bucket.holders != 0
             && self.source_conns.get(&source).is_some_and(|n| *n >= per_ip)
         {
-            return self.refuse(seg, Reason::ConnPerIp, self.config.reject_conn);
+            let blame = Blame::Source(source);
+            return self.refuse(seg, blame, Reason::ConnPerIp, self.config.reject_conn);
         }
         if total != 0 && self.global >= total {
-            return self.refuse(seg, Reason::ConnTotal, self.config.reject_conn);
+            let blame = Blame::Source(source);
+            return self.refuse(seg, blame, Reason::ConnTotal, self.config.reject_conn);
         }
-        let signature = attempt_signature(
-            &mapped(seg.src),
-            &mapped(seg.dst),
-            seg.sport,
-            seg.dport,
-            seg.seq,
-        );
+        let signature = signature(seg);
         if mine && bucket.source == Some(source) && bucket.admitted == signature {
             return self.pass(Direction::Ingress, Reason::Retransmit);
         }
@@ -347,14 +405,16 @@ impl Model {
             entry.tag = place.tag;
             entry.source = Some(source);
             entry.tat = 0;
-            entry.refused = false;
+            entry.ran_dry = false;
+            entry.refused = 0;
+            entry.seen = [0; SEEN_ATTEMPTS];
         }
         if let Some(rate) = rate {
             entry.tat = rate
                 .admit(entry.tat, now)
                 .expect("a full bucket, or one the check above found a token in");
-            if entry.refused {
-                entry.refused = false;
+            if entry.ran_dry {
+                entry.ran_dry = false;
                 self.refills += 1;
             }
         }
@@ -381,6 +441,7 @@ impl Model {
             None
         };
         if let Some(reason) = refused {
+            self.refused_attempt(Blame::Source(entry.source), reason, None);
             self.count(Direction::Ingress, Verdict::Rst, reason);
             self.event(Event::RefusedAtAck);
             return Some(Completion::Refused);
@@ -448,6 +509,23 @@ impl Model {
         self.config.syn_rate != 0
     }
 
+    /// The top-blocked counts as the agent reads them: `BLOCKED`, with each claimed bucket's
+    /// refusals added to its source's `syn_rate` count.
+    pub fn top_blocked(&self) -> HashMap<SourceKey, Blocked> {
+        let mut all = self.blocked.clone();
+        let rate = Reason::SynRate
+            .blocked_slot()
+            .expect("the SYN rate is a refusal");
+        for bucket in self.buckets.values() {
+            if let Some(source) = bucket.source
+                && bucket.refused > 0
+            {
+                all.entry(source).or_default().counts[rate] += bucket.refused;
+            }
+        }
+        all
+    }
+
     /// Open connections charged to `addr`'s source (0 if it never had one).
     pub fn source_connections(&self, addr: IpAddr) -> u64 {
         self.source_conns
@@ -488,6 +566,17 @@ impl Rate {
 }
 
 /// A connection request: SYN without ACK or RST.
+/// What tells a SYN from another connection attempt: its 4-tuple and sequence number.
+fn signature(seg: &Segment) -> u32 {
+    attempt_signature(
+        &mapped(seg.src),
+        &mapped(seg.dst),
+        seg.sport,
+        seg.dport,
+        seg.seq,
+    )
+}
+
 fn is_syn(flags: u8) -> bool {
     flags & (SYN | ACK | RST) == SYN
 }

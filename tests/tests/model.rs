@@ -14,7 +14,8 @@ use std::{
 
 use etherparse::{EtherType, SingleVlanHeader, VlanId};
 use limiter_common::{
-    BUCKET_TAG_MASK, Direction, Event, FlowKey, Reason, SourceKey, Verdict, stats::stat_slot,
+    BUCKET_TAG_MASK, Blocked, Direction, Event, FlowKey, Reason, SourceKey, Verdict,
+    stats::stat_slot,
 };
 use limiter_tests::{
     frames::{self, Flags, Tcp, Vlans},
@@ -196,9 +197,19 @@ fn run(flags: &[&str], seed: u64, count: usize) -> Model {
     }
     let elapsed = started.elapsed().as_secs_f64();
     println!(
-        "model: {count} frames in {elapsed:.1} s ({:.0} frames/s), {} opened",
+        "model: {count} frames in {elapsed:.1} s ({:.0} frames/s), {} opened, {} connection \
+         attempts refused, {} refused SYNs repeated one refused before",
         count as f64 / elapsed,
-        model.events[Event::Opened as usize]
+        model.events[Event::Opened as usize],
+        model.refused_conns.iter().sum::<u64>(),
+        model.repeats
+    );
+    // Every configuration refuses: the counts must have met new attempts and repeated ones.
+    assert!(
+        model.refused_conns.iter().sum::<u64>() > 100 && model.repeats > 10,
+        "too few refused attempts to compare: {:?}, {} repeats",
+        model.refused_conns,
+        model.repeats
     );
     if model.rated() {
         println!(
@@ -289,6 +300,8 @@ fn compare_buckets(k: &Kernel, model: &Model) -> Result<(), String> {
             bucket.admitted,
             bucket.holders,
             rated.then_some(bucket.tat_tag & !BUCKET_TAG_MASK),
+            bucket.refused,
+            bucket.seen,
         );
         let expected = (
             want.tag,
@@ -296,10 +309,13 @@ fn compare_buckets(k: &Kernel, model: &Model) -> Result<(), String> {
             want.admitted,
             want.holders,
             rated.then_some(want.tat),
+            want.refused,
+            want.seen,
         );
         if got != expected {
             return Err(format!(
-                "SYN bucket {slot} (tag, source, admitted, holders, TAT): kernel {got:?}, model {expected:?}"
+                "SYN bucket {slot} (tag, source, admitted, holders, TAT, refused, seen): kernel \
+                 {got:?}, model {expected:?}"
             ));
         }
     }
@@ -372,6 +388,30 @@ fn compare(k: &Kernel, model: &Model, clients: &[IpAddr]) -> Result<(), String> 
         .collect();
     if half_open != want {
         return Err(format!("half-open: kernel {half_open:?}, model {want:?}"));
+    }
+    for reason in Reason::ALL {
+        let got = maps
+            .refused_connections(reason)
+            .expect("refused connections");
+        let want = reason
+            .blocked_slot()
+            .map_or(0, |slot| model.refused_conns[slot]);
+        if got != want {
+            return Err(format!(
+                "refused attempts, {reason:?}: kernel {got}, model {want}"
+            ));
+        }
+    }
+    let blocked: HashMap<SourceKey, Blocked> =
+        maps.blocked().expect("top-blocked").into_iter().collect();
+    let want = model.top_blocked();
+    let mut sources = blocked.keys().chain(want.keys());
+    if let Some(source) = sources.find(|s| blocked.get(s) != want.get(s)) {
+        return Err(format!(
+            "top-blocked, {source:?}: kernel {:?}, model {:?}",
+            blocked.get(source),
+            want.get(source)
+        ));
     }
     compare_buckets(k, model)
 }
