@@ -5,8 +5,9 @@
 //! Parsing is not modelled here: each frame's generator knows what it built, so it hands the
 //! model either the segment or the reason the parser must refuse it with ([`Input`]). The
 //! SYN rate's clock is the test's to set ([`Model::rate_now`]): it reads the same coarse
-//! clock the program does around each frame. Bans are left out (their expiry is on the boot
-//! clock), and the ACK hint pre-filter is taken as exact (a false positive only costs the
+//! clock the program does around each frame. Bans are the test's to set and lift, as the
+//! agent does ([`Model::ban`]); their expiry is on the boot clock, so a ban is either in force
+//! for the whole run or expired when set. The ACK hint pre-filter is taken as exact (a false positive only costs the
 //! kernel a lookup, so the verdict must not depend on it). `HALF_OPEN` is an LRU; runs stay
 //! far below its size, so it behaves as a plain map here, and so does `BLOCKED`. The SYN
 //! buckets are modelled whole: which source claimed a slot last, its theoretical arrival
@@ -16,7 +17,10 @@
 //! attempt. The refused connection attempts are modelled too: by reason, and by source for
 //! the top-blocked lists.
 
-use std::{collections::HashMap, net::IpAddr};
+use std::{
+    collections::{HashMap, HashSet},
+    net::IpAddr,
+};
 
 use limiter::datapath::Policy;
 use limiter_common::{
@@ -118,6 +122,8 @@ pub struct Model {
     pub refused_conns: [u64; Reason::REFUSAL_COUNT],
     /// Refused connection attempts by source, but for the SYN rate's (counted in the buckets).
     pub blocked: HashMap<SourceKey, Blocked>,
+    /// Source keys under a ban in force.
+    bans: HashSet<SourceKey>,
 }
 
 /// Who a refused connection attempt is counted against.
@@ -183,6 +189,7 @@ impl Model {
             global: 0,
             refused_conns: [0; Reason::REFUSAL_COUNT],
             blocked: HashMap::new(),
+            bans: HashSet::new(),
         }
     }
 
@@ -193,6 +200,23 @@ impl Model {
             self.config.ipv4_prefix,
             self.config.ipv6_prefix,
         )
+    }
+
+    /// Bans `addr`'s source: `in_force` for longer than the run, else already expired, which
+    /// replaces a ban in force and refuses nothing.
+    pub fn ban(&mut self, addr: IpAddr, in_force: bool) {
+        let source = self.source(addr);
+        if in_force {
+            self.bans.insert(source);
+        } else {
+            self.bans.remove(&source);
+        }
+    }
+
+    /// Lifts the ban on `addr`'s source, if any.
+    pub fn unban(&mut self, addr: IpAddr) {
+        let source = self.source(addr);
+        self.bans.remove(&source);
     }
 
     /// A frame arriving: returns the XDP action the program must give it.
@@ -305,6 +329,15 @@ impl Model {
         if self.policy.deny.iter().any(|net| net.contains(&seg.src)) {
             let blame = Blame::Source(self.source(seg.src));
             return self.refuse(seg, blame, Reason::Denylisted, self.config.reject_deny);
+        }
+        let source = self.source(seg.src);
+        if self.bans.contains(&source) {
+            return self.refuse(
+                seg,
+                Blame::Source(source),
+                Reason::Banned,
+                self.config.reject_ban,
+            );
         }
         if is_syn(seg.flags) {
             return self.syn(seg);

@@ -10,6 +10,7 @@
 use std::{
     collections::HashMap,
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
+    time::Duration,
 };
 
 use etherparse::{EtherType, SingleVlanHeader, VlanId};
@@ -150,7 +151,7 @@ fn seed(default: u64) -> u64 {
 /// Runs `count` frames of seed `seed` through a kernel loaded with `flags` and the model;
 /// returns the model as the run left it.
 fn run(flags: &[&str], seed: u64, count: usize) -> Model {
-    let k = Kernel::new(flags);
+    let mut k = Kernel::new(flags);
     let live = k.dp.maps.config().expect("the live config");
     let mut model = Model::new(&settings(flags).policy, &live);
     let mut generator = Generator::new(seed);
@@ -161,6 +162,9 @@ fn run(flags: &[&str], seed: u64, count: usize) -> Model {
     println!("model: seed {seed} ({count} frames, flags {flags:?})");
     for index in 0..count {
         on_cpu(index % 2);
+        if let Some(change) = generator.ban_change() {
+            change_bans(&mut k, &mut model, &change);
+        }
         let frame = generator.next();
         let fail =
             |what: String| -> ! { panic!("seed {seed}, frame {index} ({}): {what}", frame.label) };
@@ -204,9 +208,15 @@ fn run(flags: &[&str], seed: u64, count: usize) -> Model {
         model.refused_conns.iter().sum::<u64>(),
         model.repeats
     );
-    // Every configuration refuses: the counts must have met new attempts and repeated ones.
+    // Every configuration refuses, bans included: the counts must have met new attempts and
+    // repeated ones.
+    let banned = Reason::Banned
+        .blocked_slot()
+        .map(|slot| model.refused_conns[slot]);
     assert!(
-        model.refused_conns.iter().sum::<u64>() > 100 && model.repeats > 10,
+        model.refused_conns.iter().sum::<u64>() > 100
+            && model.repeats > 10
+            && banned.is_some_and(|n| n > 10),
         "too few refused attempts to compare: {:?}, {} repeats",
         model.refused_conns,
         model.repeats
@@ -218,6 +228,26 @@ fn run(flags: &[&str], seed: u64, count: usize) -> Model {
         );
     }
     model
+}
+
+/// Sets or lifts a ban in the kernel, as the agent does, and in the model.
+fn change_bans(k: &mut Kernel, model: &mut Model, change: &BanChange) {
+    let maps = &mut k.dp.maps;
+    match *change {
+        BanChange::Ban(addr, in_force) => {
+            let ttl = if in_force {
+                Duration::from_secs(3600)
+            } else {
+                Duration::ZERO
+            };
+            maps.ban(addr, ttl).expect("ban");
+            model.ban(addr, in_force);
+        }
+        BanChange::Unban(addr) => {
+            maps.unban(addr).expect("unban");
+            model.unban(addr);
+        }
+    }
 }
 
 /// At which instant of the rate clock the kernel judged a frame, as far as the model can tell.
@@ -447,6 +477,14 @@ enum Path {
     Tc,
 }
 
+/// What the agent does to the bans between frames.
+#[derive(Debug)]
+enum BanChange {
+    /// A ban in force for longer than any run, or (`false`) one expired when set.
+    Ban(IpAddr, bool),
+    Unban(IpAddr),
+}
+
 /// One generated frame: its bytes, where it goes, what the parser must make of it.
 struct Frame {
     bytes: Vec<u8>,
@@ -635,6 +673,22 @@ impl Generator {
                 self.tc(tcp, "host segment")
             }
         }
+    }
+
+    /// Now and then, a ban set or lifted on a random client, as the agent's escalation or an
+    /// operator would: before one frame in 200, a ban in force, a ban expired when set, or a
+    /// ban lifted, one, one and two times in four, so that about a quarter of the clients are
+    /// banned once a run is long.
+    fn ban_change(&mut self) -> Option<BanChange> {
+        if self.rng.below(200) != 0 {
+            return None;
+        }
+        let addr = self.clients[self.rng.below(self.clients.len())];
+        Some(match self.rng.below(4) {
+            0 => BanChange::Ban(addr, true),
+            1 => BanChange::Ban(addr, false),
+            _ => BanChange::Unban(addr),
+        })
     }
 
     /// The next segment of a plausible connection on `c`.
