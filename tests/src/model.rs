@@ -7,15 +7,15 @@
 //! SYN rate's clock is the test's to set ([`Model::rate_now`]): it reads the same coarse
 //! clock the program does around each frame. Bans are the test's to set and lift, as the
 //! agent does ([`Model::ban`]); their expiry is on the boot clock, so a ban is either in force
-//! for the whole run or expired when set. The ACK hint pre-filter is taken as exact (a false positive only costs the
-//! kernel a lookup, so the verdict must not depend on it). `HALF_OPEN` is an LRU; runs stay
-//! far below its size, so it behaves as a plain map here, and so does `BLOCKED`. The SYN
-//! buckets are modelled whole: which source claimed a slot last, its theoretical arrival
-//! time and its last admitted SYN (a copy is a retransmission), whether a slot's sources
-//! hold connections (the per-source precheck is skipped when none do), and its source's
-//! refusals for the rate with the last refused SYNs that tell a retransmission from a new
-//! attempt. The refused connection attempts are modelled too: by reason, and by source for
-//! the top-blocked lists.
+//! for the whole run or expired when set. The ACK hint pre-filter is taken as exact (a false
+//! positive only costs the kernel a lookup, so the verdict must not depend on it).
+//! `HALF_OPEN` is an LRU; runs stay far below its size, so it behaves as a plain map here, and
+//! so does `BLOCKED`. The SYN buckets are modelled whole: which source claimed a slot last,
+//! its theoretical arrival time and its last admitted SYN (a copy is a retransmission),
+//! whether a slot's sources hold connections (the per-source precheck is skipped when none
+//! do), and its source's refusals for the rate with the last refused SYNs that tell a
+//! retransmission from a new attempt. The refused connection attempts are modelled too: by
+//! reason, and by source for the top-blocked lists.
 
 use std::{
     collections::{HashMap, HashSet},
@@ -326,11 +326,11 @@ impl Model {
         if self.policy.allow.iter().any(|net| net.contains(&seg.src)) {
             return self.pass(Direction::Ingress, Reason::Allowlisted);
         }
+        let source = self.source(seg.src);
         if self.policy.deny.iter().any(|net| net.contains(&seg.src)) {
-            let blame = Blame::Source(self.source(seg.src));
+            let blame = Blame::Source(source);
             return self.refuse(seg, blame, Reason::Denylisted, self.config.reject_deny);
         }
-        let source = self.source(seg.src);
         if self.bans.contains(&source) {
             return self.refuse(
                 seg,
@@ -598,7 +598,6 @@ impl Rate {
     }
 }
 
-/// A connection request: SYN without ACK or RST.
 /// What tells a SYN from another connection attempt: its 4-tuple and sequence number.
 fn signature(seg: &Segment) -> u32 {
     attempt_signature(
@@ -610,6 +609,7 @@ fn signature(seg: &Segment) -> u32 {
     )
 }
 
+/// A connection request: SYN without ACK or RST.
 fn is_syn(flags: u8) -> bool {
     flags & (SYN | ACK | RST) == SYN
 }

@@ -200,12 +200,13 @@ fn run(flags: &[&str], seed: u64, count: usize) -> Model {
         }
     }
     let elapsed = started.elapsed().as_secs_f64();
+    let refused: u64 = model.refused_conns.iter().sum();
     println!(
         "model: {count} frames in {elapsed:.1} s ({:.0} frames/s), {} opened, {} connection \
          attempts refused, {} refused SYNs repeated one refused before",
         count as f64 / elapsed,
         model.events[Event::Opened as usize],
-        model.refused_conns.iter().sum::<u64>(),
+        refused,
         model.repeats
     );
     // Every configuration refuses, bans included: the counts must have met new attempts and
@@ -214,9 +215,7 @@ fn run(flags: &[&str], seed: u64, count: usize) -> Model {
         .blocked_slot()
         .map(|slot| model.refused_conns[slot]);
     assert!(
-        model.refused_conns.iter().sum::<u64>() > 100
-            && model.repeats > 10
-            && banned.is_some_and(|n| n > 10),
+        refused > 100 && model.repeats > 10 && banned.is_some_and(|n| n > 10),
         "too few refused attempts to compare: {:?}, {} repeats",
         model.refused_conns,
         model.repeats
