@@ -25,6 +25,7 @@ use aya::{
     programs::{ProgramInfo, Xdp, XdpMode},
     sys::{Stats, enable_stats},
 };
+use clap::Parser;
 use limiter::datapath::{Datapath, LoadOptions, XDP_PROGRAM, XdpAttachMode};
 use limiter_common::{Direction, Reason, Verdict};
 use limiter_tests::{
@@ -330,7 +331,21 @@ fn median(mut values: Vec<f64>) -> f64 {
     values[values.len() / 2]
 }
 
+/// `cargo xtask bench flood [--sources N,...]` passes its options on.
+#[derive(Parser)]
+struct Args {
+    /// The numbers of source addresses to flood from, one row each (at most one per distinct
+    /// SYN, so that every address sends).
+    #[arg(long, value_delimiter = ',', default_values_t = [1, 10_000],
+          value_parser = clap::value_parser!(u32).range(1..=DISTINCT as i64))]
+    sources: Vec<u32>,
+    /// Passed by `cargo bench` to every bench; this one has no other mode.
+    #[arg(long, hide = true)]
+    bench: bool,
+}
+
 fn main() -> Result<()> {
+    let args = Args::parse();
     println!(
         "flood bench: {SYNS} SYNs per case to a protected port, {ROUNDS} rounds (median); \
          softirq µs per SYN; every filter refuses past 1 SYN/s per source"
@@ -348,7 +363,7 @@ fn main() -> Result<()> {
     );
     let mut passes = Vec::new();
     let mut split = Vec::new();
-    for sources in [1, 10_000] {
+    for sources in args.sources {
         let frames = frames(sources);
         let mut results = vec![Vec::new(); Filter::ALL.len()];
         let mut passed = Vec::new();

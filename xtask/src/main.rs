@@ -17,7 +17,7 @@ mod setup;
 mod test;
 
 use anyhow::Result;
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
 #[command(
@@ -70,20 +70,24 @@ enum Command {
     },
     /// Benchmarks that print figures beside an anchor measured in the same run.
     Bench {
-        #[arg(value_enum)]
+        #[command(subcommand)]
         suite: BenchSuite,
     },
 }
 
-#[derive(Clone, Copy, ValueEnum)]
+#[derive(Subcommand)]
 enum BenchSuite {
     /// Nanoseconds per packet of each datapath path under BPF_PROG_TEST_RUN.
     Kernel,
     /// Application-layer checks per second, in process and over the Unix socket.
     App,
     /// Softirq time per SYN of a SYN flood over a veth: limiter beside a drop-everything XDP
-    /// program, nftables and iptables, from 1 and 10,000 sources.
-    Flood,
+    /// program, nftables and iptables, from 1 and 10,000 sources unless told otherwise.
+    Flood {
+        /// The numbers of source addresses to flood from, one table row each.
+        #[arg(long, value_delimiter = ',', default_values_t = [1, 10_000])]
+        sources: Vec<u32>,
+    },
 }
 
 fn main() -> Result<()> {
@@ -110,7 +114,7 @@ fn main() -> Result<()> {
         Command::Bench { suite } => match suite {
             BenchSuite::Kernel => test::bench_kernel(),
             BenchSuite::App => test::bench_app(),
-            BenchSuite::Flood => test::bench_flood(),
+            BenchSuite::Flood { sources } => test::bench_flood(&sources),
         },
     }
 }

@@ -122,13 +122,19 @@ pub fn bench_kernel() -> Result<()> {
 }
 
 /// The firewalls it is compared with come from Debian's packages.
-pub fn bench_flood() -> Result<()> {
+pub fn bench_flood(sources: &[u32]) -> Result<()> {
     let agent = build::all()?;
     preflight()?;
     crate::setup::ensure_tools(&[("nft", "nftables"), ("iptables", "iptables")])?;
+    let sources = sources
+        .iter()
+        .map(u32::to_string)
+        .collect::<Vec<_>>()
+        .join(",");
     status(
         cargo("stable")
-            .args(["bench", "-p", PRIVILEGED, "--bench", "flood"])
+            .args(["bench", "-p", PRIVILEGED, "--bench", "flood", "--"])
+            .args(["--sources", &sources])
             .env("LIMITER_BIN", &agent),
     )
 }
