@@ -84,8 +84,9 @@ enum BenchSuite {
     /// Softirq time per SYN of a SYN flood over a veth: limiter beside a drop-everything XDP
     /// program, nftables and iptables, from 1 and 10,000 sources unless told otherwise.
     Flood {
-        /// The numbers of source addresses to flood from, one table row each.
-        #[arg(long, value_delimiter = ',', default_values_t = [1, 10_000])]
+        /// The numbers of source addresses to flood from, one table row each (the bench's
+        /// default: 1 and 10,000).
+        #[arg(long, value_delimiter = ',')]
         sources: Vec<u32>,
     },
 }

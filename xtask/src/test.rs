@@ -126,17 +126,15 @@ pub fn bench_flood(sources: &[u32]) -> Result<()> {
     let agent = build::all()?;
     preflight()?;
     crate::setup::ensure_tools(&[("nft", "nftables"), ("iptables", "iptables")])?;
-    let sources = sources
-        .iter()
-        .map(u32::to_string)
-        .collect::<Vec<_>>()
-        .join(",");
-    status(
-        cargo("stable")
-            .args(["bench", "-p", PRIVILEGED, "--bench", "flood", "--"])
-            .args(["--sources", &sources])
-            .env("LIMITER_BIN", &agent),
-    )
+    let mut bench = cargo("stable");
+    bench
+        .args(["bench", "-p", PRIVILEGED, "--bench", "flood"])
+        .env("LIMITER_BIN", &agent);
+    if !sources.is_empty() {
+        let sources: Vec<String> = sources.iter().map(u32::to_string).collect();
+        bench.args(["--", "--sources", &sources.join(",")]);
+    }
+    status(&mut bench)
 }
 
 /// The application-layer limiter needs no privileges: it is measured from the agent's crate,
