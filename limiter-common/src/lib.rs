@@ -215,8 +215,13 @@ pub mod flow_state {
     pub const FIN_IN: u32 = 2;
     /// A FIN went to the client.
     pub const FIN_OUT: u32 = 4;
-    /// Both FINs seen: whoever sets the second bit deletes the flow.
+    /// Both FINs seen.
     pub const FIN_BOTH: u32 = FIN_IN | FIN_OUT;
+    /// A RST came from the client. Only marked: XDP cannot tell a RST the host will accept
+    /// from one it will discard (outside the window, a bad checksum), so a RST from outside
+    /// never releases a flow. The agent's sweeper releases it once the host's socket table
+    /// no longer has the connection.
+    pub const RST_IN: u32 = 8;
 }
 
 /// An admitted connection: its handshake completed (the client acknowledged the server's ISN).
@@ -302,7 +307,10 @@ pub fn seen_slot(signature: u32) -> usize {
 
 /// One slot of the `SYN_BUCKETS` array: the SYN rate's GCRA state of the source that last
 /// claimed it. A source's slot is [`bucket_place`] of its key, so finding it is one array
-/// access, and admitting a SYN writes no hash table. A source that finds another in its slot
+/// access, and admitting a SYN writes nothing. A token is taken only when a handshake
+/// completes (the client's ACK of the server's ISN proves the source), never by a SYN: a
+/// sender forging a victim's address cannot spend the victim's allowance, and a SYN is
+/// refused for its rate only while its source's proven handshakes have emptied the bucket. A source that finds another in its slot
 /// takes the slot over with a fresh bucket, as if an LRU had evicted the other's: a flood of
 /// many sources can hand the sources it collides with a fresh burst, never lock them out.
 /// The bucket is full (idle) once its TAT is not after now.
@@ -325,11 +333,8 @@ pub struct SynBucket {
     pub refused: u64,
     /// The source's last SYNs refused for its rate.
     pub seen: SeenAttempts,
-    /// [`attempt_signature`] of the source's last admitted SYN: a copy of it is a
-    /// retransmission and takes no token (0: none yet).
-    pub admitted: u32,
-    /// Explicit padding, always zero.
-    pub _pad: u32,
+    /// Explicit padding, always zero: keeps `holders` and the bucket in one cache line.
+    pub _pad: u64,
     /// Connections held, between them, by every source whose key maps to this slot: a SYN
     /// looks its source's count up in `SOURCE_CONNS` (a cold hash lookup) only when this is
     /// non-zero. Belongs to the slot, not to the source that last claimed it, so a takeover
@@ -357,24 +362,31 @@ pub struct BucketPlace {
 
 /// The `SYN_BUCKETS` place of a source key: a hash keyed with the secret `seed`, its high
 /// half masked to the array (`mask`: its size, a power of two, minus one) for the slot, its
-/// low bits for the tag. Multiply-xorshift rounds over the key's two words, each mixed with a
-/// half of the seed: cheap in the kernel, and without the seed a sender cannot tell which of
-/// its addresses share a slot with which.
+/// low bits for the tag. Each of the key's two words is mixed in with a half of the seed by a
+/// full avalanche (murmur3's finaliser), so every bit of the slot and of the tag depends on
+/// every bit of the key: sources sharing a first octet or a /104 spread over all slots and
+/// tags, and without the seed a sender learns which of its addresses share a bucket only by
+/// probing about as many addresses as there are slots times tags.
 #[inline(always)]
 pub fn bucket_place(source: &SourceKey, seed: u64, mask: u32) -> BucketPlace {
-    const K: u64 = 0x9E37_79B9_7F4A_7C15;
     let addr = u128::from_ne_bytes(source.addr);
-    let mut h = seed;
-    for word in [addr as u64, (addr >> 64) as u64] {
-        h = (h ^ word).wrapping_mul(K);
-        h ^= h >> 31;
-        h = h.wrapping_add(seed.rotate_left(32));
-    }
-    h = h.wrapping_mul(K);
+    let h = avalanche(seed ^ addr as u64);
+    let h = avalanche(h ^ (addr >> 64) as u64 ^ seed.rotate_left(32));
     BucketPlace {
         slot: (h >> 32) as u32 & mask,
         tag: (h & BUCKET_TAG_MASK).max(1),
     }
+}
+
+/// murmur3's 64-bit finaliser: a bijection in which each output bit depends on every input
+/// bit. Two multiplies and three shifts, cheap in the kernel.
+#[inline(always)]
+const fn avalanche(mut x: u64) -> u64 {
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xFF51_AFD7_ED55_8CCD);
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xC4CE_B9FE_1A85_EC53);
+    x ^ (x >> 33)
 }
 
 /// A ban set by the agent; it stops applying by itself at `expires_ns` (`CLOCK_BOOTTIME`).
@@ -443,6 +455,12 @@ const _: () = assert!(core::mem::size_of::<AdjustRequest>() == 32);
 /// answer (see [`Config::rst_xdp_tx`]). Only XDP writes metadata, so no sender can forge it.
 pub const RST_MARK: u32 = 0x4C52_5354;
 
+/// The `skb->mark` of the RST|ACKs `limiter_tc_ingress` redirects out of the interface, so
+/// that the egress program, which they pass through, never takes the limiter's own answer
+/// for the host's RST closing a tracked connection (a spoofed SYN on a victim's 4-tuple
+/// would otherwise release the victim's flow).
+pub const REPLY_MARK: u32 = 0x4C52_5250;
+
 /// What the helper programs (`limiter_release`, `limiter_adjust`, `limiter_adopt`) return.
 pub mod helper {
     /// Done by this call: the flow released, the counter adjusted, the flow adopted.
@@ -471,4 +489,70 @@ mod pod {
     unsafe impl aya::Pod for Blocked {}
     unsafe impl aya::Pod for FlowRequest {}
     unsafe impl aya::Pod for AdjustRequest {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Sources sharing everything but a few bits: a /8's addresses (IPv4-mapped) or a /104's
+    /// (IPv6 /128 keys), as an attacker inside a victim's network would pick them.
+    fn keys(ipv6: bool) -> impl Iterator<Item = SourceKey> {
+        (0..65_536u32).map(move |i| {
+            let mut addr = if ipv6 {
+                [0x20, 0x01, 0x0d, 0xb8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
+            } else {
+                [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xFF, 0xFF, 10, 0, 0, 0]
+            };
+            addr[13..16].copy_from_slice(&(i * 97).to_be_bytes()[1..]);
+            SourceKey { addr }
+        })
+    }
+
+    /// Pearson's chi-squared statistic of `counts` against a uniform spread.
+    fn chi_squared(counts: &[u64]) -> f64 {
+        let total: u64 = counts.iter().sum();
+        let expected = total as f64 / counts.len() as f64;
+        counts
+            .iter()
+            .map(|&n| (n as f64 - expected).powi(2) / expected)
+            .sum()
+    }
+
+    #[test]
+    fn slots_and_tags_spread_uniformly_over_one_network() {
+        let seed = 0x0123_4567_89AB_CDEF;
+        for ipv6 in [false, true] {
+            let mut slots = [0u64; 256];
+            let mut tags = [0u64; 256];
+            for key in keys(ipv6) {
+                let place = bucket_place(&key, seed, 255);
+                slots[place.slot as usize] += 1;
+                tags[place.tag as usize] += 1;
+            }
+            // 255 degrees of freedom: the 0.999 quantile is about 330. The old hash's tag
+            // took one value for a whole /8.
+            assert!(chi_squared(&slots) < 330.0, "slots, ipv6 {ipv6}");
+            // Tag 0 is never used (it marks a slot never claimed) and 1 takes its share: the
+            // other 254 values must be even.
+            assert!(chi_squared(&tags[2..]) < 330.0, "tags, ipv6 {ipv6}");
+        }
+    }
+
+    #[test]
+    fn sharing_a_bucket_takes_about_slots_times_tags_probes() {
+        // An attacker probing addresses of one /8 for one that shares the victim's slot and
+        // tag (and so its bucket): about 256 * 255 probes for a 256-slot table.
+        let seed = 0x5EED_0000_5EED_0001;
+        let mut keys = keys(false);
+        let victim = bucket_place(&keys.next().unwrap(), seed, 255);
+        let sharing = keys
+            .take(65_535)
+            .filter(|key| bucket_place(key, seed, 255) == victim)
+            .count();
+        assert!(
+            sharing <= 4,
+            "{sharing} of 65,535 share the victim's bucket"
+        );
+    }
 }

@@ -51,32 +51,37 @@ pub enum Reason {
     /// Headers that are not what their type says (IP version, header lengths, VLAN nesting).
     /// Refused on ingress, passed on egress.
     Malformed = 9,
-    /// A SYN admitted: it passes, and holds no slot until its handshake completes.
-    HalfOpen = 10,
+    /// An IPv4 header whose checksum is wrong. The host discards it, so nothing it says may
+    /// change limiter's state (a forged RST or SYN the host never sees): dropped on ingress.
+    Checksum = 10,
+    /// An IPv6 source the host refuses (IPv4-mapped, multicast): the host drops the packet,
+    /// and limiter would key an IPv4-mapped one exactly like the IPv4 source it names, so it
+    /// is dropped on ingress before anything is judged.
+    Martian = 11,
+    /// A SYN admitted: it passes, and holds no slot and spends no token until its handshake
+    /// completes.
+    HalfOpen = 12,
     /// A handshake-completing ACK that took its connection's slots: the connection is tracked.
-    Admitted = 11,
-    /// A copy of its source's last admitted SYN (a retransmission): it passes without taking
-    /// a token.
-    Retransmit = 12,
+    Admitted = 13,
     /// A SYN-ACK, FIN or RST of a half-open or tracked connection.
-    Tracked = 13,
+    Tracked = 14,
     /// A SYN-ACK, FIN or RST to or from a protected port that belongs to no known connection.
-    Untracked = 14,
+    Untracked = 15,
     /// A data or ACK segment, passed without a lookup (the established fast path).
-    Segment = 15,
+    Segment = 16,
     /// The source is in an allow prefix: passed without counting towards any limit.
-    Allowlisted = 16,
+    Allowlisted = 17,
     /// TCP to (or, on egress, from) a port that is not protected.
-    UnprotectedPort = 17,
+    UnprotectedPort = 18,
     /// Not TCP (non-TCP fragments included).
-    NonTcp = 18,
+    NonTcp = 19,
     /// Neither IPv4 nor IPv6.
-    NonIp = 19,
+    NonIp = 20,
 }
 
 impl Reason {
     /// Number of reasons; sizes the `STATS` array.
-    pub const COUNT: usize = 20;
+    pub const COUNT: usize = 21;
     /// Reasons a source is refused for, each with a slot in [`crate::Blocked`]: the first six.
     pub const REFUSAL_COUNT: usize = 6;
     /// Every reason in wire order, for code that reads every counter.
@@ -91,9 +96,10 @@ impl Reason {
         Reason::Truncated,
         Reason::HeaderChain,
         Reason::Malformed,
+        Reason::Checksum,
+        Reason::Martian,
         Reason::HalfOpen,
         Reason::Admitted,
-        Reason::Retransmit,
         Reason::Tracked,
         Reason::Untracked,
         Reason::Segment,
@@ -116,9 +122,10 @@ impl Reason {
             Reason::Truncated => "truncated",
             Reason::HeaderChain => "header_chain",
             Reason::Malformed => "malformed",
+            Reason::Checksum => "checksum",
+            Reason::Martian => "martian_source",
             Reason::HalfOpen => "half_open",
             Reason::Admitted => "admitted",
-            Reason::Retransmit => "retransmit",
             Reason::Tracked => "tracked",
             Reason::Untracked => "untracked",
             Reason::Segment => "segment",

@@ -5,6 +5,7 @@
 #![allow(internal_features)]
 
 mod atomics;
+mod headers;
 mod maps;
 mod parsing;
 mod policy;
@@ -17,32 +18,27 @@ use aya_ebpf::{
     programs::{TcContext, XdpContext},
 };
 use aya_log_ebpf::debug;
-use limiter_common::{AdjustRequest, Direction, Event, FlowKey, FlowRequest, helper};
-use parsing::Window;
+use headers::Window;
+use limiter_common::{AdjustRequest, Direction, Event, FlowKey, FlowRequest, REPLY_MARK, helper};
 use policy::Action;
 
 /// Ingress: refuses connections over their limits before the socket layer sees them.
 #[xdp]
 pub fn limiter_xdp(ctx: XdpContext) -> u32 {
-    let window = Window {
-        start: ctx.data(),
-        end: ctx.data_end(),
-    };
+    let window = Window::of_xdp(&ctx);
     let segment = match parsing::parse_common(&window) {
         Some(frame) => {
             if policy::established(&frame) {
                 return xdp_action::XDP_PASS;
             }
+            if let Some(reason) = frame.discarded() {
+                return unparsed(reason);
+            }
             frame.segment()
         }
-        None => match parsing::parse(&window, true) {
+        None => match parsing::parse(&window, Direction::Ingress) {
             Ok(segment) => segment,
-            Err(reason) => {
-                return match policy::unparsed(Direction::Ingress, reason) {
-                    Action::Drop => xdp_action::XDP_DROP,
-                    _ => xdp_action::XDP_PASS,
-                };
-            }
+            Err(reason) => return unparsed(reason),
         },
     };
     let action = policy::ingress(&segment);
@@ -70,6 +66,15 @@ pub fn limiter_xdp(ctx: XdpContext) -> u32 {
     }
 }
 
+/// The XDP action for an ingress frame the parser could not judge (see `policy::unparsed`).
+#[inline(always)]
+fn unparsed(reason: limiter_common::Reason) -> u32 {
+    match policy::unparsed(Direction::Ingress, reason) {
+        Action::Drop => xdp_action::XDP_DROP,
+        _ => xdp_action::XDP_PASS,
+    }
+}
+
 /// Ingress, after XDP: answers the SYNs `limiter_xdp` refused and marked, by turning each into
 /// its RST|ACK and redirecting it out of the interface it came in on. Everything else passes
 /// at the cost of one metadata check.
@@ -78,13 +83,11 @@ pub fn limiter_tc_ingress(ctx: TcContext) -> i32 {
     if !reply::tc_take_mark(&ctx) {
         return TC_ACT_OK;
     }
-    let window = Window {
-        start: ctx.data(),
-        end: ctx.data_end(),
-    };
-    match parsing::parse(&window, true) {
+    match parsing::parse(&Window::of_tc(&ctx), Direction::Ingress) {
         Ok(syn) if syn.is_syn() => {
             if reply::tc_answer(&ctx, &syn) {
+                // Its way out passes `limiter_tc`, which must not take it for the host's RST.
+                ctx.set_mark(REPLY_MARK);
                 // SAFETY: reading the context's field; the helper has no other preconditions.
                 unsafe { bpf_redirect((*ctx.skb.skb).ifindex, 0) as i32 }
             } else {
@@ -101,11 +104,12 @@ pub fn limiter_tc_ingress(ctx: TcContext) -> i32 {
 /// RSTs, so that connections complete and close.
 #[classifier]
 pub fn limiter_tc(ctx: TcContext) -> i32 {
-    let window = Window {
-        start: ctx.data(),
-        end: ctx.data_end(),
-    };
-    match parsing::parse(&window, false) {
+    // SAFETY: reading a field of the context the program was given.
+    if unsafe { (*ctx.skb.skb).mark } == REPLY_MARK {
+        // The limiter's own answer to a refused SYN (see `limiter_tc_ingress`).
+        return TC_ACT_OK;
+    }
+    match parsing::parse(&Window::of_tc(&ctx), Direction::Egress) {
         Ok(segment) => policy::egress(&segment),
         Err(reason) => policy::unparsed(Direction::Egress, reason),
     };
@@ -116,11 +120,7 @@ pub fn limiter_tc(ctx: TcContext) -> i32 {
 /// [`FlowRequest`] as the packet, to release a flow with the datapath's own atomics.
 #[xdp]
 pub fn limiter_release(ctx: XdpContext) -> u32 {
-    let window = Window {
-        start: ctx.data(),
-        end: ctx.data_end(),
-    };
-    let Some(request) = window.read::<FlowRequest>(0) else {
+    let Some(request) = Window::of_xdp(&ctx).read::<FlowRequest>(0) else {
         return helper::INVALID;
     };
     let key: FlowKey = request.flow;
@@ -134,11 +134,7 @@ pub fn limiter_release(ctx: XdpContext) -> u32 {
 /// [`AdjustRequest`] as the packet, to repair a drifted counter with an atomic add.
 #[xdp]
 pub fn limiter_adjust(ctx: XdpContext) -> u32 {
-    let window = Window {
-        start: ctx.data(),
-        end: ctx.data_end(),
-    };
-    let Some(request) = window.read::<AdjustRequest>(0) else {
+    let Some(request) = Window::of_xdp(&ctx).read::<AdjustRequest>(0) else {
         return helper::INVALID;
     };
     policy::adjust(&request.source, request.global != 0, request.delta as u64)
@@ -149,11 +145,7 @@ pub fn limiter_adjust(ctx: XdpContext) -> u32 {
 /// take its slots with the datapath's own atomics (see `policy::adopt`).
 #[xdp]
 pub fn limiter_adopt(ctx: XdpContext) -> u32 {
-    let window = Window {
-        start: ctx.data(),
-        end: ctx.data_end(),
-    };
-    match window.read::<FlowRequest>(0) {
+    match Window::of_xdp(&ctx).read::<FlowRequest>(0) {
         Some(request) => policy::adopt(&request.flow),
         None => helper::INVALID,
     }

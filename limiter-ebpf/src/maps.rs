@@ -97,24 +97,45 @@ pub fn bump(map: &PerCpuArray<u64>, slot: u32) {
     }
 }
 
+/// The hash maps [`get_or_insert`] works on: the plain and the LRU kind.
+pub trait KeyedMap<K, V> {
+    fn lookup(&self, key: &K) -> Option<*mut V>;
+    /// Inserts `value` unless `key` is there already (`BPF_NOEXIST`).
+    fn insert_new(&self, key: &K, value: &V);
+}
+
+impl<K, V> KeyedMap<K, V> for HashMap<K, V> {
+    #[inline(always)]
+    fn lookup(&self, key: &K) -> Option<*mut V> {
+        self.get_ptr_mut(key)
+    }
+
+    #[inline(always)]
+    fn insert_new(&self, key: &K, value: &V) {
+        let _ = self.insert(key, value, aya_ebpf::bindings::BPF_NOEXIST.into());
+    }
+}
+
+impl<K, V> KeyedMap<K, V> for LruHashMap<K, V> {
+    #[inline(always)]
+    fn lookup(&self, key: &K) -> Option<*mut V> {
+        self.get_ptr_mut(key)
+    }
+
+    #[inline(always)]
+    fn insert_new(&self, key: &K, value: &V) {
+        let _ = self.insert(key, value, aya_ebpf::bindings::BPF_NOEXIST.into());
+    }
+}
+
 /// Looks a key up in a hash map, inserting `initial` first if it is absent. Two CPUs racing
 /// to insert both end up with the same entry: the loser's `BPF_NOEXIST` insert fails and its
 /// second lookup finds the winner's.
 #[inline(always)]
-pub fn get_or_insert<K, V>(map: &HashMap<K, V>, key: &K, initial: &V) -> Option<*mut V> {
-    if let Some(ptr) = map.get_ptr_mut(key) {
+pub fn get_or_insert<K, V>(map: &impl KeyedMap<K, V>, key: &K, initial: &V) -> Option<*mut V> {
+    if let Some(ptr) = map.lookup(key) {
         return Some(ptr);
     }
-    let _ = map.insert(key, initial, aya_ebpf::bindings::BPF_NOEXIST.into());
-    map.get_ptr_mut(key)
-}
-
-/// [`get_or_insert`] for LRU maps.
-#[inline(always)]
-pub fn lru_get_or_insert<K, V>(map: &LruHashMap<K, V>, key: &K, initial: &V) -> Option<*mut V> {
-    if let Some(ptr) = map.get_ptr_mut(key) {
-        return Some(ptr);
-    }
-    let _ = map.insert(key, initial, aya_ebpf::bindings::BPF_NOEXIST.into());
-    map.get_ptr_mut(key)
+    map.insert_new(key, initial);
+    map.lookup(key)
 }

@@ -122,7 +122,7 @@ fn refused_attempt(blame: Blame, reason: Reason, syn: Option<&Segment>) {
     // SAFETY (all three blocks): pointers from successful lookups; the slot is below
     // REFUSAL_COUNT.
     let (counter, seen) = match blame {
-        Blame::Source(source) => match maps::lru_get_or_insert(&BLOCKED, source, &NO_REFUSALS) {
+        Blame::Source(source) => match maps::get_or_insert(&BLOCKED, source, &NO_REFUSALS) {
             Some(blocked) => unsafe {
                 (&raw mut (*blocked).counts[slot], &raw mut (*blocked).seen)
             },
@@ -355,23 +355,24 @@ fn banned(source: &SourceKey, now: u64) -> bool {
     unsafe { BANS.get(source) }.is_some_and(|ban| ban.expires_ns > now)
 }
 
-/// A SYN: refused if its source has no SYN token left, or if a cap is reached as the counts
-/// stand (no slot is taken); else passed, taking a token unless it is a copy of the source's
-/// last admitted SYN (a retransmission).
+/// A SYN: refused if its source's proven handshakes have left it no SYN token, or if a cap
+/// is reached as the counts stand; else passed. It takes no token and no slot, and writes
+/// nothing: the token is taken when its handshake completes ([`complete`]), once the client's
+/// ACK of the server's ISN has proven the source. A sender forging a victim's address can
+/// then neither spend the victim's allowance nor lock it out, and a retransmitted SYN costs
+/// nothing as a matter of course.
 ///
 /// It writes no hash table: the source's SYN bucket is a slot of an array
 /// ([`limiter_common::bucket_place`]), and the half-open record is written when the host's
-/// SYN-ACK leaves ([`syn_ack`]). A new source's SYN costs that slot and nothing more unless
-/// a source mapping to the slot holds connections (`holders`), when its count is looked up.
-/// The 4-tuple is not looked up in `FLOWS`: a SYN on a tracked 4-tuple (a connection reusing
-/// a closing one's, or a stray SYN the host answers with a challenge ACK) passes like any
-/// other, and if its handshake completes, [`complete`] finds the 4-tuple tracked and the new
-/// connection takes over the old one's slot.
+/// SYN-ACK leaves ([`syn_ack`]). A new source's SYN costs that slot's read and nothing more
+/// unless a source mapping to the slot holds connections (`holders`), when its count is
+/// looked up. The 4-tuple is not looked up in `FLOWS`: a SYN on a tracked 4-tuple (a
+/// connection reusing a closing one's, or a stray SYN the host answers with a challenge ACK)
+/// passes like any other, and if its handshake completes, [`complete`] finds the 4-tuple
+/// tracked and the new connection takes over the old one's slot.
 ///
 /// Inlined into [`ingress`]: a subprogram's call and return (the return through the CPU's
-/// return thunk, on hosts mitigated against return-stack attacks) cost every SYN. With the
-/// rate's division moved to the agent, that took a retransmitted refused SYN from about 3.5
-/// to 3.0 times the anchor under test-run.
+/// return thunk, on hosts mitigated against return-stack attacks) cost every SYN.
 #[inline(always)]
 fn syn(seg: &Segment, config: &Config) -> Action {
     let source = source_of(seg, config);
@@ -380,16 +381,16 @@ fn syn(seg: &Segment, config: &Config) -> Action {
         // Only before the agent sized the array into the config: nothing to meter with.
         return pass(Direction::Ingress, Reason::HalfOpen);
     };
-    // The bucket's word first: its cache line is cold for a new source, and the miss then
-    // overlaps the clock's helper call.
     // SAFETY: pointer from a successful lookup.
     let word = atomics::load(unsafe { &(*bucket).tat_tag });
     // Read once: the config lives in a map the agent may rewrite meanwhile.
     let rate = Gcra::of(config);
-    let rate_now = rate_now();
-    let mine = word & BUCKET_TAG_MASK == place.tag;
-    // The rate first: a SYN over it is refused on its bucket alone.
-    if rate.limited() && mine && rate.next(word & !BUCKET_TAG_MASK, rate_now).is_none() {
+    // The rate first: a SYN over it is refused on its bucket alone. Another source's slot
+    // (or one never claimed) is a full bucket, and its SYN reads no clock.
+    if rate.limited()
+        && word & BUCKET_TAG_MASK == place.tag
+        && rate.next(word & !BUCKET_TAG_MASK, rate_now()).is_none()
+    {
         return refuse_rate(seg, bucket, config);
     }
     if let Some(reason) = at_cap(&source, bucket, config) {
@@ -401,20 +402,6 @@ fn syn(seg: &Segment, config: &Config) -> Action {
             config,
         );
     }
-    let signature = attempt_signature(&seg.src, &seg.dst, seg.sport, seg.dport, seg.seq);
-    // SAFETY (both blocks): pointer from a successful lookup; plain words a racing CPU can
-    // only overwrite with another source key or signature of the same slot.
-    if mine && unsafe { (*bucket).source == source && (*bucket).admitted == signature } {
-        return pass(Direction::Ingress, Reason::Retransmit);
-    }
-    if rate
-        .take(bucket, &source, place.tag, word, rate_now)
-        .is_err()
-    {
-        // Other CPUs took the last tokens since the check above.
-        return refuse_rate(seg, bucket, config);
-    }
-    unsafe { (*bucket).admitted = signature };
     pass(Direction::Ingress, Reason::HalfOpen)
 }
 
@@ -691,6 +678,16 @@ fn complete(seg: &Segment, config: &Config, now: u64) -> Completion {
         atomics::decrement(per_source);
         return refuse_at_ack(&source, Reason::ConnTotal);
     }
+    // The SYN rate's token last, once the slots are sure: a handshake the caps refuse spends
+    // none, and the token, unlike a slot, cannot be given back.
+    if let Err(bucket) = take_token(&source, config) {
+        atomics::decrement(global);
+        atomics::decrement(per_source);
+        refused_attempt(Blame::Bucket(bucket), Reason::SynRate, None);
+        count(Direction::Ingress, Verdict::Rst, Reason::SynRate);
+        event(Event::RefusedAtAck);
+        return Completion::Refused(Action::ResetHost);
+    }
     let flow = Flow {
         first_seen_ns: half_open.first_seen_ns,
         last_seen_ns: now,
@@ -713,7 +710,10 @@ fn complete(seg: &Segment, config: &Config, now: u64) -> Completion {
                 if let Some(flow) = FLOWS.get_ptr_mut(key) {
                     // SAFETY: pointer from a successful lookup; plain words besides the state.
                     unsafe {
-                        atomics::fetch_and(&mut (*flow).state, !flow_state::FIN_BOTH);
+                        atomics::fetch_and(
+                            &mut (*flow).state,
+                            !(flow_state::FIN_BOTH | flow_state::RST_IN),
+                        );
                         (*flow).first_seen_ns = half_open.first_seen_ns;
                     }
                 }
@@ -723,6 +723,24 @@ fn complete(seg: &Segment, config: &Config, now: u64) -> Completion {
             }
         }
     }
+}
+
+/// Takes the SYN rate's token for a proven handshake of `source`; `Err` with its bucket if the
+/// bucket ran dry (other handshakes of the source completed since its SYN was let through).
+#[inline(always)]
+fn take_token(source: &SourceKey, config: &Config) -> Result<(), *mut SynBucket> {
+    let rate = Gcra::of(config);
+    if !rate.limited() {
+        return Ok(());
+    }
+    let place = bucket_place(source, config.bucket_seed, config.bucket_mask);
+    let Some(bucket) = SYN_BUCKETS.get_ptr_mut(place.slot) else {
+        return Ok(());
+    };
+    // SAFETY: pointer from a successful lookup.
+    let word = atomics::load(unsafe { &(*bucket).tat_tag });
+    rate.take(bucket, source, place.tag, word, rate_now())
+        .map_err(|()| bucket)
 }
 
 /// A completed handshake over a cap: another connection of the source (or of the host) took
@@ -803,23 +821,35 @@ pub fn adopt(key: &FlowKey) -> u32 {
     }
 }
 
-/// A RST either way closes a tracked flow.
+/// The host's RST (egress) closes a tracked flow. A RST from outside (ingress) only marks it
+/// ([`flow_state::RST_IN`]): XDP cannot tell whether the host will accept it (a forged RST
+/// outside the window, or one with a bad checksum, the host discards), so releasing on it
+/// would let anyone who guesses a 4-tuple discount another client's connection, or a client
+/// its own. The sweeper releases the flow once the host's socket is gone.
 #[inline(never)]
 fn reset(seg: &Segment, direction: Direction) -> Action {
     let key = match direction {
         Direction::Ingress => inbound(seg),
         Direction::Egress => outbound(seg),
     };
-    match FLOWS.get_ptr_mut(key) {
-        Some(flow) => {
-            close(&key, flow, Event::ClosedRst);
-            pass(direction, Reason::Tracked)
+    let Some(flow) = FLOWS.get_ptr_mut(key) else {
+        return pass(direction, Reason::Untracked);
+    };
+    match direction {
+        // SAFETY: pointer from a successful lookup; the field is a plain word.
+        Direction::Ingress => {
+            atomics::fetch_or(unsafe { &mut (*flow).state }, flow_state::RST_IN);
         }
-        None => pass(direction, Reason::Untracked),
+        Direction::Egress => {
+            close(&key, flow, Event::ClosedRst);
+        }
     }
+    pass(direction, Reason::Tracked)
 }
 
-/// A FIN sets its direction's bit; the side that completes both closes the flow.
+/// A FIN sets its direction's bit; the host's FIN that completes both closes the flow. A
+/// client's FIN never closes it, for the reason a client's RST does not (see [`reset`]): the
+/// sweeper releases a flow whose FINs the host answered first once its socket is gone.
 #[inline(never)]
 fn fin(key: &FlowKey, direction: Direction) -> Action {
     let Some(flow) = FLOWS.get_ptr_mut(key) else {
@@ -832,8 +862,8 @@ fn fin(key: &FlowKey, direction: Direction) -> Action {
         Direction::Egress => flow_state::FIN_OUT,
     };
     let before = atomics::fetch_or(state, mine);
-    // Exactly one side sees the other's FIN already there and its own not yet: it closes.
-    if before & mine == 0 && (before | mine) & flow_state::FIN_BOTH == flow_state::FIN_BOTH {
+    // Only the host's FIN closes, and only the first that finds the client's already there.
+    if direction == Direction::Egress && before & mine == 0 && before & flow_state::FIN_IN != 0 {
         close(key, flow, Event::ClosedFin);
     }
     pass(direction, Reason::Tracked)

@@ -19,11 +19,14 @@ use aya_ebpf::{
 };
 use limiter_common::RST_MARK;
 
-use crate::parsing::{
-    IPPROTO_TCP, IPV4_HLEN, IPV6_HLEN, MAX_L3_OFFSET, Segment, TCP_ACK, TCP_HLEN, TCP_RST, Window,
+use crate::{
+    headers::{
+        Be16, Be32, ETH_ALEN, IPV4_DONT_FRAGMENT, IPV4_HLEN, IPV6_HLEN, Ipv4Hdr, Ipv6Hdr, TCP_HLEN,
+        TcpHdr, Window, add_words, as_bytes, fold,
+    },
+    parsing::{Endpoints, IPPROTO_TCP, MAX_L3_OFFSET, Segment, SegmentMeta, TCP_ACK, TCP_RST},
 };
 
-const ETH_ALEN: usize = 6;
 const TTL: u8 = 64;
 
 /// One RST: its headers (a [`Segment`], laid out as the verifier needs) and where it goes.
@@ -38,16 +41,20 @@ struct Rst {
 fn answering(syn: &Segment) -> Rst {
     Rst {
         headers: Segment::new(
-            syn.dst,
-            syn.src,
-            syn.dport,
-            syn.sport,
-            0,
-            syn.seq.wrapping_add(1),
-            TCP_RST | TCP_ACK,
-            syn.ipv6(),
-            false,
-            syn.l3_offset(),
+            Endpoints {
+                src: syn.dst,
+                dst: syn.src,
+                sport: syn.dport,
+                dport: syn.sport,
+                seq: 0,
+                ack: syn.seq.wrapping_add(1),
+            },
+            SegmentMeta {
+                flags: TCP_RST | TCP_ACK,
+                ipv6: syn.ipv6(),
+                fragment: false,
+                l3_offset: syn.l3_offset(),
+            },
         ),
         answer: true,
     }
@@ -59,16 +66,20 @@ fn answering(syn: &Segment) -> Rst {
 fn replacing(ack: &Segment) -> Rst {
     Rst {
         headers: Segment::new(
-            ack.src,
-            ack.dst,
-            ack.sport,
-            ack.dport,
-            ack.seq,
-            0,
-            TCP_RST,
-            ack.ipv6(),
-            false,
-            ack.l3_offset(),
+            Endpoints {
+                src: ack.src,
+                dst: ack.dst,
+                sport: ack.sport,
+                dport: ack.dport,
+                seq: ack.seq,
+                ack: 0,
+            },
+            SegmentMeta {
+                flags: TCP_RST,
+                ipv6: ack.ipv6(),
+                fragment: false,
+                l3_offset: ack.l3_offset(),
+            },
         ),
         answer: false,
     }
@@ -88,14 +99,11 @@ pub fn xdp_replace(ctx: &XdpContext, ack: &Segment) -> bool {
 
 #[inline(never)]
 fn xdp_rewrite(ctx: &XdpContext, rst: &Rst) -> bool {
-    let w = Window {
-        start: ctx.data(),
-        end: ctx.data_end(),
-    };
+    let w = Window::of_xdp(ctx);
     let Some(new_len) = write(&w, rst) else {
         return false;
     };
-    let delta = new_len as i32 - (w.end - w.start) as i32;
+    let delta = new_len as i32 - w.len() as i32;
     // SAFETY: shrinking an XDP frame we own; `delta` is never positive here.
     delta == 0 || unsafe { bpf_xdp_adjust_tail(ctx.ctx, delta) } == 0
 }
@@ -142,10 +150,7 @@ pub fn tc_take_mark(ctx: &TcContext) -> bool {
 /// Rewrites the skb (a marked SYN) into the RST|ACK answering it, ready to redirect.
 #[inline(never)]
 pub fn tc_answer(ctx: &TcContext, syn: &Segment) -> bool {
-    let w = Window {
-        start: ctx.data(),
-        end: ctx.data_end(),
-    };
+    let w = Window::of_tc(ctx);
     let Some(new_len) = write(&w, &answering(syn)) else {
         return false;
     };
@@ -168,68 +173,65 @@ fn write(w: &Window, rst: &Rst) -> Option<usize> {
         let mut swapped = [0u8; 2 * ETH_ALEN];
         swapped[..ETH_ALEN].copy_from_slice(&macs[ETH_ALEN..]);
         swapped[ETH_ALEN..].copy_from_slice(&macs[..ETH_ALEN]);
-        put(w, 0, &swapped)?;
+        w.write(0, &swapped)?;
     }
     let tcp = tcp_header(rst);
     if rst.ipv6() {
         let tcp = with_checksum(tcp, pseudo_v6(rst));
-        put(w, l3, &ipv6_header(rst))?;
-        put(w, l3 + IPV6_HLEN, &tcp)?;
+        w.write(l3, &ipv6_header(rst))?;
+        w.write(l3 + IPV6_HLEN, &tcp)?;
         Some(l3 + IPV6_HLEN + TCP_HLEN)
     } else {
         let tcp = with_checksum(tcp, pseudo_v4(rst));
-        put(w, l3, &ipv4_header(rst))?;
-        put(w, l3 + IPV4_HLEN, &tcp)?;
+        w.write(l3, &ipv4_header(rst))?;
+        w.write(l3 + IPV4_HLEN, &tcp)?;
         Some(l3 + IPV4_HLEN + TCP_HLEN)
     }
 }
 
-/// Copies `bytes` into the packet at `offset`, if they fit.
 #[inline(always)]
-fn put<const N: usize>(w: &Window, offset: usize, bytes: &[u8; N]) -> Option<()> {
-    let p = w.ptr::<[u8; N]>(offset)?;
-    // SAFETY: `ptr` checked that all N bytes lie inside the packet.
-    unsafe { core::ptr::write_unaligned(p as *mut [u8; N], *bytes) };
-    Some(())
+fn tcp_header(rst: &Segment) -> TcpHdr {
+    TcpHdr {
+        sport: Be16::new(rst.sport),
+        dport: Be16::new(rst.dport),
+        seq: Be32::new(rst.seq),
+        ack: Be32::new(rst.ack),
+        data_offset: ((TCP_HLEN / 4) as u8) << 4,
+        flags: rst.flags(),
+        window: Be16::new(0),
+        check: Be16::new(0),
+        urgent: Be16::new(0),
+    }
 }
 
 #[inline(always)]
-fn tcp_header(rst: &Segment) -> [u8; TCP_HLEN] {
-    let mut h = [0u8; TCP_HLEN];
-    h[0..2].copy_from_slice(&rst.sport.to_be_bytes());
-    h[2..4].copy_from_slice(&rst.dport.to_be_bytes());
-    h[4..8].copy_from_slice(&rst.seq.to_be_bytes());
-    h[8..12].copy_from_slice(&rst.ack.to_be_bytes());
-    h[12] = ((TCP_HLEN / 4) as u8) << 4;
-    h[13] = rst.flags();
+fn ipv4_header(rst: &Segment) -> Ipv4Hdr {
+    let mut h = Ipv4Hdr {
+        version_ihl: 0x45,
+        tos: 0,
+        total_len: Be16::new((IPV4_HLEN + TCP_HLEN) as u16),
+        id: Be16::new(0),
+        frag_off: Be16::new(IPV4_DONT_FRAGMENT),
+        ttl: TTL,
+        protocol: IPPROTO_TCP,
+        check: Be16::new(0),
+        src: [rst.src[12], rst.src[13], rst.src[14], rst.src[15]],
+        dst: [rst.dst[12], rst.dst[13], rst.dst[14], rst.dst[15]],
+    };
+    h.check = Be16::new(!fold(h.word_sum()));
     h
 }
 
 #[inline(always)]
-fn ipv4_header(rst: &Segment) -> [u8; IPV4_HLEN] {
-    let mut h = [0u8; IPV4_HLEN];
-    h[0] = 0x45;
-    h[2..4].copy_from_slice(&((IPV4_HLEN + TCP_HLEN) as u16).to_be_bytes());
-    h[6] = 0x40; // don't fragment
-    h[8] = TTL;
-    h[9] = IPPROTO_TCP;
-    h[12..16].copy_from_slice(&rst.src[12..16]);
-    h[16..20].copy_from_slice(&rst.dst[12..16]);
-    let sum = fold(add_words(0, &h));
-    h[10..12].copy_from_slice(&(!sum).to_be_bytes());
-    h
-}
-
-#[inline(always)]
-fn ipv6_header(rst: &Segment) -> [u8; IPV6_HLEN] {
-    let mut h = [0u8; IPV6_HLEN];
-    h[0] = 0x60;
-    h[4..6].copy_from_slice(&(TCP_HLEN as u16).to_be_bytes());
-    h[6] = IPPROTO_TCP;
-    h[7] = TTL;
-    h[8..24].copy_from_slice(&rst.src);
-    h[24..40].copy_from_slice(&rst.dst);
-    h
+fn ipv6_header(rst: &Segment) -> Ipv6Hdr {
+    Ipv6Hdr {
+        version_class_flow: Be32::new(6 << 28),
+        payload_len: Be16::new(TCP_HLEN as u16),
+        next_header: IPPROTO_TCP,
+        hop_limit: TTL,
+        src: rst.src,
+        dst: rst.dst,
+    }
 }
 
 /// Sum of the pseudo-header words: addresses, protocol and TCP length.
@@ -237,38 +239,18 @@ fn ipv6_header(rst: &Segment) -> [u8; IPV6_HLEN] {
 fn pseudo_v4(rst: &Segment) -> u64 {
     let sum = add_words(0, &[rst.src[12], rst.src[13], rst.src[14], rst.src[15]]);
     let sum = add_words(sum, &[rst.dst[12], rst.dst[13], rst.dst[14], rst.dst[15]]);
-    sum + IPPROTO_TCP as u64 + TCP_HLEN as u64
+    sum + u64::from(IPPROTO_TCP) + TCP_HLEN as u64
 }
 
 #[inline(always)]
 fn pseudo_v6(rst: &Segment) -> u64 {
     let sum = add_words(0, &rst.src);
     let sum = add_words(sum, &rst.dst);
-    sum + IPPROTO_TCP as u64 + TCP_HLEN as u64
+    sum + u64::from(IPPROTO_TCP) + TCP_HLEN as u64
 }
 
 #[inline(always)]
-fn with_checksum(mut tcp: [u8; TCP_HLEN], pseudo: u64) -> [u8; TCP_HLEN] {
-    let sum = fold(add_words(pseudo, &tcp));
-    tcp[16..18].copy_from_slice(&(!sum).to_be_bytes());
+fn with_checksum(mut tcp: TcpHdr, pseudo: u64) -> TcpHdr {
+    tcp.check = Be16::new(!fold(add_words(pseudo, as_bytes::<TcpHdr, TCP_HLEN>(&tcp))));
     tcp
-}
-
-/// Adds big-endian 16-bit words (an even number of bytes) to a one's-complement sum.
-#[inline(always)]
-fn add_words(mut sum: u64, bytes: &[u8]) -> u64 {
-    let mut i = 0;
-    while i + 1 < bytes.len() {
-        sum += u16::from_be_bytes([bytes[i], bytes[i + 1]]) as u64;
-        i += 2;
-    }
-    sum
-}
-
-#[inline(always)]
-fn fold(mut sum: u64) -> u16 {
-    for _ in 0..4 {
-        sum = (sum & 0xFFFF) + (sum >> 16);
-    }
-    sum as u16
 }

@@ -80,6 +80,28 @@ pub fn tc_run(dp: &Datapath, frame: &[u8]) -> u32 {
     .return_value
 }
 
+/// Runs `frame` through the egress TC program of `dp` once as an skb carrying `mark`;
+/// returns the TC action.
+pub fn tc_run_marked(dp: &Datapath, frame: &[u8], mark: u32) -> u32 {
+    let prog: &SchedClassifier = dp
+        .ebpf()
+        .program(TC_PROGRAM)
+        .expect("the TC program")
+        .try_into()
+        .expect("a TC program");
+    // The head of a `struct __sk_buff`: `len` and `pkt_type` (zero, as the kernel requires of
+    // a test run's context), then `mark`; the kernel reads no further than it is given.
+    let mut ctx = [0u8; 12];
+    ctx[8..].copy_from_slice(&mark.to_ne_bytes());
+    prog.test_run(TestRunOptions {
+        data_in: Some(frame),
+        ctx_in: Some(&ctx),
+        ..Default::default()
+    })
+    .expect("BPF_PROG_TEST_RUN")
+    .return_value
+}
+
 /// Runs `syn` through the XDP program of `dp` and, if it passed, the rest of its handshake
 /// (the host's SYN-ACK through TC, the client's ACK through XDP), as a client that connects
 /// would; returns the SYN's action.
@@ -167,6 +189,11 @@ impl Kernel {
 
     pub fn tc(&self, frame: &[u8]) -> u32 {
         tc_run(&self.dp, frame)
+    }
+
+    /// [`Kernel::tc`] for an skb carrying `mark`.
+    pub fn tc_marked(&self, frame: &[u8], mark: u32) -> u32 {
+        tc_run_marked(&self.dp, frame, mark)
     }
 
     pub fn packets(&self, direction: Direction, verdict: Verdict, reason: Reason) -> u64 {

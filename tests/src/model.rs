@@ -10,8 +10,8 @@
 //! for the whole run or expired when set. The ACK hint pre-filter is taken as exact (a false
 //! positive only costs the kernel a lookup, so the verdict must not depend on it).
 //! `HALF_OPEN` is an LRU; runs stay far below its size, so it behaves as a plain map here, and
-//! so does `BLOCKED`. The SYN buckets are modelled whole: which source claimed a slot last,
-//! its theoretical arrival time and its last admitted SYN (a copy is a retransmission),
+//! so does `BLOCKED`. The SYN buckets are modelled whole: which source claimed a slot last
+//! (at a completed handshake: a SYN only reads its bucket), its theoretical arrival time,
 //! whether a slot's sources hold connections (the per-source precheck is skipped when none
 //! do), and its source's refusals for the rate with the last refused SYNs that tell a
 //! retransmission from a new attempt. The refused connection attempts are modelled too: by
@@ -82,8 +82,6 @@ pub struct Bucket {
     pub refused: u64,
     /// That source's last SYNs refused for its rate.
     pub seen: SeenAttempts,
-    /// The signature of that source's last admitted SYN.
-    pub admitted: u32,
     /// Connections held by the sources mapping to the slot.
     pub holders: u64,
 }
@@ -102,7 +100,8 @@ pub struct Model {
     policy: Policy,
     /// The SYN rate's clock (`CLOCK_MONOTONIC_COARSE` ns) at the next frame.
     pub rate_now: u64,
-    /// SYNs admitted by a bucket that had refused its source for the rate before.
+    /// Handshakes whose token came from a bucket that had refused its source for the rate
+    /// before.
     pub refills: u64,
     /// Refused SYNs that repeated one of their record's last refused SYNs, so counted no
     /// new attempt (not kernel state: the test checks that the run had some).
@@ -395,20 +394,17 @@ impl Model {
     }
 
     fn syn(&mut self, seg: &Segment) -> Action {
-        // The rate first, on the source's own bucket alone; then the caps as they stand (the
-        // source's count only if its slot's sources hold connections); then the bucket again:
-        // a copy of the source's last admitted SYN is a retransmission and takes no token. A
-        // tracked 4-tuple is not looked at (see `complete`).
+        // The rate first, on the source's own bucket alone, read and never written: the token
+        // is taken when the handshake completes; then the caps as they stand (the source's
+        // count only if its slot's sources hold connections). A tracked 4-tuple is not looked
+        // at (see `complete`).
         let source = self.source(seg.src);
         let place = self.place(&source);
         let bucket = self.buckets.get(&place.slot).copied().unwrap_or_default();
         // The slot is the source's while its tag is there; sources sharing slot and tag share
-        // the bucket, and only the one that claimed it is named in it. A source claiming the
-        // slot starts with a full bucket.
-        let mine = bucket.tag == place.tag;
-        let rate = Rate::of(&self.config);
-        if let Some(rate) = rate
-            && mine
+        // the bucket. Another source's slot is a full bucket.
+        if let Some(rate) = Rate::of(&self.config)
+            && bucket.tag == place.tag
             && rate.admit(bucket.tat, self.rate_now).is_none()
         {
             self.buckets.entry(place.slot).or_default().ran_dry = true;
@@ -428,13 +424,19 @@ impl Model {
             let blame = Blame::Source(source);
             return self.refuse(seg, blame, Reason::ConnTotal, self.config.reject_conn);
         }
-        let signature = signature(seg);
-        if mine && bucket.source == Some(source) && bucket.admitted == signature {
-            return self.pass(Direction::Ingress, Reason::Retransmit);
-        }
+        self.pass(Direction::Ingress, Reason::HalfOpen)
+    }
+
+    /// Takes a proven handshake's token from `source`'s bucket, claiming the slot (a full
+    /// bucket) if another source's tag is there; `Err` with the slot if it ran dry.
+    fn take_token(&mut self, source: SourceKey) -> Result<(), u32> {
+        let Some(rate) = Rate::of(&self.config) else {
+            return Ok(());
+        };
+        let place = self.place(&source);
         let now = self.rate_now;
         let entry = self.buckets.entry(place.slot).or_default();
-        if !mine {
+        if entry.tag != place.tag {
             entry.tag = place.tag;
             entry.source = Some(source);
             entry.tat = 0;
@@ -442,17 +444,12 @@ impl Model {
             entry.refused = 0;
             entry.seen = [0; SEEN_ATTEMPTS];
         }
-        if let Some(rate) = rate {
-            entry.tat = rate
-                .admit(entry.tat, now)
-                .expect("a full bucket, or one the check above found a token in");
-            if entry.ran_dry {
-                entry.ran_dry = false;
-                self.refills += 1;
-            }
+        entry.tat = rate.admit(entry.tat, now).ok_or(place.slot)?;
+        if entry.ran_dry {
+            entry.ran_dry = false;
+            self.refills += 1;
         }
-        entry.admitted = signature;
-        self.pass(Direction::Ingress, Reason::HalfOpen)
+        Ok(())
     }
 
     /// An ACK that may complete a handshake; `None` if it completes none.
@@ -463,18 +460,26 @@ impl Model {
             return None;
         }
         self.half_open.remove(&key);
-        let per_source = self.source_conns.entry(entry.source).or_default();
+        let per_source = *self.source_conns.entry(entry.source).or_default();
         let per_ip = self.config.max_conn_per_ip as u64;
         let total = self.config.max_conn_total as u64;
-        let refused = if per_ip != 0 && *per_source >= per_ip {
+        let refused = if per_ip != 0 && per_source >= per_ip {
             Some(Reason::ConnPerIp)
         } else if total != 0 && self.global >= total {
             Some(Reason::ConnTotal)
         } else {
             None
         };
-        if let Some(reason) = refused {
-            self.refused_attempt(Blame::Source(entry.source), reason, None);
+        let refused = match refused {
+            Some(reason) => Some((Blame::Source(entry.source), reason)),
+            // The token last, once the slots are sure.
+            None => self
+                .take_token(entry.source)
+                .err()
+                .map(|slot| (Blame::Bucket(slot), Reason::SynRate)),
+        };
+        if let Some((blame, reason)) = refused {
+            self.refused_attempt(blame, reason, None);
             self.count(Direction::Ingress, Verdict::Rst, reason);
             self.event(Event::RefusedAtAck);
             return Some(Completion::Refused);
@@ -482,10 +487,10 @@ impl Model {
         if let Some(flow) = self.flows.get_mut(&key) {
             // The 4-tuple is tracked already: a new connection reusing a closing one's takes
             // over its slot, open again.
-            flow.state &= !flow_state::FIN_BOTH;
+            flow.state &= !(flow_state::FIN_BOTH | flow_state::RST_IN);
             return None;
         }
-        *per_source += 1;
+        *self.source_conns.entry(entry.source).or_default() += 1;
         self.global += 1;
         let slot = self.place(&entry.source).slot;
         self.buckets.entry(slot).or_default().holders += 1;
@@ -498,13 +503,16 @@ impl Model {
         Some(Completion::Admitted)
     }
 
+    /// The host's RST closes a flow; a client's only marks it (the host may discard it).
     fn reset(&mut self, key: &FlowKey, direction: Direction) -> Action {
-        if self.flows.contains_key(key) {
-            self.close(key, Event::ClosedRst);
-            self.pass(direction, Reason::Tracked)
-        } else {
-            self.pass(direction, Reason::Untracked)
+        let Some(flow) = self.flows.get_mut(key) else {
+            return self.pass(direction, Reason::Untracked);
+        };
+        match direction {
+            Direction::Ingress => flow.state |= flow_state::RST_IN,
+            Direction::Egress => self.close(key, Event::ClosedRst),
         }
+        self.pass(direction, Reason::Tracked)
     }
 
     fn fin(&mut self, key: &FlowKey, direction: Direction) -> Action {
@@ -517,7 +525,9 @@ impl Model {
         };
         let before = flow.state;
         flow.state |= mine;
-        if before & mine == 0 && (before | mine) & flow_state::FIN_BOTH == flow_state::FIN_BOTH {
+        // Only the host's FIN closes, once the client's is there.
+        if direction == Direction::Egress && before & mine == 0 && before & flow_state::FIN_IN != 0
+        {
             self.close(key, Event::ClosedFin);
         }
         self.pass(direction, Reason::Tracked)

@@ -8,7 +8,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use etherparse::{IpFragOffset, IpHeaders, IpNumber, Ipv4Extensions, Ipv4Header, PacketBuilder};
+use etherparse::{
+    IpFragOffset, IpHeaders, IpNumber, Ipv4Extensions, Ipv4Header, Ipv6Extensions,
+    Ipv6FragmentHeader, Ipv6Header, PacketBuilder,
+};
 use limiter_common::{
     Direction, Event, FlowKey, HalfOpen, RST_MARK, Reason, Verdict, attempt_signature,
     bucket_place, flow_state, maps, seen_slot, source_key,
@@ -112,9 +115,13 @@ fn a_syn_holds_no_slot_until_its_handshake_completes() {
     assert!(k.dp.maps.all_source_connections().unwrap().is_empty());
     // Admitting a SYN writes no hash table: the record waits for the host's SYN-ACK.
     assert!(half_open(&k).is_empty());
-    // A retransmitted SYN is the same connection attempt.
+    // A retransmitted SYN is the same connection attempt: it too takes nothing.
     assert_eq!(k.xdp(&s.build()).action, XDP_PASS);
-    assert_eq!(k.ingress(Verdict::Pass, Reason::Retransmit), 1);
+    assert_eq!(k.ingress(Verdict::Pass, Reason::HalfOpen), 2);
+    assert!(
+        k.dp.maps.syn_buckets().unwrap().is_empty(),
+        "no bucket claimed"
+    );
     let h = handshake(&s, 0xDEAD_BEEF);
     // An ACK before the SYN-ACK acknowledges nothing the host sent.
     k.xdp(&h.ack);
@@ -275,51 +282,91 @@ fn caps_are_taken_exactly_when_handshakes_complete() {
     assert_eq!(k.dp.maps.flows().unwrap().len(), 1);
 }
 
-#[test]
-fn syn_rate_admits_exactly_the_burst() {
-    let k = Kernel::new(&["--syn-rate", "1", "--syn-burst", "3"]);
-    let passed = (0..10)
-        .filter(|i| k.xdp(&syn(v4(2), 1000 + i).build()).action == XDP_PASS)
-        .count();
-    assert_eq!(passed, 3);
-    assert_eq!(k.ingress(Verdict::Drop, Reason::SynRate), 7);
-    assert_eq!(k.ingress(Verdict::Pass, Reason::HalfOpen), 3);
-    // Past its rate, a source's SYNs are refused before their 4-tuple is looked up, so a
-    // retransmission too (the host's own SYN-ACK retransmissions still complete it).
-    assert_eq!(k.xdp(&syn(v4(2), 1000).build()).action, XDP_DROP);
-    assert_eq!(k.ingress(Verdict::Drop, Reason::SynRate), 8);
-    assert_eq!(k.ingress(Verdict::Pass, Reason::Retransmit), 0);
-    assert_eq!(k.global(), 0);
+/// The host's RST closing the connection `syn` opened, through the egress program.
+fn host_rst(syn: &Tcp) -> Vec<u8> {
+    syn.reply(RST).build()
+}
+
+/// A SYN, and only if the programs pass it, the host's SYN-ACK and the client's ACK: whether
+/// the connection was admitted.
+fn attempt(k: &Kernel, s: &Tcp) -> bool {
+    if k.xdp(&s.build()).action != XDP_PASS {
+        return false;
+    }
+    let before = k.dp.maps.events(Event::Opened).unwrap();
+    let h = handshake(s, isn(s.sport));
+    k.tc(&h.syn_ack);
+    k.xdp(&h.ack);
+    k.dp.maps.events(Event::Opened).unwrap() > before
 }
 
 #[test]
-fn a_retransmitted_syn_takes_no_token() {
-    let k = Kernel::new(&["--syn-rate", "1", "--syn-burst", "2"]);
-    let first = syn(v4(2), 1000);
-    assert_eq!(k.xdp(&first.build()).action, XDP_PASS);
-    // With a token left, retransmissions pass without taking it...
-    for _ in 0..3 {
-        assert_eq!(k.xdp(&first.build()).action, XDP_PASS);
+fn syn_rate_admits_exactly_the_burst_of_handshakes() {
+    let k = Kernel::new(&["--syn-rate", "1", "--syn-burst", "3"]);
+    let admitted = (0..10)
+        .filter(|i| attempt(&k, &syn(v4(2), 1000 + i)))
+        .count();
+    assert_eq!(admitted, 3);
+    assert_eq!(
+        k.ingress(Verdict::Drop, Reason::SynRate),
+        7,
+        "refused at the SYN"
+    );
+    assert_eq!(k.ingress(Verdict::Pass, Reason::HalfOpen), 3);
+    assert_eq!(k.global(), 3);
+}
+
+#[test]
+fn handshakes_racing_past_their_syns_take_exactly_the_burst() {
+    // Five SYNs pass while the bucket is full; their handshakes complete after: only the
+    // burst's worth get a token, the rest are refused at the ACK.
+    let k = Kernel::new(&["--syn-rate", "1", "--syn-burst", "3"]);
+    let syns: Vec<Tcp> = (0..5).map(|i| syn(v4(2), 1000 + i)).collect();
+    for s in &syns {
+        assert_eq!(k.xdp(&s.build()).action, XDP_PASS);
     }
-    assert_eq!(k.ingress(Verdict::Pass, Reason::Retransmit), 3);
-    // ...so it is still there for a second connection, and only the third is refused.
-    assert_eq!(k.xdp(&syn(v4(2), 1001).build()).action, XDP_PASS);
-    assert_eq!(k.xdp(&syn(v4(2), 1002).build()).action, XDP_DROP);
-    assert_eq!(k.ingress(Verdict::Pass, Reason::HalfOpen), 2);
-    // Only the source's last admitted SYN is remembered: once another was admitted, a
-    // retransmission of the first takes a token (here the last one is gone).
-    assert_eq!(k.xdp(&first.build()).action, XDP_DROP);
-    // A new SYN on a tracked connection's 4-tuple (a new ISN) is no retransmission: the
-    // datapath does not look the 4-tuple up in the flow table on a SYN (the host answers it
-    // with a challenge ACK, or with a SYN-ACK if that socket is gone), so it takes a token.
+    let handshakes: Vec<_> = syns.iter().map(|s| handshake(s, isn(s.sport))).collect();
+    for h in &handshakes {
+        k.tc(&h.syn_ack);
+    }
+    for h in &handshakes {
+        k.xdp(&h.ack);
+    }
+    assert_eq!(k.global(), 3);
+    assert_eq!(k.ingress(Verdict::Rst, Reason::SynRate), 2);
+    assert_eq!(k.dp.maps.events(Event::RefusedAtAck).unwrap(), 2);
+}
+
+#[test]
+fn spoofed_syns_of_a_victims_address_spend_none_of_its_allowance() {
+    // An attacker forging the victim's address never sees the SYN-ACKs, so its SYNs complete
+    // no handshake: however many, the victim still connects on its first tries.
     let k = Kernel::new(&["--syn-rate", "1", "--syn-burst", "2"]);
-    k.connect(&first);
-    let mut reuse = first.clone();
-    reuse.seq = first.seq.wrapping_add(100_000);
-    assert_eq!(k.xdp(&reuse.build()).action, XDP_PASS);
-    assert_eq!(k.ingress(Verdict::Pass, Reason::HalfOpen), 2);
-    assert_eq!(k.xdp(&syn(v4(2), 1001).build()).action, XDP_DROP);
-    assert_eq!(k.global(), 1);
+    let victim = v4(2);
+    for i in 0..500 {
+        assert_eq!(k.xdp(&syn(victim, 20_000 + i).build()).action, XDP_PASS);
+    }
+    assert!(attempt(&k, &syn(victim, 1000)));
+    assert!(attempt(&k, &syn(victim, 1001)));
+    assert!(!attempt(&k, &syn(victim, 1002)), "its own rate still holds");
+}
+
+#[test]
+fn replaying_the_last_admitted_syn_takes_a_token_each_handshake() {
+    // The same SYN (4-tuple and ISN) after each handshake and RST: each handshake is a new
+    // connection and pays for itself.
+    let k = Kernel::new(&["--syn-rate", "1", "--syn-burst", "2"]);
+    let s = syn(v4(2), 1000);
+    let passed = (0..10)
+        .filter(|_| {
+            let passed = attempt(&k, &s) || k.ingress(Verdict::Drop, Reason::SynRate) == 0;
+            k.xdp(&s.with_flags(RST).build());
+            k.tc(&host_rst(&s));
+            passed
+        })
+        .count();
+    assert_eq!(passed, 2, "the burst, and no more");
+    assert_eq!(k.ingress(Verdict::Drop, Reason::SynRate), 8);
 }
 
 /// An address of another source whose SYN bucket slot is `victim`'s under the live seed (with
@@ -355,27 +402,28 @@ fn sources_sharing_a_bucket_slot_cannot_lock_each_other_out() {
     ]);
     let victim = v4(2);
     let attacker = sharing_a_slot(&k, victim);
-    assert_eq!(k.xdp(&syn(victim, 1000).build()).action, XDP_PASS);
+    assert!(attempt(&k, &syn(victim, 1000)));
     assert_eq!(
         k.xdp(&syn(victim, 1001).build()).action,
         XDP_DROP,
         "its rate"
     );
-    // The attacker floods from the victim's slot: its first SYN takes the slot over with a
-    // fresh bucket, and its own rate refuses the rest.
+    // The attacker connects from the victim's slot: its handshake takes the slot over with a
+    // fresh bucket, and its own rate refuses its next SYNs.
+    assert!(attempt(&k, &syn(attacker, 2000)));
     let flood = (0..50)
-        .filter(|i| k.xdp(&syn(attacker, 2000 + i).build()).action == XDP_PASS)
+        .filter(|i| k.xdp(&syn(attacker, 2001 + i).build()).action == XDP_PASS)
         .count();
-    assert_eq!(flood, 1);
+    assert_eq!(flood, 0);
     // Top-blocked lists name the source that claimed the slot last, with its refusals.
     let rate = Reason::SynRate.blocked_slot().unwrap();
     let blocked = k.dp.maps.blocked().unwrap();
     assert_eq!(blocked.len(), 1, "{blocked:?}");
     assert_eq!(blocked[0].0.addr, limiter_tests::model::mapped(attacker));
-    assert_eq!(blocked[0].1.counts[rate], 49);
-    // The victim's next SYN takes the slot back, with a fresh bucket: sharing a slot can
-    // hand a source a fresh burst, never lock it out.
-    assert_eq!(k.xdp(&syn(victim, 1002).build()).action, XDP_PASS);
+    assert_eq!(blocked[0].1.counts[rate], 50);
+    // The slot is another source's now, so the victim finds a full bucket: sharing a slot
+    // can hand a source a fresh burst, never lock it out. Its handshake takes the slot back.
+    assert!(attempt(&k, &syn(victim, 1002)));
     // The takeover starts the slot's history afresh, as an LRU's eviction would.
     assert!(k.dp.maps.blocked().unwrap().is_empty());
 }
@@ -389,7 +437,7 @@ fn a_source_at_its_cap_is_refused_at_the_syn_whoever_shares_its_slot() {
     // The other source takes its slot over (and back), connects and closes: the slot still
     // counts the victim's connection, so the victim's next SYN is judged on its count.
     k.connect(&syn(other, 1000));
-    k.xdp(&syn(other, 1000).with_flags(RST).build());
+    k.tc(&host_rst(&syn(other, 1000)));
     assert_eq!(k.dp.maps.source_connections(other).unwrap(), 0);
     assert_eq!(k.xdp(&syn(victim, 1001).build()).action, XDP_PASS);
     assert_eq!(
@@ -399,7 +447,7 @@ fn a_source_at_its_cap_is_refused_at_the_syn_whoever_shares_its_slot() {
     );
     // Once the victim's connection closes, nothing in the slot holds one: its SYN passes
     // without a lookup of its count.
-    k.xdp(&syn(victim, 1000).with_flags(RST).build());
+    k.tc(&host_rst(&syn(victim, 1000)));
     assert_eq!(k.global(), 0);
     assert_eq!(k.xdp(&syn(victim, 1002).build()).action, XDP_PASS);
     assert_eq!(k.ingress(Verdict::Rst, Reason::ConnPerIp), 1);
@@ -409,7 +457,7 @@ fn a_source_at_its_cap_is_refused_at_the_syn_whoever_shares_its_slot() {
 #[test]
 fn refused_connection_attempts_count_apart_from_refused_packets() {
     let k = Kernel::new(&["--syn-rate", "1", "--syn-burst", "1"]);
-    assert_eq!(k.xdp(&syn(v4(2), 1000).build()).action, XDP_PASS);
+    assert!(attempt(&k, &syn(v4(2), 1000)), "its one token");
     let attempts = |reason| k.dp.maps.refused_connections(reason).unwrap();
     let top = |k: &Kernel, reason: Reason| {
         let blocked = k.dp.maps.blocked().unwrap();
@@ -468,7 +516,7 @@ fn refused_connection_attempts_count_apart_from_refused_packets() {
     assert_eq!(k.ingress(Verdict::Rst, Reason::ConnPerIp), 3);
     assert_eq!(k.dp.maps.refused_connections(Reason::ConnPerIp).unwrap(), 1);
     assert_eq!(top(&k, Reason::ConnPerIp), 1);
-    k.xdp(&first.with_flags(RST).build());
+    k.tc(&host_rst(&first));
     let (a, b) = (syn(v4(3), 3), syn(v4(3), 4));
     let (ha, hb) = (handshake(&a, 7000), handshake(&b, 8000));
     for (s, h) in [(&a, &ha), (&b, &hb)] {
@@ -483,22 +531,59 @@ fn refused_connection_attempts_count_apart_from_refused_packets() {
 }
 
 #[test]
-fn rst_either_way_closes_the_flow_once() {
+fn a_clients_rst_only_marks_its_flow_and_the_hosts_closes_it_once() {
     let k = Kernel::new(&[]);
     let a = syn(v4(2), 1);
     let b = syn(v4(2), 2);
     k.connect(&a);
     k.connect(&b);
     assert_eq!(k.global(), 2);
-    assert_eq!(k.xdp(&a.with_flags(RST).build()).action, XDP_PASS);
+    // The attacker's try: RSTs naming the flow, which the host may well discard (outside the
+    // window, a bad checksum). They release nothing; the sweeper releases the flow once the
+    // host's socket is gone.
+    for _ in 0..3 {
+        assert_eq!(k.xdp(&a.with_flags(RST).build()).action, XDP_PASS);
+    }
+    assert_eq!(k.global(), 2);
+    let flows = k.dp.maps.flows().unwrap();
+    let marked = flows.iter().find(|(key, _)| *key == flow_key(&a)).unwrap();
+    assert_ne!(marked.1.state & flow_state::RST_IN, 0, "marked");
+    // The host's own RST closes it, once.
+    assert_eq!(k.tc(&host_rst(&a)), TC_ACT_OK);
     assert_eq!(k.global(), 1);
-    // A second RST of the same flow finds nothing to release.
-    k.xdp(&a.with_flags(RST).build());
+    k.tc(&host_rst(&a));
     assert_eq!(k.global(), 1);
-    assert_eq!(k.tc(&b.reply(RST).build()), TC_ACT_OK);
+    assert_eq!(k.tc(&host_rst(&b)), TC_ACT_OK);
     assert_eq!(k.global(), 0);
     assert_eq!(k.dp.maps.source_connections(v4(2)).unwrap(), 0);
     assert_eq!(k.dp.maps.events(Event::ClosedRst).unwrap(), 2);
+}
+
+#[test]
+fn the_limiters_own_rst_leaving_the_host_releases_nothing() {
+    // A spoofed SYN on a victim's 4-tuple at its cap is refused with the limiter's RST|ACK,
+    // which TC ingress redirects out through the egress program: marked as the limiter's
+    // own, it must not be taken for the host closing the victim's connection.
+    let k = Kernel::new(&["--max-conn-per-ip", "1"]);
+    let victim = syn(v4(2), 1);
+    k.connect(&victim);
+    let run = k.xdp(&victim.build());
+    assert_eq!(run.action, XDP_PASS, "marked for TC ingress");
+    assert_eq!(k.ingress(Verdict::Rst, Reason::ConnPerIp), 1);
+    // The RST|ACK `limiter_tc_ingress` makes of that SYN, as it leaves with its mark.
+    let mut answer = victim.reply(Flags {
+        rst: true,
+        ack: true,
+        ..Flags::default()
+    });
+    answer.seq = 0;
+    answer.ack = victim.seq.wrapping_add(1);
+    let answer = answer.build();
+    assert_eq!(k.tc_marked(&answer, limiter_common::REPLY_MARK), TC_ACT_OK);
+    assert_eq!(k.global(), 1, "the victim's connection still counts");
+    // Without the mark (the host's own RST), the same frame closes it.
+    assert_eq!(k.tc(&answer), TC_ACT_OK);
+    assert_eq!(k.global(), 0);
 }
 
 #[test]
@@ -533,12 +618,12 @@ fn a_syn_reusing_a_closing_tuple_keeps_one_slot() {
     assert_eq!(k.global(), 1);
     assert_eq!(k.dp.maps.events(Event::Opened).unwrap(), 1);
     // Open again: the old connection's FIN no longer counts, so the host's FIN alone does
-    // not close it; the client's next one does.
+    // not close it. Nor does the client's next one: a FIN from outside never closes (the
+    // host may discard it); the sweeper releases the flow once the socket is gone.
     k.tc(&s.reply(FIN).build());
     assert_eq!(k.global(), 1);
     k.xdp(&s.with_flags(FIN).build());
-    assert_eq!(k.global(), 0);
-    assert_eq!(k.dp.maps.source_connections(v4(2)).unwrap(), 0);
+    assert_eq!(k.global(), 1);
 }
 
 #[test]
@@ -653,9 +738,91 @@ fn fragments_to_unprotected_ports_and_non_tcp_fragments_pass() {
         assert_eq!(k.xdp(&frame).action, XDP_PASS);
     }
     assert_eq!(k.ingress(Verdict::Pass, Reason::NonTcp), 2);
+    // IPv6 UDP fragments likewise: the first names UDP behind its fragment header, the
+    // later ones in it.
+    for (offset, more) in [(0, true), (1, false)] {
+        let IpAddr::V6(src) = v6("2001:db8::2") else {
+            unreachable!()
+        };
+        let IpAddr::V6(dst) = v6("2001:db8:ffff::1") else {
+            unreachable!()
+        };
+        let ip = Ipv6Header {
+            next_header: IpNumber::IPV6_FRAGMENTATION_HEADER,
+            hop_limit: 64,
+            source: src.octets(),
+            destination: dst.octets(),
+            ..Default::default()
+        };
+        let extensions = Ipv6Extensions {
+            fragment: Some(Ipv6FragmentHeader::new(
+                IpNumber::UDP,
+                IpFragOffset::try_new(offset).unwrap(),
+                more,
+                7,
+            )),
+            ..Default::default()
+        };
+        let mut frame = Vec::new();
+        PacketBuilder::ethernet2(CLIENT_MAC, SERVER_MAC)
+            .ip(IpHeaders::Ipv6(ip, extensions))
+            .write(&mut frame, IpNumber::UDP, &[0; 16])
+            .unwrap();
+        assert_eq!(k.xdp(&frame).action, XDP_PASS, "IPv6 UDP fragment {offset}");
+    }
+    assert_eq!(k.ingress(Verdict::Pass, Reason::NonTcp), 4);
     // With every port protected, every TCP fragment is refused.
     let all = Kernel::new(&[]);
     assert_eq!(all.xdp(&parts[0]).action, XDP_DROP);
+}
+
+#[test]
+fn frames_the_host_discards_change_nothing() {
+    // The attacker's try: RSTs and SYNs the host will discard, naming a victim's connection
+    // or address. Dropped and counted by why, before anything is judged.
+    let k = Kernel::new(&["--syn-rate", "1", "--syn-burst", "1"]);
+    let victim = syn(v4(2), 1);
+    k.connect(&victim);
+    let before = k.dp.maps.flows().unwrap();
+    let bad_checksum = |tcp: &Tcp| {
+        let mut frame = tcp.build();
+        // The IPv4 header checksum, after an untagged Ethernet header.
+        frame[14 + 10] ^= 0x5A;
+        frame
+    };
+    for frame in [
+        bad_checksum(&victim.with_flags(RST)),
+        bad_checksum(&victim.with_flags(FIN)),
+        bad_checksum(&syn(v4(2), 2)),
+    ] {
+        assert_eq!(k.xdp(&frame).action, XDP_DROP);
+    }
+    assert_eq!(k.ingress(Verdict::Drop, Reason::Checksum), 3);
+    // The victim's IPv4 address, IPv4-mapped in an IPv6 source, which the programs would key
+    // exactly as the victim.
+    let IpAddr::V4(address) = victim.src else {
+        unreachable!()
+    };
+    let mut mapped = victim.clone();
+    mapped.src = IpAddr::V6(address.to_ipv6_mapped());
+    mapped.dst = v6("2001:db8:ffff::1");
+    for flags in [RST, FIN] {
+        assert_eq!(k.xdp(&mapped.with_flags(flags).build()).action, XDP_DROP);
+    }
+    assert_eq!(k.xdp(&mapped.build()).action, XDP_DROP);
+    assert_eq!(k.ingress(Verdict::Drop, Reason::Martian), 3);
+    // With options, the options' words count in the checksum too.
+    let mut with_options = syn(v4(3), 1);
+    with_options.ipv4_options = vec![1; 8];
+    assert_eq!(k.xdp(&with_options.build()).action, XDP_PASS);
+    assert_eq!(k.xdp(&bad_checksum(&with_options)).action, XDP_DROP);
+    assert_eq!(k.ingress(Verdict::Drop, Reason::Checksum), 4);
+    // Nothing moved: the victim's flow unmarked, its count, and no SYN but the two valid
+    // ones (the victim's and the one with options) judged.
+    assert_eq!(k.dp.maps.flows().unwrap(), before);
+    assert_eq!(k.global(), 1);
+    assert_eq!(k.ingress(Verdict::Pass, Reason::HalfOpen), 2);
+    assert_eq!(k.ingress(Verdict::Drop, Reason::SynRate), 0);
 }
 
 #[test]
@@ -892,33 +1059,41 @@ fn concurrent_handshakes_never_exceed_the_caps() {
 }
 
 #[test]
-fn racing_a_new_sources_first_syns_across_cpus_wins_no_extra_token() {
-    // The attacker's try: a source with no bucket yet sends its first SYNs on two CPUs at
-    // once, so both find no bucket and both make one; only one insert wins, and the other
-    // SYN must take its token from the winner's bucket.
+fn racing_a_new_sources_first_handshakes_across_cpus_wins_no_extra_token() {
+    // The attacker's try: a source with no bucket yet completes its first handshakes on two
+    // CPUs at once, so both find the slot unclaimed and both claim it; only one claim wins,
+    // and the other handshake must take its token from the winner's bucket.
     let k = Kernel::new(&["--syn-rate", "1", "--syn-burst", "5"]);
     for round in 0..20u8 {
-        let start = std::sync::Barrier::new(2);
-        let passed: usize = std::thread::scope(|scope| {
-            let threads: Vec<_> = (0..2u16)
-                .map(|t| {
-                    let (k, start) = (&k, &start);
-                    scope.spawn(move || {
-                        start.wait();
-                        (0..8u16)
-                            .filter(|i| {
-                                let s = syn(v4(100 + round), 1000 + 100 * t + i);
-                                k.xdp(&s.build()).action == XDP_PASS
-                            })
-                            .count()
+        let acks: Vec<Vec<Vec<u8>>> = (0..2u16)
+            .map(|t| {
+                (0..8u16)
+                    .map(|i| {
+                        let s = syn(v4(100 + round), 1000 + 100 * t + i);
+                        assert_eq!(k.xdp(&s.build()).action, XDP_PASS);
+                        let h = handshake(&s, isn(s.sport));
+                        k.tc(&h.syn_ack);
+                        h.ack
                     })
-                })
-                .collect();
-            threads.into_iter().map(|t| t.join().unwrap()).sum()
+                    .collect()
+            })
+            .collect();
+        let before = k.global();
+        let start = std::sync::Barrier::new(2);
+        std::thread::scope(|scope| {
+            for acks in &acks {
+                let (k, start) = (&k, &start);
+                scope.spawn(move || {
+                    start.wait();
+                    for ack in acks {
+                        k.xdp(ack);
+                    }
+                });
+            }
         });
-        assert_eq!(passed, 5, "round {round}");
+        assert_eq!(k.global() - before, 5, "round {round}");
     }
-    assert_eq!(k.ingress(Verdict::Pass, Reason::HalfOpen), 20 * 5);
+    assert_eq!(k.ingress(Verdict::Rst, Reason::SynRate), 20 * 11);
 }
 
 #[test]
