@@ -257,12 +257,12 @@ fn adoption_takes_slots_once_and_only_for_what_the_datapath_counts() {
     assert_eq!(adopt(&flow(v4(3), 2, 5672)), Adoption::OverCap);
     assert_eq!(agent.with_maps(|m| m.source_connections(v4(3))).unwrap(), 2);
     assert_eq!(agent.with_maps(|m| m.global_connections()).unwrap(), 3);
-    // An adopted flow closes like any other: a RST releases its slot.
-    let rst = syn(v4(3), 2).with_flags(Flags {
+    // An adopted flow closes like any other: the host's RST releases its slot.
+    let rst = syn(v4(3), 2).reply(Flags {
         rst: true,
         ..Flags::default()
     });
-    send(&agent, &rst);
+    tc_run(&agent.datapath(), &rst.build());
     assert_eq!(agent.with_maps(|m| m.source_connections(v4(3))).unwrap(), 1);
 }
 
