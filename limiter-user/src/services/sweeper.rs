@@ -7,12 +7,13 @@ use std::{
     collections::{HashMap, HashSet},
     net::IpAddr,
     sync::Arc,
-    time::{Duration, Instant},
+    time::Instant,
 };
 
-use limiter_common::{AdjustRequest, FlowKey, SourceKey};
+use limiter_common::{FlowKey, SourceKey};
 use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, Opts};
 
+use super::sweep_rules::{self, Counter, Mismatch, Release, SocketView};
 use crate::{
     buckets::Limiter,
     datapath::{
@@ -101,16 +102,6 @@ pub struct PassReport {
     pub repairs: u64,
 }
 
-/// A connection counter: a source's (`Some`) or the global one (`None`).
-type Counter = Option<SourceKey>;
-
-/// A counter that disagreed with the flow table: (counter read, flows counted).
-type Mismatch = (u64, u64);
-
-/// How long a new flow may go without a socket: the programs insert the flow as the
-/// handshake's last ACK passes, a moment before the host makes the socket.
-const SOCKET_GRACE: Duration = Duration::from_secs(1);
-
 /// The sweeper's memory between passes.
 #[derive(Default)]
 pub struct Sweeper {
@@ -180,19 +171,13 @@ impl Sweeper {
             }
         };
         for (key, flow) in &flows.flows {
-            let judged = sockets.as_ref().filter(|s| s.covers(key));
-            let release = match judged {
-                Some(sockets) => (!sockets.has(key)
-                    && older_than(now, flow.last_seen_ns, SOCKET_GRACE))
-                .then_some(Release::Closed),
-                None if settings
-                    .idle_timeout
-                    .is_some_and(|idle| older_than(now, flow.last_seen_ns, idle)) =>
-                {
-                    Some(Release::Idle)
-                }
-                None => None,
+            let socket = match sockets.as_ref().filter(|s| s.covers(key)) {
+                Some(sockets) if sockets.has(key) => SocketView::Open,
+                Some(_) => SocketView::Missing,
+                None => SocketView::Silent,
             };
+            let release =
+                sweep_rules::judge_flow(socket, now, flow.last_seen_ns, settings.idle_timeout);
             match release {
                 // Released through the kernel, so it happens once even if a FIN races it.
                 Some(why) if enforcer.datapath().release(key)? => match why {
@@ -240,10 +225,9 @@ impl Sweeper {
         Ok(report)
     }
 
-    /// Enters every established connection not known to be tracked (see `tracked`), if it is
-    /// to a port served here, on an address of a judged interface, and from another host, with
-    /// its slots taken (the kernel skips a 4-tuple it tracks, a port not protected and an
-    /// allowlisted source). Such a connection completed its handshake unjudged: it was open
+    /// Enters every established connection not known to be tracked (see `tracked`) that is an
+    /// adoption candidate ([`sweep_rules::adoption_candidate`]), with its slots taken (the
+    /// kernel skips a 4-tuple it tracks, a port not protected and an allowlisted source). Such a connection completed its handshake unjudged: it was open
     /// before the programs were attached, or its half-open record was evicted by a flood or
     /// swept after `syn-timeout` while its client held the ACK back, which an attacker can do
     /// at will. After the first pass, one that took its source or the host past a cap is
@@ -256,17 +240,14 @@ impl Sweeper {
     ) -> Result<(u64, u64), EnforceError> {
         let (mut adopted, mut closed) = (0, 0);
         let addresses = HostAddresses::read(&self.interfaces);
-        // The kernel checks the port and the allowlist again; checked here too, so that a
-        // busy unprotected service or many allowlisted clients cost no helper run per pass.
         let policy = enforcer.policy();
         for flow in sockets.established() {
-            let remote = std::net::Ipv6Addr::from(flow.remote).to_canonical();
-            let counted = (policy.ports.is_empty() || policy.ports.contains(&flow.local_port))
-                && !policy.allow.iter().any(|net| net.contains(&remote));
             let known = self.tracked.contains(flow)
                 || self.tracked_before.contains(flow)
                 || self.checked.contains(flow);
-            if known || !addresses.came_in(flow) || !counted {
+            if !sweep_rules::adoption_candidate(flow, known, &policy.ports, &policy.allow, |f| {
+                addresses.came_in(f)
+            }) {
                 continue;
             }
             let adoption = enforcer.datapath().adopt(flow)?;
@@ -275,7 +256,8 @@ impl Sweeper {
                 continue;
             }
             adopted += 1;
-            if adoption == Adoption::OverCap && self.settled {
+            if sweep_rules::destroys(adoption, self.settled) {
+                let remote = std::net::Ipv6Addr::from(flow.remote).to_canonical();
                 match sockets.destroy(flow) {
                     Ok(()) => {
                         tracing::warn!(%remote, port = flow.remote_port, "closed a connection that got past a cap unjudged");
@@ -292,61 +274,25 @@ impl Sweeper {
         Ok((adopted, closed))
     }
 
-    /// Compares every counter with the flows counted over the cycle just ended, in time linear
-    /// in the entries. A counter is judged only if it read the same when the cycle began and
-    /// now (nothing opened or closed for it meanwhile), and repaired only if the same drift
-    /// was seen the cycle before.
+    /// Reconciles the counters with the cycle's tally ([`sweep_rules::reconcile`]): sources
+    /// whose counter reads 0 are forgotten, and the counters it finds drifted are repaired.
     fn reconcile(
         &mut self,
         enforcer: &Enforcer,
         start: &HashMap<Counter, u64>,
     ) -> Result<u64, EnforceError> {
         let end = counters(enforcer)?;
-        let total: u64 = self.tally.values().sum();
-        let mut seen: HashMap<Counter, Mismatch> = HashMap::new();
-        let mut judge = |who: Counter, count: u64, counted: u64| {
-            let stable = start.get(&who).copied().unwrap_or(0) == count;
-            if stable && count != counted {
-                seen.insert(who, (count, counted));
-            }
-        };
-        for (who, count) in &end {
-            let counted = match who {
-                Some(source) => self.tally.get(source).copied().unwrap_or(0),
-                None => total,
-            };
-            judge(*who, *count, counted);
+        let verdict = sweep_rules::reconcile(start, &end, &self.tally, &self.suspects);
+        for source in &verdict.idle_sources {
+            enforcer.with_maps(|m| m.remove_idle_source(source))?;
         }
-        for (source, counted) in &self.tally {
-            if !end.contains_key(&Some(*source)) {
-                judge(Some(*source), 0, *counted);
-            }
+        for repair in &verdict.repairs {
+            enforcer.datapath().adjust(&repair.request)?;
+            let (count, counted) = (repair.count, repair.counted);
+            tracing::warn!(source = ?repair.who.map(|s| crate::datapath::keys::key_address(&s)), count, counted, "repaired a drifted connection counter");
         }
-        for (who, count) in &end {
-            if let Some(source) = who
-                && *count == 0
-            {
-                enforcer.with_maps(|m| m.remove_idle_source(source))?;
-            }
-        }
-        let mut repairs = 0;
-        for (who, mismatch) in &seen {
-            if self.suspects.get(who) != Some(mismatch) {
-                continue;
-            }
-            let (count, counted) = *mismatch;
-            let request = AdjustRequest {
-                source: who.unwrap_or(SourceKey { addr: [0; 16] }),
-                delta: counted as i64 - count as i64,
-                global: who.is_none().into(),
-                _pad: 0,
-            };
-            enforcer.datapath().adjust(&request)?;
-            tracing::warn!(source = ?who.map(|s| crate::datapath::keys::key_address(&s)), count, counted, "repaired a drifted connection counter");
-            repairs += 1;
-        }
-        self.suspects = seen;
-        Ok(repairs)
+        self.suspects = verdict.seen;
+        Ok(verdict.repairs.len() as u64)
     }
 }
 
@@ -398,12 +344,6 @@ impl HostAddresses {
     }
 }
 
-/// Why a flow is released.
-enum Release {
-    Closed,
-    Idle,
-}
-
 /// Every connection counter, the global one under `None`.
 fn counters(enforcer: &Enforcer) -> Result<HashMap<Counter, u64>, EnforceError> {
     let mut out: HashMap<Counter, u64> = enforcer
@@ -413,10 +353,6 @@ fn counters(enforcer: &Enforcer) -> Result<HashMap<Counter, u64>, EnforceError> 
         .collect();
     out.insert(None, enforcer.with_maps(|m| m.global_connections())?);
     Ok(out)
-}
-
-fn older_than(now: u64, then: u64, age: Duration) -> bool {
-    now.saturating_sub(then) > age.as_nanos().min(u64::MAX as u128) as u64
 }
 
 /// What the sweeper works on: the datapath, the broker limiter, its metrics, and the live
