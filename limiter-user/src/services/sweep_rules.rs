@@ -8,7 +8,7 @@ use std::{collections::HashMap, net::Ipv6Addr, time::Duration};
 use ipnet::IpNet;
 use limiter_common::{AdjustRequest, FlowKey, SourceKey};
 
-use crate::datapath::Adoption;
+use crate::datapath::{Adoption, local_routes::LocalAddresses};
 
 /// How long a new flow may go without a socket: the programs insert the flow as the
 /// handshake's last ACK passes, a moment before the host makes the socket.
@@ -73,6 +73,23 @@ pub fn adoption_candidate(
     let counted = (ports.is_empty() || ports.contains(&flow.local_port))
         && !allow.iter().any(|net| net.contains(&remote));
     !known && counted && came_in(flow)
+}
+
+/// Whether a connection came in through the programs from another host. One between two of
+/// the host's own addresses never left it, and the programs never saw it: counting it would
+/// let a local user fill the global cap. From a peer elsewhere to any local address it did
+/// when the host's way back to the peer (`route_out`, an ifindex) leaves through one of the
+/// `protected` interfaces, since XDP judges what arrives there for any local address, whatever
+/// interface or alias holds it. `route_out` is asked only of such a peer.
+pub fn came_in(
+    flow: &FlowKey,
+    local: &LocalAddresses,
+    protected: &[u32],
+    route_out: impl FnOnce(&[u8; 16]) -> Option<u32>,
+) -> bool {
+    local.contains(&flow.local)
+        && !local.contains(&flow.remote)
+        && route_out(&flow.remote).is_some_and(|out| protected.contains(&out))
 }
 
 /// Whether an adopted connection is closed. Before the sweeper's first pass has run
@@ -308,6 +325,94 @@ mod tests {
             came_in
         ));
         assert_eq!(asked.get(), 1);
+    }
+
+    fn host() -> LocalAddresses {
+        LocalAddresses::new(
+            ["127.0.0.0/8", "10.0.0.1/32", "10.9.0.1/32", "::1/128"].map(|p| p.parse().unwrap()),
+        )
+    }
+
+    fn between(remote: &str, local: &str) -> FlowKey {
+        FlowKey {
+            remote: mapped(remote.parse().unwrap()).octets(),
+            local: mapped(local.parse().unwrap()).octets(),
+            remote_port: 40_000,
+            local_port: 5672,
+            _pad: 0,
+        }
+    }
+
+    const PROTECTED: u32 = 7;
+
+    #[test]
+    fn a_peer_routed_through_a_protected_interface_came_in_to_any_local_address() {
+        let via_protected = |_: &[u8; 16]| Some(PROTECTED);
+        let host = host();
+        assert!(came_in(
+            &between("192.0.2.7", "10.0.0.1"),
+            &host,
+            &[PROTECTED],
+            via_protected
+        ));
+        // Another interface's address, or an alias: the address's interface has no say.
+        assert!(came_in(
+            &between("192.0.2.7", "10.9.0.1"),
+            &host,
+            &[PROTECTED],
+            via_protected
+        ));
+        let elsewhere = |_: &[u8; 16]| Some(PROTECTED + 1);
+        assert!(!came_in(
+            &between("192.0.2.7", "10.0.0.1"),
+            &host,
+            &[PROTECTED],
+            elsewhere
+        ));
+        let unreachable = |_: &[u8; 16]| None;
+        assert!(!came_in(
+            &between("192.0.2.7", "10.0.0.1"),
+            &host,
+            &[PROTECTED],
+            unreachable
+        ));
+    }
+
+    #[test]
+    fn a_connection_between_local_addresses_never_came_in() {
+        let asked = std::cell::Cell::new(false);
+        let route_out = |_: &[u8; 16]| {
+            asked.set(true);
+            Some(PROTECTED)
+        };
+        let host = host();
+        // All of 127.0.0.0/8 is local, not only the 127.0.0.1 an interface lists.
+        assert!(!came_in(
+            &between("127.0.0.2", "10.0.0.1"),
+            &host,
+            &[PROTECTED],
+            route_out
+        ));
+        assert!(!came_in(
+            &between("10.9.0.1", "10.0.0.1"),
+            &host,
+            &[PROTECTED],
+            route_out
+        ));
+        assert!(!came_in(
+            &between("::1", "::1"),
+            &host,
+            &[PROTECTED],
+            route_out
+        ));
+        assert!(!asked.get(), "no route lookup for a local peer");
+        // Nor one to an address the host does not own (a transparent proxy's).
+        assert!(!came_in(
+            &between("192.0.2.7", "10.0.0.2"),
+            &host,
+            &[PROTECTED],
+            route_out
+        ));
     }
 
     #[test]

@@ -5,7 +5,6 @@
 
 use std::{
     collections::{HashMap, HashSet},
-    net::IpAddr,
     sync::Arc,
     time::Instant,
 };
@@ -18,7 +17,8 @@ use crate::{
     buckets::Limiter,
     datapath::{
         Adoption, EnforceError, Enforcer, SweepCursor,
-        keys::{boot_time_ns, mapped},
+        keys::boot_time_ns,
+        local_routes::{LocalAddresses, RouteQueries},
         sockets::SocketTable,
     },
     settings::{Live, SweepSettings},
@@ -126,9 +126,10 @@ pub struct Sweeper {
     /// open before it and are counted as they are; later ones got past the programs unjudged,
     /// and one past a cap is closed.
     settled: bool,
-    /// The interfaces the programs are attached to: only connections to their addresses came
-    /// in through the programs and are adopted. Others (loopback clients, another interface
-    /// the operator left unprotected) were never the programs' to judge.
+    /// The interfaces the programs are attached to: only connections from another host that
+    /// the host routes back through one of them came in through the programs and are adopted
+    /// ([`sweep_rules::came_in`]). Others (local users, peers behind an interface the operator
+    /// left unprotected) were never the programs' to judge.
     interfaces: Vec<String>,
 }
 
@@ -239,14 +240,16 @@ impl Sweeper {
         sockets: &SocketTable,
     ) -> Result<(u64, u64), EnforceError> {
         let (mut adopted, mut closed) = (0, 0);
-        let addresses = HostAddresses::read(&self.interfaces);
+        // Read at the first candidate only: a pass with none costs no netlink query.
+        let mut host: Option<HostRoutes> = None;
         let policy = enforcer.policy();
         for flow in sockets.established() {
             let known = self.tracked.contains(flow)
                 || self.tracked_before.contains(flow)
                 || self.checked.contains(flow);
             if !sweep_rules::adoption_candidate(flow, known, &policy.ports, &policy.allow, |f| {
-                addresses.came_in(f)
+                host.get_or_insert_with(|| HostRoutes::read(&self.interfaces))
+                    .came_in(f)
             }) {
                 continue;
             }
@@ -296,51 +299,59 @@ impl Sweeper {
     }
 }
 
-/// The host's addresses, keyed as flows key them (IPv4 mapped into IPv6).
+/// What a pass knows of the host to tell whether a connection came in through the programs:
+/// its own addresses, the protected interfaces' indexes, and the way back to each peer
+/// looked up so far (one query per peer and pass).
 #[derive(Default)]
-struct HostAddresses {
-    /// Those of the interfaces the programs are attached to: a connection to one of them came
-    /// in through the programs.
-    judged: HashSet<[u8; 16]>,
-    /// Every interface's: a connection from one of them never left the host (loopback), so
-    /// the programs never saw it, and a local user could otherwise fill the global cap with it.
-    own: HashSet<[u8; 16]>,
+struct HostRoutes {
+    local: LocalAddresses,
+    protected: Vec<u32>,
+    /// `None` when nothing is judged, or the host's routes are unreadable: then nothing came in.
+    queries: Option<RouteQueries>,
+    out: HashMap<[u8; 16], Option<u32>>,
 }
 
-impl HostAddresses {
+impl HostRoutes {
     fn read(interfaces: &[String]) -> Self {
-        if interfaces.is_empty() {
+        // Routes name interfaces by index; resolved each pass, so one re-created under its
+        // name is still found.
+        let protected: Vec<u32> = interfaces
+            .iter()
+            .filter_map(|name| nix::net::if_::if_nametoindex(name.as_str()).ok())
+            .collect();
+        if protected.is_empty() {
             return Self::default();
         }
-        let all = match nix::ifaddrs::getifaddrs() {
-            Ok(all) => all,
+        let read = LocalAddresses::read().and_then(|local| Ok((local, RouteQueries::open()?)));
+        match read {
+            Ok((local, queries)) => Self {
+                local,
+                protected,
+                queries: Some(queries),
+                out: HashMap::new(),
+            },
             Err(error) => {
-                tracing::warn!(%error, "the interfaces' addresses are unreadable; nothing is adopted this cycle");
-                return Self::default();
+                tracing::warn!(%error, "the host's routes are unreadable; nothing is adopted this pass");
+                Self::default()
             }
-        };
-        let mut addresses = Self::default();
-        for entry in all {
-            let Some(address) = entry.address else {
-                continue;
-            };
-            let ip = match (address.as_sockaddr_in(), address.as_sockaddr_in6()) {
-                (Some(v4), _) => IpAddr::V4(v4.ip()),
-                (_, Some(v6)) => IpAddr::V6(v6.ip()),
-                _ => continue,
-            };
-            let key = mapped(ip).octets();
-            if interfaces.contains(&entry.interface_name) {
-                addresses.judged.insert(key);
-            }
-            addresses.own.insert(key);
         }
-        addresses
     }
 
-    /// Whether `flow` came in through the programs from another host.
-    fn came_in(&self, flow: &FlowKey) -> bool {
-        self.judged.contains(&flow.local) && !self.own.contains(&flow.remote)
+    fn came_in(&mut self, flow: &FlowKey) -> bool {
+        let Some(queries) = &self.queries else {
+            return false;
+        };
+        let out = &mut self.out;
+        sweep_rules::came_in(flow, &self.local, &self.protected, |remote| {
+            *out.entry(*remote)
+                .or_insert_with(|| match queries.out_interface(remote) {
+                    Ok(index) => index,
+                    Err(error) => {
+                        tracing::warn!(%error, "the route back to a peer is unreadable; it is not adopted this pass");
+                        None
+                    }
+                })
+        })
     }
 }
 
