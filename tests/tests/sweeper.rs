@@ -271,9 +271,8 @@ fn adoption_takes_slots_once_and_only_for_what_the_datapath_counts() {
 /// table until the record is evicted): the host completes the connection, and nothing counts
 /// it. The sweeper finds such connections in the host's socket table: one open before the
 /// agent's first cycle is counted as it is; one that appears later and takes its source past
-/// its cap is closed, as the programs would have refused it at its ACK. Only connections to
-/// the addresses of the interfaces the programs are attached to, from another host, are
-/// adopted.
+/// its cap is closed, as the programs would have refused it at its ACK. Only connections from
+/// another host, routed back through an interface the programs are attached to, are adopted.
 #[test]
 fn untracked_connections_are_adopted_and_those_past_a_cap_closed() {
     // One flow per pass: a cycle over the flow table takes several passes, and a connection
@@ -356,4 +355,192 @@ fn untracked_connections_are_adopted_and_those_past_a_cap_closed() {
         "every live connection is tracked now"
     );
     drop(before);
+}
+
+/// A listener on the server's side of a fresh pair, and the sweeper's view from inside the
+/// server's namespace (the socket table and the routes it reads are that namespace's).
+struct Served {
+    pair: Pair,
+    listener: TcpListener,
+    port: u16,
+}
+
+impl Served {
+    /// Listens on every address of the server's namespace, so a connection to any of them
+    /// (an alias, another interface's address) is served.
+    fn new(port: u16) -> Self {
+        let pair = Pair::new().unwrap();
+        let listener = pair
+            .server
+            .run(|| TcpListener::bind((Ipv4Addr::UNSPECIFIED, port)))
+            .unwrap()
+            .unwrap();
+        Self {
+            pair,
+            listener,
+            port,
+        }
+    }
+
+    /// A connection from `src` (an address of `from`) to `dst`, both ends held.
+    fn open(
+        &self,
+        from: &Netns,
+        src: Ipv4Addr,
+        dst: Ipv4Addr,
+    ) -> (std::net::TcpStream, std::net::TcpStream) {
+        let to = SocketAddr::new(IpAddr::V4(dst), self.port);
+        let conn = netns::connect(from, IpAddr::V4(src), to).unwrap().unwrap();
+        (conn, self.listener.accept().unwrap().0)
+    }
+
+    fn pass(
+        &self,
+        agent: &TestAgent,
+        sweeper: &mut Sweeper,
+    ) -> limiter::services::sweeper::PassReport {
+        let settings = agent.settings().sweep;
+        self.pair
+            .server
+            .run(|| agent.sweep_pass(sweeper, &settings).unwrap())
+            .unwrap()
+    }
+
+    fn sweeper(&self) -> Sweeper {
+        Sweeper::for_interfaces(vec![self.pair.server_if.clone()])
+    }
+}
+
+fn connections(agent: &TestAgent, src: Ipv4Addr) -> u64 {
+    agent
+        .with_maps(|m| m.source_connections(IpAddr::V4(src)))
+        .unwrap()
+}
+
+/// An IPv4 alias with a label (`ip addr add ... label veth:1`) is named after its label, not
+/// its interface, by `getifaddrs`: connections to it were judged by the programs but never
+/// adopted, so a client that got its handshakes past them unjudged (holding its ACK back past
+/// `syn-timeout`) kept more connections than its cap for good.
+#[test]
+fn connections_to_a_labelled_alias_are_adopted_and_capped() {
+    let agent = start(&["--max-conn-per-ip", "2", "--ports", "5673"]);
+    let served = Served::new(5673);
+    let alias = Ipv4Addr::new(10, 77, 0, 10);
+    let label = format!("{}:1", served.pair.server_if);
+    served
+        .pair
+        .server
+        .exec(&[
+            "ip",
+            "addr",
+            "add",
+            &format!("{alias}/24"),
+            "dev",
+            &served.pair.server_if,
+            "label",
+            &label,
+        ])
+        .unwrap();
+    let client = &served.pair.client;
+    let before = [
+        served.open(client, CLIENT_V4, alias),
+        served.open(client, CLIENT_V4, alias),
+    ];
+    let mut sweeper = served.sweeper();
+    let report = served.pass(&agent, &mut sweeper);
+    assert_eq!((report.adopted, report.over_cap), (2, 0), "{report:?}");
+    assert_eq!(connections(&agent, CLIENT_V4), 2);
+    let (mut late, _accepted) = served.open(client, CLIENT_V4, alias);
+    let report = served.pass(&agent, &mut sweeper);
+    assert_eq!((report.adopted, report.over_cap), (1, 1), "{report:?}");
+    assert_eq!(connections(&agent, CLIENT_V4), 2, "the late one is closed");
+    late.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut byte = [0; 1];
+    match late.read(&mut byte) {
+        Err(e) => assert_eq!(e.kind(), ErrorKind::ConnectionReset, "{e}"),
+        Ok(n) => assert_eq!(n, 0, "the client's end is closed"),
+    }
+    drop(before);
+}
+
+/// XDP judges packets to any of the host's addresses that arrive on the protected interface,
+/// so a connection that came in over it to an address of another interface is the programs'
+/// to count too.
+#[test]
+fn connections_to_another_interfaces_address_that_came_in_are_adopted() {
+    let agent = start(&["--max-conn-per-ip", "4", "--ports", "5674"]);
+    let served = Served::new(5674);
+    let elsewhere = Ipv4Addr::new(10, 78, 0, 1);
+    // Another interface of the server's (a veth pair of its own: no dummy module needed),
+    // removed with the namespace.
+    let (other, other_peer) = (netns::unique_name("lvo"), netns::unique_name("lvp"));
+    let server = &served.pair.server;
+    server
+        .exec(&[
+            "ip",
+            "link",
+            "add",
+            &other,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            &other_peer,
+        ])
+        .unwrap();
+    server
+        .exec(&[
+            "ip",
+            "addr",
+            "add",
+            &format!("{elsewhere}/32"),
+            "dev",
+            &other,
+        ])
+        .unwrap();
+    for link in [&other, &other_peer] {
+        server.exec(&["ip", "link", "set", link, "up"]).unwrap();
+    }
+    let client = &served.pair.client;
+    client
+        .exec(&[
+            "ip",
+            "route",
+            "add",
+            &format!("{elsewhere}/32"),
+            "via",
+            &SERVER_V4.to_string(),
+        ])
+        .unwrap();
+    let _held = served.open(client, CLIENT_V4, elsewhere);
+    let report = served.pass(&agent, &mut served.sweeper());
+    assert_eq!(report.adopted, 1, "{report:?}");
+    assert_eq!(connections(&agent, CLIENT_V4), 1);
+}
+
+/// All of 127.0.0.0/8 is the host's own, not only the 127.0.0.1 that `lo` lists: a local user
+/// who bound 127.0.0.2 and connected to the protected address was taken for a remote client
+/// and adopted into the global count, and could fill `max-conn-total` for every remote one.
+#[test]
+fn a_local_user_from_another_loopback_address_is_never_adopted() {
+    let agent = start(&["--max-conn-total", "2", "--ports", "5675"]);
+    let served = Served::new(5675);
+    let mut sweeper = served.sweeper();
+    let local_user = Ipv4Addr::new(127, 0, 0, 2);
+    let local: Vec<_> = (0..3)
+        .map(|_| served.open(&served.pair.server, local_user, SERVER_V4))
+        .collect();
+    let report = served.pass(&agent, &mut sweeper);
+    assert_eq!(report.adopted, 0, "{report:?}");
+    assert_eq!(agent.with_maps(|m| m.global_connections()).unwrap(), 0);
+    // Remote clients still have the whole of the global cap.
+    let remote = [
+        served.open(&served.pair.client, CLIENT_V4, SERVER_V4),
+        served.open(&served.pair.client, CLIENT_V4, SERVER_V4),
+    ];
+    let report = served.pass(&agent, &mut sweeper);
+    assert_eq!((report.adopted, report.over_cap), (2, 0), "{report:?}");
+    assert_eq!(agent.with_maps(|m| m.global_connections()).unwrap(), 2);
+    assert_eq!(connections(&agent, local_user), 0);
+    drop((local, remote));
 }

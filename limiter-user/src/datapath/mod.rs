@@ -7,6 +7,7 @@ mod helpers;
 pub mod kernel;
 pub mod keys;
 mod loader;
+pub mod local_routes;
 mod mapped;
 mod maps;
 pub mod pins;

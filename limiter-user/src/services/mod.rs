@@ -4,5 +4,6 @@
 pub mod fleet_bans;
 pub mod http;
 pub mod metrics;
+mod sweep_rules;
 pub mod sweeper;
 pub mod views;

@@ -5,19 +5,20 @@
 
 use std::{
     collections::{HashMap, HashSet},
-    net::IpAddr,
     sync::Arc,
-    time::{Duration, Instant},
+    time::Instant,
 };
 
-use limiter_common::{AdjustRequest, FlowKey, SourceKey};
+use limiter_common::{FlowKey, SourceKey};
 use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, Opts};
 
+use super::sweep_rules::{self, Counter, Mismatch, Release, SocketView};
 use crate::{
     buckets::Limiter,
     datapath::{
         Adoption, EnforceError, Enforcer, SweepCursor,
-        keys::{boot_time_ns, mapped},
+        keys::boot_time_ns,
+        local_routes::{LocalAddresses, RouteQueries},
         sockets::SocketTable,
     },
     settings::{Live, SweepSettings},
@@ -101,16 +102,6 @@ pub struct PassReport {
     pub repairs: u64,
 }
 
-/// A connection counter: a source's (`Some`) or the global one (`None`).
-type Counter = Option<SourceKey>;
-
-/// A counter that disagreed with the flow table: (counter read, flows counted).
-type Mismatch = (u64, u64);
-
-/// How long a new flow may go without a socket: the programs insert the flow as the
-/// handshake's last ACK passes, a moment before the host makes the socket.
-const SOCKET_GRACE: Duration = Duration::from_secs(1);
-
 /// The sweeper's memory between passes.
 #[derive(Default)]
 pub struct Sweeper {
@@ -135,9 +126,10 @@ pub struct Sweeper {
     /// open before it and are counted as they are; later ones got past the programs unjudged,
     /// and one past a cap is closed.
     settled: bool,
-    /// The interfaces the programs are attached to: only connections to their addresses came
-    /// in through the programs and are adopted. Others (loopback clients, another interface
-    /// the operator left unprotected) were never the programs' to judge.
+    /// The interfaces the programs are attached to: only connections from another host that
+    /// the host routes back through one of them came in through the programs and are adopted
+    /// ([`sweep_rules::came_in`]). Others (local users, peers behind an interface the operator
+    /// left unprotected) were never the programs' to judge.
     interfaces: Vec<String>,
 }
 
@@ -180,19 +172,13 @@ impl Sweeper {
             }
         };
         for (key, flow) in &flows.flows {
-            let judged = sockets.as_ref().filter(|s| s.covers(key));
-            let release = match judged {
-                Some(sockets) => (!sockets.has(key)
-                    && older_than(now, flow.last_seen_ns, SOCKET_GRACE))
-                .then_some(Release::Closed),
-                None if settings
-                    .idle_timeout
-                    .is_some_and(|idle| older_than(now, flow.last_seen_ns, idle)) =>
-                {
-                    Some(Release::Idle)
-                }
-                None => None,
+            let socket = match sockets.as_ref().filter(|s| s.covers(key)) {
+                Some(sockets) if sockets.has(key) => SocketView::Open,
+                Some(_) => SocketView::Missing,
+                None => SocketView::Silent,
             };
+            let release =
+                sweep_rules::judge_flow(socket, now, flow.last_seen_ns, settings.idle_timeout);
             match release {
                 // Released through the kernel, so it happens once even if a FIN races it.
                 Some(why) if enforcer.datapath().release(key)? => match why {
@@ -240,10 +226,9 @@ impl Sweeper {
         Ok(report)
     }
 
-    /// Enters every established connection not known to be tracked (see `tracked`), if it is
-    /// to a port served here, on an address of a judged interface, and from another host, with
-    /// its slots taken (the kernel skips a 4-tuple it tracks, a port not protected and an
-    /// allowlisted source). Such a connection completed its handshake unjudged: it was open
+    /// Enters every established connection not known to be tracked (see `tracked`) that is an
+    /// adoption candidate ([`sweep_rules::adoption_candidate`]), with its slots taken (the
+    /// kernel skips a 4-tuple it tracks, a port not protected and an allowlisted source). Such a connection completed its handshake unjudged: it was open
     /// before the programs were attached, or its half-open record was evicted by a flood or
     /// swept after `syn-timeout` while its client held the ACK back, which an attacker can do
     /// at will. After the first pass, one that took its source or the host past a cap is
@@ -255,18 +240,17 @@ impl Sweeper {
         sockets: &SocketTable,
     ) -> Result<(u64, u64), EnforceError> {
         let (mut adopted, mut closed) = (0, 0);
-        let addresses = HostAddresses::read(&self.interfaces);
-        // The kernel checks the port and the allowlist again; checked here too, so that a
-        // busy unprotected service or many allowlisted clients cost no helper run per pass.
+        // Read at the first candidate only: a pass with none costs no netlink query.
+        let mut host: Option<HostRoutes> = None;
         let policy = enforcer.policy();
         for flow in sockets.established() {
-            let remote = std::net::Ipv6Addr::from(flow.remote).to_canonical();
-            let counted = (policy.ports.is_empty() || policy.ports.contains(&flow.local_port))
-                && !policy.allow.iter().any(|net| net.contains(&remote));
             let known = self.tracked.contains(flow)
                 || self.tracked_before.contains(flow)
                 || self.checked.contains(flow);
-            if known || !addresses.came_in(flow) || !counted {
+            if !sweep_rules::adoption_candidate(flow, known, &policy.ports, &policy.allow, |f| {
+                host.get_or_insert_with(|| HostRoutes::read(&self.interfaces))
+                    .came_in(f)
+            }) {
                 continue;
             }
             let adoption = enforcer.datapath().adopt(flow)?;
@@ -275,7 +259,8 @@ impl Sweeper {
                 continue;
             }
             adopted += 1;
-            if adoption == Adoption::OverCap && self.settled {
+            if sweep_rules::destroys(adoption, self.settled) {
+                let remote = std::net::Ipv6Addr::from(flow.remote).to_canonical();
                 match sockets.destroy(flow) {
                     Ok(()) => {
                         tracing::warn!(%remote, port = flow.remote_port, "closed a connection that got past a cap unjudged");
@@ -292,116 +277,82 @@ impl Sweeper {
         Ok((adopted, closed))
     }
 
-    /// Compares every counter with the flows counted over the cycle just ended, in time linear
-    /// in the entries. A counter is judged only if it read the same when the cycle began and
-    /// now (nothing opened or closed for it meanwhile), and repaired only if the same drift
-    /// was seen the cycle before.
+    /// Reconciles the counters with the cycle's tally ([`sweep_rules::reconcile`]): sources
+    /// whose counter reads 0 are forgotten, and the counters it finds drifted are repaired.
     fn reconcile(
         &mut self,
         enforcer: &Enforcer,
         start: &HashMap<Counter, u64>,
     ) -> Result<u64, EnforceError> {
         let end = counters(enforcer)?;
-        let total: u64 = self.tally.values().sum();
-        let mut seen: HashMap<Counter, Mismatch> = HashMap::new();
-        let mut judge = |who: Counter, count: u64, counted: u64| {
-            let stable = start.get(&who).copied().unwrap_or(0) == count;
-            if stable && count != counted {
-                seen.insert(who, (count, counted));
-            }
-        };
-        for (who, count) in &end {
-            let counted = match who {
-                Some(source) => self.tally.get(source).copied().unwrap_or(0),
-                None => total,
-            };
-            judge(*who, *count, counted);
+        let verdict = sweep_rules::reconcile(start, &end, &self.tally, &self.suspects);
+        for source in &verdict.idle_sources {
+            enforcer.with_maps(|m| m.remove_idle_source(source))?;
         }
-        for (source, counted) in &self.tally {
-            if !end.contains_key(&Some(*source)) {
-                judge(Some(*source), 0, *counted);
-            }
+        for repair in &verdict.repairs {
+            enforcer.datapath().adjust(&repair.request)?;
+            let (count, counted) = (repair.count, repair.counted);
+            tracing::warn!(source = ?repair.who.map(|s| crate::datapath::keys::key_address(&s)), count, counted, "repaired a drifted connection counter");
         }
-        for (who, count) in &end {
-            if let Some(source) = who
-                && *count == 0
-            {
-                enforcer.with_maps(|m| m.remove_idle_source(source))?;
-            }
-        }
-        let mut repairs = 0;
-        for (who, mismatch) in &seen {
-            if self.suspects.get(who) != Some(mismatch) {
-                continue;
-            }
-            let (count, counted) = *mismatch;
-            let request = AdjustRequest {
-                source: who.unwrap_or(SourceKey { addr: [0; 16] }),
-                delta: counted as i64 - count as i64,
-                global: who.is_none().into(),
-                _pad: 0,
-            };
-            enforcer.datapath().adjust(&request)?;
-            tracing::warn!(source = ?who.map(|s| crate::datapath::keys::key_address(&s)), count, counted, "repaired a drifted connection counter");
-            repairs += 1;
-        }
-        self.suspects = seen;
-        Ok(repairs)
+        self.suspects = verdict.seen;
+        Ok(verdict.repairs.len() as u64)
     }
 }
 
-/// The host's addresses, keyed as flows key them (IPv4 mapped into IPv6).
+/// What a pass knows of the host to tell whether a connection came in through the programs:
+/// its own addresses, the protected interfaces' indexes, and the way back to each peer
+/// looked up so far (one query per peer and pass).
 #[derive(Default)]
-struct HostAddresses {
-    /// Those of the interfaces the programs are attached to: a connection to one of them came
-    /// in through the programs.
-    judged: HashSet<[u8; 16]>,
-    /// Every interface's: a connection from one of them never left the host (loopback), so
-    /// the programs never saw it, and a local user could otherwise fill the global cap with it.
-    own: HashSet<[u8; 16]>,
+struct HostRoutes {
+    local: LocalAddresses,
+    protected: Vec<u32>,
+    /// `None` when nothing is judged, or the host's routes are unreadable: then nothing came in.
+    queries: Option<RouteQueries>,
+    out: HashMap<[u8; 16], Option<u32>>,
 }
 
-impl HostAddresses {
+impl HostRoutes {
     fn read(interfaces: &[String]) -> Self {
-        if interfaces.is_empty() {
+        // Routes name interfaces by index; resolved each pass, so one re-created under its
+        // name is still found.
+        let protected: Vec<u32> = interfaces
+            .iter()
+            .filter_map(|name| nix::net::if_::if_nametoindex(name.as_str()).ok())
+            .collect();
+        if protected.is_empty() {
             return Self::default();
         }
-        let all = match nix::ifaddrs::getifaddrs() {
-            Ok(all) => all,
+        let read = LocalAddresses::read().and_then(|local| Ok((local, RouteQueries::open()?)));
+        match read {
+            Ok((local, queries)) => Self {
+                local,
+                protected,
+                queries: Some(queries),
+                out: HashMap::new(),
+            },
             Err(error) => {
-                tracing::warn!(%error, "the interfaces' addresses are unreadable; nothing is adopted this cycle");
-                return Self::default();
+                tracing::warn!(%error, "the host's routes are unreadable; nothing is adopted this pass");
+                Self::default()
             }
-        };
-        let mut addresses = Self::default();
-        for entry in all {
-            let Some(address) = entry.address else {
-                continue;
-            };
-            let ip = match (address.as_sockaddr_in(), address.as_sockaddr_in6()) {
-                (Some(v4), _) => IpAddr::V4(v4.ip()),
-                (_, Some(v6)) => IpAddr::V6(v6.ip()),
-                _ => continue,
-            };
-            let key = mapped(ip).octets();
-            if interfaces.contains(&entry.interface_name) {
-                addresses.judged.insert(key);
-            }
-            addresses.own.insert(key);
         }
-        addresses
     }
 
-    /// Whether `flow` came in through the programs from another host.
-    fn came_in(&self, flow: &FlowKey) -> bool {
-        self.judged.contains(&flow.local) && !self.own.contains(&flow.remote)
+    fn came_in(&mut self, flow: &FlowKey) -> bool {
+        let Some(queries) = &self.queries else {
+            return false;
+        };
+        let out = &mut self.out;
+        sweep_rules::came_in(flow, &self.local, &self.protected, |remote| {
+            *out.entry(*remote)
+                .or_insert_with(|| match queries.out_interface(remote) {
+                    Ok(index) => index,
+                    Err(error) => {
+                        tracing::warn!(%error, "the route back to a peer is unreadable; it is not adopted this pass");
+                        None
+                    }
+                })
+        })
     }
-}
-
-/// Why a flow is released.
-enum Release {
-    Closed,
-    Idle,
 }
 
 /// Every connection counter, the global one under `None`.
@@ -413,10 +364,6 @@ fn counters(enforcer: &Enforcer) -> Result<HashMap<Counter, u64>, EnforceError> 
         .collect();
     out.insert(None, enforcer.with_maps(|m| m.global_connections())?);
     Ok(out)
-}
-
-fn older_than(now: u64, then: u64, age: Duration) -> bool {
-    now.saturating_sub(then) > age.as_nanos().min(u64::MAX as u128) as u64
 }
 
 /// What the sweeper works on: the datapath, the broker limiter, its metrics, and the live
