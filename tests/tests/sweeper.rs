@@ -5,7 +5,7 @@
 
 use std::{
     io::{ErrorKind, Read},
-    net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener},
     time::Duration,
 };
 
@@ -20,7 +20,7 @@ use limiter_tests::{
     frames::{Flags, Tcp},
     kernel::{TestAgent, XDP_PASS, agent, connect_run, handshake, isn, tc_run, xdp_run},
     model::mapped,
-    netns::{self, CLIENT_V4, Netns, Pair, SERVER_V4},
+    netns::{self, CLIENT_V4, CLIENT_V6, Netns, Pair, SERVER_V4, SERVER_V6},
 };
 
 fn v4(last: u8) -> IpAddr {
@@ -366,13 +366,13 @@ struct Served {
 }
 
 impl Served {
-    /// Listens on every address of the server's namespace, so a connection to any of them
-    /// (an alias, another interface's address) is served.
+    /// Listens on every address of the server's namespace, IPv4 and IPv6, so a connection to
+    /// any of them (an alias, another interface's address) is served.
     fn new(port: u16) -> Self {
         let pair = Pair::new().unwrap();
         let listener = pair
             .server
-            .run(|| TcpListener::bind((Ipv4Addr::UNSPECIFIED, port)))
+            .run(|| TcpListener::bind((Ipv6Addr::UNSPECIFIED, port)))
             .unwrap()
             .unwrap();
         Self {
@@ -386,11 +386,11 @@ impl Served {
     fn open(
         &self,
         from: &Netns,
-        src: Ipv4Addr,
-        dst: Ipv4Addr,
+        src: impl Into<IpAddr>,
+        dst: impl Into<IpAddr>,
     ) -> (std::net::TcpStream, std::net::TcpStream) {
-        let to = SocketAddr::new(IpAddr::V4(dst), self.port);
-        let conn = netns::connect(from, IpAddr::V4(src), to).unwrap().unwrap();
+        let to = SocketAddr::new(dst.into(), self.port);
+        let conn = netns::connect(from, src.into(), to).unwrap().unwrap();
         (conn, self.listener.accept().unwrap().0)
     }
 
@@ -411,10 +411,15 @@ impl Served {
     }
 }
 
-fn connections(agent: &TestAgent, src: Ipv4Addr) -> u64 {
+fn connections(agent: &TestAgent, src: impl Into<IpAddr>) -> u64 {
     agent
-        .with_maps(|m| m.source_connections(IpAddr::V4(src)))
+        .with_maps(|m| m.source_connections(src.into()))
         .unwrap()
+}
+
+/// Runs `command` (words split at spaces) in `ns`.
+fn sh(ns: &Netns, command: &str) {
+    ns.exec(&command.split(' ').collect::<Vec<_>>()).unwrap();
 }
 
 /// An IPv4 alias with a label (`ip addr add ... label veth:1`) is named after its label, not
@@ -471,51 +476,39 @@ fn connections_to_another_interfaces_address_that_came_in_are_adopted() {
     let agent = start(&["--max-conn-per-ip", "4", "--ports", "5674"]);
     let served = Served::new(5674);
     let elsewhere = Ipv4Addr::new(10, 78, 0, 1);
+    let elsewhere_v6 = Ipv6Addr::new(0xfd00, 0x78, 0, 0, 0, 0, 0, 1);
     // Another interface of the server's (a veth pair of its own: no dummy module needed),
     // removed with the namespace.
     let (other, other_peer) = (netns::unique_name("lvo"), netns::unique_name("lvp"));
     let server = &served.pair.server;
-    server
-        .exec(&[
-            "ip",
-            "link",
-            "add",
-            &other,
-            "type",
-            "veth",
-            "peer",
-            "name",
-            &other_peer,
-        ])
-        .unwrap();
-    server
-        .exec(&[
-            "ip",
-            "addr",
-            "add",
-            &format!("{elsewhere}/32"),
-            "dev",
-            &other,
-        ])
-        .unwrap();
-    for link in [&other, &other_peer] {
-        server.exec(&["ip", "link", "set", link, "up"]).unwrap();
-    }
+    sh(
+        server,
+        &format!("ip link add {other} type veth peer name {other_peer}"),
+    );
+    sh(server, &format!("ip addr add {elsewhere}/32 dev {other}"));
+    sh(
+        server,
+        &format!("ip -6 addr add {elsewhere_v6}/128 dev {other} nodad"),
+    );
+    sh(server, &format!("ip link set {other} up"));
+    sh(server, &format!("ip link set {other_peer} up"));
     let client = &served.pair.client;
-    client
-        .exec(&[
-            "ip",
-            "route",
-            "add",
-            &format!("{elsewhere}/32"),
-            "via",
-            &SERVER_V4.to_string(),
-        ])
-        .unwrap();
-    let _held = served.open(client, CLIENT_V4, elsewhere);
+    sh(
+        client,
+        &format!("ip route add {elsewhere}/32 via {SERVER_V4}"),
+    );
+    sh(
+        client,
+        &format!("ip -6 route add {elsewhere_v6}/128 via {SERVER_V6}"),
+    );
+    let _held = [
+        served.open(client, CLIENT_V4, elsewhere),
+        served.open(client, CLIENT_V6, elsewhere_v6),
+    ];
     let report = served.pass(&agent, &mut served.sweeper());
-    assert_eq!(report.adopted, 1, "{report:?}");
+    assert_eq!(report.adopted, 2, "{report:?}");
     assert_eq!(connections(&agent, CLIENT_V4), 1);
+    assert_eq!(connections(&agent, CLIENT_V6), 1);
 }
 
 /// All of 127.0.0.0/8 is the host's own, not only the 127.0.0.1 that `lo` lists: a local user
