@@ -14,16 +14,19 @@ use anyhow::Context;
 
 use crate::{
     admission::Admission,
-    buckets::{BanError, Banner, Limiter, MonotonicClock},
-    datapath::{Datapath, Enforcer, KernelLogger, LoadOptions, default_route_interface, pins},
-    fleet::{FleetBans, FleetConfig, Redis, SharedGcra},
+    buckets::{BanError, Banner, EscalationConfig, Limiter, MonotonicClock},
+    datapath::{
+        Datapath, EnforceError, Enforcer, KernelLogger, LoadOptions, default_route_interface, pins,
+    },
+    errors::error_chain,
+    fleet::{FleetBans, FleetConfig, LogId, Redis, SharedGcra},
     protocol::{ServeControl, Server},
     services::{
         fleet_bans::FleetBanning,
         http::HttpServer,
         sweeper::{self, SweepStats, SweepTargets},
     },
-    settings::{ConfigError, Live, RunArgs, Settings},
+    settings::{ConfigError, Live, RestartOnly, RunArgs, Settings},
 };
 
 /// Exit status for settings that cannot be used, before anything is attached.
@@ -36,14 +39,14 @@ impl Banner for KernelBans {
     fn ban(&self, addr: IpAddr, ttl: Duration) -> Result<(), BanError> {
         self.0.ban(addr, ttl).map_err(|e| BanError::Failed {
             addr,
-            reason: e.to_string(),
+            source: Box::new(e),
         })
     }
 
     fn unban(&self, addr: IpAddr) -> Result<bool, BanError> {
         self.0.unban(addr).map_err(|e| BanError::Failed {
             addr,
-            reason: e.to_string(),
+            source: Box::new(e),
         })
     }
 }
@@ -58,7 +61,7 @@ fn fleet_banning(
     fleet: &FleetConfig,
     redis: Redis,
     local: Arc<dyn Banner>,
-    escalation: Option<crate::buckets::EscalationConfig>,
+    escalation: Option<EscalationConfig>,
 ) -> anyhow::Result<(FleetBanning, FleetBans)> {
     // Tells this agent's entries in the ban log apart from the others'.
     let origin = format!(
@@ -72,6 +75,16 @@ fn fleet_banning(
     let reader = bans
         .with_connection(Redis::connect(&fleet.redis).context("connecting to the fleet's Redis")?);
     Ok((FleetBanning::new(local, bans, escalation), reader))
+}
+
+/// Why a reload was refused. A kernel map that cannot be written is not the file's fault, so
+/// it is not reported as a setting.
+#[derive(Debug, thiserror::Error)]
+enum ReloadError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("writing the kernel policy")]
+    Policy(#[source] EnforceError),
 }
 
 /// The running agent as the signal handlers see it.
@@ -90,48 +103,12 @@ impl Agent {
     /// sweeper's timeouts, the admin and check tokens, the actions (limits, windows, bursts,
     /// key caps; see [`Limiter::reconfigure`] for keys and new, removed or re-keyed actions),
     /// escalation, the listeners' caps and timeouts (timeouts for new connections) and who
-    /// is trusted with admin requests. What only a restart can change (interfaces, the pin
-    /// directory, table sizes, the listeners' addresses, ...) is named, in the log and in
-    /// `/v1/status`, as waiting for a restart, and so are the settings flags or environment
-    /// pin. A bad file changes nothing.
-    fn reload(&self) -> Result<(), ConfigError> {
-        let new = self.args.resolve()?;
-        // The live settings keep the start's values of everything below, so each comparison
-        // is with what the agent runs: a file changed back needs no restart.
-        let old = self.settings.get();
-        let restart: Vec<String> = [
-            ("iface", new.ifaces != old.ifaces),
-            ("pin-dir", new.pin_dir != old.pin_dir),
-            ("http", new.http != old.http),
-            (
-                "flow-table-size",
-                new.flow_table_size != old.flow_table_size,
-            ),
-            (
-                "half-open-table-size",
-                new.half_open_table_size != old.half_open_table_size,
-            ),
-            ("xdp-mode", new.xdp_mode != old.xdp_mode),
-            ("kernel-debug", new.kernel_debug != old.kernel_debug),
-            (
-                "allow-private-bpffs",
-                new.allow_private_bpffs != old.allow_private_bpffs,
-            ),
-            (
-                "broker.socket",
-                new.broker.serve.socket != old.broker.serve.socket,
-            ),
-            (
-                "broker.listen",
-                new.broker.serve.listen != old.broker.serve.listen,
-            ),
-            ("cluster", new.fleet != old.fleet),
-        ]
-        .into_iter()
-        .filter(|(_, changed)| *changed)
-        .map(|(what, _)| what.to_owned())
-        .collect();
-        for what in &restart {
+    /// is trusted with admin requests. What only a restart can change ([`RestartOnly`]) is
+    /// named, in the log and in `/v1/status`, as waiting for a restart, and so are the
+    /// settings flags or environment pin. A bad file changes nothing.
+    fn reload(&self) -> Result<(), ReloadError> {
+        let new = self.settings.get().reloaded(self.args.resolve()?);
+        for what in &new.restart_required {
             tracing::warn!(setting = %what, "changed in the file; takes effect on restart");
         }
         if !new.pinned.is_empty() {
@@ -142,7 +119,7 @@ impl Agent {
         }
         self.enforcer
             .set_policy(new.policy.clone())
-            .map_err(|e| ConfigError::new("config", e))?;
+            .map_err(ReloadError::Policy)?;
         let changes = self.limiter.reconfigure(new.broker.limiter.clone());
         if !changes.is_empty() {
             tracing::info!(
@@ -158,28 +135,9 @@ impl Agent {
                 "key kind changed: these actions' buckets start empty"
             );
         }
-        let mut serve = new.broker.serve.clone();
-        serve.socket = old.broker.serve.socket.clone();
-        serve.listen = old.broker.serve.listen;
-        self.protocol.apply(&serve);
+        self.protocol.apply(&new.serve());
         self.http_slots.resize(new.clients.max);
-        self.settings.replace(Settings {
-            ifaces: old.ifaces,
-            pin_dir: old.pin_dir,
-            http: old.http,
-            flow_table_size: old.flow_table_size,
-            half_open_table_size: old.half_open_table_size,
-            xdp_mode: old.xdp_mode,
-            kernel_debug: old.kernel_debug,
-            allow_private_bpffs: old.allow_private_bpffs,
-            broker: crate::settings::BrokerSettings {
-                serve,
-                limiter: new.broker.limiter.clone(),
-            },
-            fleet: old.fleet,
-            restart_required: restart,
-            ..new
-        });
+        self.settings.replace(new);
         tracing::info!("configuration reloaded");
         Ok(())
     }
@@ -208,9 +166,23 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
             return Ok(ExitCode::from(EXIT_CONFIG));
         }
     };
+    warn_of_fd_limit(settings.clients.max);
+    let ifaces = match preflight(&settings.restart)? {
+        Ok(ifaces) => ifaces,
+        Err(refused) => return Ok(refused),
+    };
+    let mut leftovers = Leftovers::before_start(&settings.restart.pin_dir, &ifaces);
+    let runtime = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
+    let result = runtime.block_on(start(args, settings, ifaces, &mut leftovers));
+    leftovers.clean_up();
+    result
+}
+
+/// A full listener holds `max_clients` descriptors, and there are three of them.
+fn warn_of_fd_limit(max_clients: u32) {
     match raise_fd_limit() {
         Ok(limit) => {
-            let needed = 3 * u64::from(settings.clients.max) + 256;
+            let needed = 3 * u64::from(max_clients) + 256;
             if limit < needed {
                 tracing::warn!(
                     limit,
@@ -221,42 +193,44 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         }
         Err(error) => tracing::warn!(%error, "could not raise the open-file limit"),
     }
-    let ifaces = if settings.ifaces.is_empty() {
+}
+
+/// The interfaces to enforce on, once the host is fit for this start: they exist, the pin
+/// directory is the host's bpffs (unless allowed otherwise), and no other agent enforces
+/// through it. Checked before anything is created, so a refusal leaves nothing behind; it is
+/// logged here and comes back as the exit status.
+fn preflight(restart: &RestartOnly) -> anyhow::Result<Result<Vec<String>, ExitCode>> {
+    let ifaces = if restart.ifaces.is_empty() {
         vec![default_route_interface()?]
     } else {
-        settings.ifaces.clone()
+        restart.ifaces.clone()
     };
-    // Checked before anything is created, so a typo leaves nothing behind.
     for iface in &ifaces {
         if nix::net::if_::if_nametoindex(iface.as_str()).is_err() {
             tracing::error!(
                 "{}",
                 ConfigError::new("iface", format!("no interface is named {iface:?}"))
             );
-            return Ok(ExitCode::from(EXIT_CONFIG));
+            return Ok(Err(ExitCode::from(EXIT_CONFIG)));
         }
     }
-    if !settings.allow_private_bpffs
-        && let Err(error) = pins::refuse_private_bpffs(&settings.pin_dir)
+    if !restart.allow_private_bpffs
+        && let Err(error) = pins::refuse_private_bpffs(&restart.pin_dir)
     {
         tracing::error!("{error}");
-        return Ok(ExitCode::from(EXIT_CONFIG));
+        return Ok(Err(ExitCode::from(EXIT_CONFIG)));
     }
-    if let Some(pid) = pins::live_agent(&settings.pin_dir) {
+    if let Some(pid) = pins::live_agent(&restart.pin_dir) {
         tracing::error!(
             pid,
-            pin_dir = %settings.pin_dir.display(),
+            pin_dir = %restart.pin_dir.display(),
             "another agent (pid {pid}) enforces through {}; this one leaves it alone and exits \
              (stop that agent first, or give this one its own --pin-dir and interfaces)",
-            settings.pin_dir.display()
+            restart.pin_dir.display()
         );
-        return Ok(ExitCode::FAILURE);
+        return Ok(Err(ExitCode::FAILURE));
     }
-    let mut leftovers = Leftovers::before_start(&settings, &ifaces);
-    let runtime = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
-    let result = runtime.block_on(serve(args, settings, ifaces, &mut leftovers));
-    leftovers.clean_up();
-    result
+    Ok(Ok(ifaces))
 }
 
 /// What a start creates (the pin directory with its maps, links, the socket file, the pid
@@ -273,16 +247,15 @@ struct Leftovers {
 }
 
 impl Leftovers {
-    fn before_start(settings: &Settings, ifaces: &[String]) -> Self {
-        let pin_dir = settings.pin_dir.clone();
+    fn before_start(pin_dir: &Path, ifaces: &[String]) -> Self {
         Self {
-            new_pins: !pins::maps(&pin_dir).exists(),
+            new_pins: !pins::maps(pin_dir).exists(),
             new_links: ifaces
                 .iter()
-                .filter(|i| !pins::links(&pin_dir, i).exists())
+                .filter(|i| !pins::links(pin_dir, i).exists())
                 .cloned()
                 .collect(),
-            pin_dir,
+            pin_dir: pin_dir.to_owned(),
             socket: None,
             started: false,
         }
@@ -332,150 +305,231 @@ fn explain_attach(error: crate::datapath::LoadError, iface: &str, pin_dir: &Path
     }
 }
 
-async fn serve(
+/// The start, phase by phase; each phase's failure stops it, and `leftovers` learns what each
+/// created so that a failed start removes it.
+async fn start(
     args: RunArgs,
     settings: Settings,
     ifaces: Vec<String>,
     leftovers: &mut Leftovers,
 ) -> anyhow::Result<ExitCode> {
-    {
-        // The handlers are in place before anything is attached: a SIGTERM sent while the
-        // agent starts, or on the word that it is ready, stops it cleanly rather than killing
-        // it with the default action.
-        let signals = Signals::install()?;
-        let mut datapath = Datapath::load(LoadOptions {
-            flow_table_size: settings.flow_table_size,
-            half_open_size: settings.half_open_table_size,
-            kernel_debug: settings.kernel_debug,
-            pin_dir: Some(settings.pin_dir.clone()),
-        })
-        .context("loading the kernel programs")?;
-        if let Some(logger) = datapath.take_logger() {
-            tokio::spawn(forward_kernel_log(logger));
-        }
-        let enforcer = Arc::new(Enforcer::new(datapath, settings.policy.clone()));
-        enforcer
-            .set_policy(settings.policy.clone())
-            .context("writing the settings to the kernel maps")?;
-        let kernel_bans: Arc<dyn Banner> = Arc::new(KernelBans(Arc::clone(&enforcer)));
-        let mut banner = Arc::clone(&kernel_bans);
-        let mut shared = None;
-        let mut fleet_bans = None;
-        if let Some(fleet) = &settings.fleet {
-            let gcra = SharedGcra::start(fleet)
-                .await
-                .context("setting up the fleet's Redis")?;
-            tracing::info!(
-                redis = %fleet.redis,
-                expected_replicas = fleet.expected_replicas,
-                check_timeout = ?fleet.check_timeout,
-                "fleet mode: shared actions are checked in Redis"
-            );
-            let (banning, reader) = fleet_banning(
-                fleet,
-                gcra.redis().clone(),
-                Arc::clone(&kernel_bans),
-                settings.broker.limiter.escalation,
-            )?;
-            banner = banning.banner.clone();
-            fleet_bans = Some((banning, reader));
-            shared = Some(gcra);
-        }
-        let mut limiter = Limiter::new(
-            settings.broker.limiter.clone(),
-            Arc::new(MonotonicClock::new()),
-            banner,
-        );
-        if let Some(shared) = shared {
-            limiter = limiter.shared_by(shared);
-        }
-        let limiter = Arc::new(limiter);
-        let mode = settings.xdp_mode;
-        let serve = settings.broker.serve.clone();
-        let pin_dir = settings.pin_dir.clone();
-        let live = Live::new(settings);
-        let sweep = SweepStats::new();
-        // Both listeners bind before anything attaches: a taken port or socket stops the agent
-        // here, with an error, rather than leaving it enforcing half-observable.
-        let protocol = Server::bind(&serve, Arc::clone(&limiter))
-            .await
-            .context("binding the broker protocol socket")?;
-        leftovers.socket = Some(serve.socket.clone());
-        let protocol_control = protocol.control();
-        let http = HttpServer::bind(
-            Arc::clone(&enforcer),
-            Arc::clone(&limiter),
-            live.clone(),
-            &sweep,
-        )
-        .await
-        .context("binding the HTTP listener")?;
-        for iface in &ifaces {
-            let how = enforcer
-                .datapath()
-                .attach(iface, mode)
-                .map_err(|e| explain_attach(e, iface, &pin_dir))?;
-            tracing::info!(iface, ?how, "enforcing");
-        }
-        // The fleet's bans are in the kernel before the agent says it is ready.
-        let fleet_bans = match fleet_bans {
-            Some((banning, reader)) => {
-                let start = banning.load(FLEET_BANS_WITHIN).await;
-                Some((banning, reader, start))
-            }
-            None => None,
-        };
-        pins::write_pid_file(&pin_dir).context("writing the pid file")?;
-        leftovers.started = true;
-        enforcer.set_ready();
-        warn_of_stale_links(&pin_dir, &ifaces);
+    // The handlers are in place before anything is attached: a SIGTERM sent while the agent
+    // starts, or on the word that it is ready, stops it cleanly rather than killing it with
+    // the default action.
+    let signals = Signals::install()?;
+    let enforcer = load(&settings)?;
+    let Buckets {
+        limiter,
+        fleet_bans,
+    } = fleet(&settings, &enforcer).await?;
+    let restart = settings.restart.clone();
+    let settings = Live::new(settings);
+    let sweep = SweepStats::new();
+    let listeners = listeners(&settings, &enforcer, &limiter, &sweep, leftovers).await?;
+    let follower = attach(&enforcer, &ifaces, &restart, fleet_bans, leftovers).await?;
+    let agent = Agent {
+        args,
+        settings,
+        enforcer,
+        limiter,
+        protocol: listeners.protocol.control(),
+        http_slots: listeners.http.slots(),
+    };
+    Ok(serve(agent, signals, listeners, sweep, ifaces, follower).await)
+}
 
-        let http_slots = http.slots();
-        let stop = tokio_util::sync::CancellationToken::new();
-        let mut tasks = tokio::task::JoinSet::new();
-        tasks.spawn(sweeper::run(
-            SweepTargets {
-                interfaces: ifaces.clone(),
-                enforcer: Arc::clone(&enforcer),
-                limiter: Arc::clone(&limiter),
-                stats: sweep,
-                settings: live.clone(),
-            },
-            stop.clone().cancelled_owned(),
-        ));
-        tasks.spawn(protocol.run(stop.clone().cancelled_owned()));
-        if let Some((banning, reader, start)) = fleet_bans {
-            tasks.spawn(banning.run(reader, start, stop.clone()));
-        }
-        {
-            let stop = stop.clone();
-            tasks.spawn(async move {
-                if let Err(error) = http.run(stop.cancelled_owned()).await {
-                    let error = anyhow::Error::from(error);
-                    tracing::error!("the HTTP listener failed: {error:#}");
-                }
-            });
-        }
-        tracing::info!("limiter is ready");
-        let agent = Agent {
-            args,
-            settings: live,
-            enforcer,
-            limiter,
-            protocol: protocol_control,
-            http_slots,
-        };
-        signals.wait(&agent).await;
-        tracing::info!("stopping; the programs stay attached (limiter detach removes them)");
-        stop.cancel();
-        while tasks.join_next().await.is_some() {}
-        Ok(ExitCode::SUCCESS)
+/// Phase 1: the kernel programs loaded (or the pinned ones adopted), attached nowhere yet,
+/// with the settings' policy in their maps.
+fn load(settings: &Settings) -> anyhow::Result<Arc<Enforcer>> {
+    let mut datapath = Datapath::load(LoadOptions {
+        flow_table_size: settings.restart.flow_table_size,
+        half_open_size: settings.restart.half_open_table_size,
+        kernel_debug: settings.restart.kernel_debug,
+        pin_dir: Some(settings.restart.pin_dir.clone()),
+    })
+    .context("loading the kernel programs")?;
+    if let Some(logger) = datapath.take_logger() {
+        tokio::spawn(forward_kernel_log(logger));
     }
+    let enforcer = Arc::new(Enforcer::new(datapath, settings.policy.clone()));
+    enforcer
+        .set_policy(settings.policy.clone())
+        .context("writing the settings to the kernel maps")?;
+    Ok(enforcer)
+}
+
+/// The broker limiter, and in a fleet the shared bans it bans through, not yet loaded.
+struct Buckets {
+    limiter: Arc<Limiter>,
+    fleet_bans: Option<(FleetBanning, FleetBans)>,
+}
+
+/// Phase 2: the broker limiter, banning through the kernel; in a fleet its shared actions are
+/// checked in Redis and its bans shared through it, so Redis must answer before anything
+/// attaches.
+async fn fleet(settings: &Settings, enforcer: &Arc<Enforcer>) -> anyhow::Result<Buckets> {
+    let kernel_bans: Arc<dyn Banner> = Arc::new(KernelBans(Arc::clone(enforcer)));
+    let clock = Arc::new(MonotonicClock::new());
+    let Some(fleet) = &settings.restart.fleet else {
+        return Ok(Buckets {
+            limiter: Arc::new(Limiter::new(
+                settings.broker.limiter.clone(),
+                clock,
+                kernel_bans,
+            )),
+            fleet_bans: None,
+        });
+    };
+    let gcra = SharedGcra::start(fleet)
+        .await
+        .context("setting up the fleet's Redis")?;
+    tracing::info!(
+        redis = %fleet.redis,
+        expected_replicas = fleet.expected_replicas,
+        check_timeout = ?fleet.check_timeout,
+        "fleet mode: shared actions are checked in Redis"
+    );
+    let (banning, reader) = fleet_banning(
+        fleet,
+        gcra.redis().clone(),
+        kernel_bans,
+        settings.broker.limiter.escalation,
+    )?;
+    let limiter = Limiter::new(
+        settings.broker.limiter.clone(),
+        clock,
+        banning.banner.clone(),
+    )
+    .shared_by(gcra);
+    Ok(Buckets {
+        limiter: Arc::new(limiter),
+        fleet_bans: Some((banning, reader)),
+    })
+}
+
+/// Both listeners, bound and not yet serving.
+struct Listeners {
+    protocol: Server,
+    http: HttpServer,
+}
+
+/// Phase 3: both listeners bind before anything attaches: a taken port or socket stops the
+/// agent here, with an error, rather than leaving it enforcing half-observable.
+async fn listeners(
+    settings: &Live,
+    enforcer: &Arc<Enforcer>,
+    limiter: &Arc<Limiter>,
+    sweep: &SweepStats,
+    leftovers: &mut Leftovers,
+) -> anyhow::Result<Listeners> {
+    let serve = settings.read(Settings::serve);
+    let protocol = Server::bind(&serve, Arc::clone(limiter))
+        .await
+        .context("binding the broker protocol socket")?;
+    leftovers.socket = Some(serve.socket);
+    let http = HttpServer::bind(
+        Arc::clone(enforcer),
+        Arc::clone(limiter),
+        settings.clone(),
+        sweep,
+    )
+    .await
+    .context("binding the HTTP listener")?;
+    Ok(Listeners { protocol, http })
+}
+
+/// The fleet's ban log follower, and where it reads on from once the start loaded the bans
+/// in force.
+struct Follower {
+    banning: FleetBanning,
+    reader: FleetBans,
+    from: Option<LogId>,
+}
+
+/// Phase 4: enforcing on every interface, then the fleet's bans in the kernel, then ready:
+/// from here on a stop leaves the enforcement in place.
+async fn attach(
+    enforcer: &Enforcer,
+    ifaces: &[String],
+    restart: &RestartOnly,
+    fleet_bans: Option<(FleetBanning, FleetBans)>,
+    leftovers: &mut Leftovers,
+) -> anyhow::Result<Option<Follower>> {
+    for iface in ifaces {
+        let how = enforcer
+            .datapath()
+            .attach(iface, restart.xdp_mode)
+            .map_err(|e| explain_attach(e, iface, &restart.pin_dir))?;
+        tracing::info!(iface, ?how, "enforcing");
+    }
+    // The fleet's bans are in the kernel before the agent says it is ready.
+    let follower = match fleet_bans {
+        Some((banning, reader)) => {
+            let from = banning.load(FLEET_BANS_WITHIN).await;
+            Some(Follower {
+                banning,
+                reader,
+                from,
+            })
+        }
+        None => None,
+    };
+    pins::write_pid_file(&restart.pin_dir).context("writing the pid file")?;
+    leftovers.started = true;
+    enforcer.set_ready();
+    warn_of_stale_links(&restart.pin_dir, ifaces);
+    Ok(follower)
+}
+
+/// Phase 5: the sweeper, both listeners and the fleet's ban follower run until SIGTERM or
+/// SIGINT, and SIGHUP reloads; then each task is stopped and waited for.
+async fn serve(
+    agent: Agent,
+    signals: Signals,
+    listeners: Listeners,
+    sweep: SweepStats,
+    ifaces: Vec<String>,
+    follower: Option<Follower>,
+) -> ExitCode {
+    let stop = tokio_util::sync::CancellationToken::new();
+    let mut tasks = tokio::task::JoinSet::new();
+    tasks.spawn(sweeper::run(
+        SweepTargets {
+            interfaces: ifaces,
+            enforcer: Arc::clone(&agent.enforcer),
+            limiter: Arc::clone(&agent.limiter),
+            stats: sweep,
+            settings: agent.settings.clone(),
+        },
+        stop.clone().cancelled_owned(),
+    ));
+    tasks.spawn(listeners.protocol.run(stop.clone().cancelled_owned()));
+    if let Some(follower) = follower {
+        tasks.spawn(
+            follower
+                .banning
+                .run(follower.reader, follower.from, stop.clone()),
+        );
+    }
+    let http = listeners.http;
+    let http_stop = stop.clone().cancelled_owned();
+    tasks.spawn(async move {
+        if let Err(error) = http.run(http_stop).await {
+            let error = anyhow::Error::from(error);
+            tracing::error!("the HTTP listener failed: {error:#}");
+        }
+    });
+    tracing::info!("limiter is ready");
+    signals.wait(&agent).await;
+    tracing::info!("stopping; the programs stay attached (limiter detach removes them)");
+    stop.cancel();
+    while tasks.join_next().await.is_some() {}
+    ExitCode::SUCCESS
 }
 
 /// Links an earlier agent pinned for interfaces this one was not given keep enforcing (with
 /// the shared maps); say so, since only `limiter detach` removes them.
-fn warn_of_stale_links(pin_dir: &std::path::Path, ifaces: &[String]) {
+fn warn_of_stale_links(pin_dir: &Path, ifaces: &[String]) {
     let Ok(entries) = std::fs::read_dir(pin_dir.join("links")) else {
         return;
     };
@@ -515,6 +569,7 @@ impl Signals {
                 _ = self.int.recv() => return,
                 _ = self.hup.recv() => {
                     if let Err(error) = agent.reload() {
+                        let error = error_chain(&error);
                         tracing::error!("reload refused, the old settings stay: {error}");
                     }
                 }

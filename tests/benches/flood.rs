@@ -102,7 +102,7 @@ fn install(filter: Filter, pair: &Pair) -> Result<Installed> {
         Filter::Limiter => pair.server.run(|| {
             let settings = settings(&["--ports", &port, "--syn-rate", "1", "--syn-burst", "1"]);
             let mut dp = Datapath::load(LoadOptions {
-                flow_table_size: settings.flow_table_size,
+                flow_table_size: settings.restart.flow_table_size,
                 ..LoadOptions::default()
             })?;
             dp.maps.apply(&settings.policy)?;

@@ -173,7 +173,7 @@ impl Kernel {
     pub fn new(flags: &[&str]) -> Self {
         let settings = settings(flags);
         let mut dp = Datapath::load(LoadOptions {
-            flow_table_size: settings.flow_table_size,
+            flow_table_size: settings.restart.flow_table_size,
             ..LoadOptions::default()
         })
         .expect("loading the programs");
@@ -249,7 +249,7 @@ impl Attached {
         let settings = settings(flags);
         let dp = pair.server.run(|| {
             let mut dp = Datapath::load(LoadOptions {
-                flow_table_size: settings.flow_table_size,
+                flow_table_size: settings.restart.flow_table_size,
                 ..LoadOptions::default()
             })?;
             dp.maps.apply(&settings.policy)?;
@@ -337,7 +337,7 @@ impl limiter::buckets::Banner for Bans {
             .ban(addr, ttl)
             .map_err(|e| limiter::buckets::BanError::Failed {
                 addr,
-                reason: e.to_string(),
+                source: e.into(),
             })
     }
 
@@ -346,7 +346,7 @@ impl limiter::buckets::Banner for Bans {
             .unban(addr)
             .map_err(|e| limiter::buckets::BanError::Failed {
                 addr,
-                reason: e.to_string(),
+                source: e.into(),
             })
     }
 }
@@ -360,7 +360,7 @@ pub fn agent(
 ) -> TestAgent {
     let settings = settings(flags);
     let datapath = Datapath::load(LoadOptions {
-        flow_table_size: settings.flow_table_size,
+        flow_table_size: settings.restart.flow_table_size,
         pin_dir,
         ..LoadOptions::default()
     })

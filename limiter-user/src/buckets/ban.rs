@@ -9,8 +9,13 @@ use serde::Serialize;
 pub enum BanError {
     #[error("bans are not available in this process: {0}")]
     Unavailable(&'static str),
-    #[error("banning {addr} failed: {reason}")]
-    Failed { addr: IpAddr, reason: String },
+    /// Boxed: the limiter does not know what enforces its bans, only that it failed and why.
+    #[error("banning {addr} failed")]
+    Failed {
+        addr: IpAddr,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
 }
 
 /// Enforces bans. Called from the check path, so implementations must not block for long.

@@ -147,6 +147,7 @@ impl Escalator {
             }
             Err(error) => {
                 self.ban_failures.fetch_add(1, Ordering::Relaxed);
+                let error = crate::errors::error_chain(&error);
                 tracing::error!(%addr, %error, "escalation could not ban");
                 if let Some(mut record) = self.records.get_mut(&addr) {
                     record.banned_until = None;
@@ -214,7 +215,7 @@ pub(crate) mod tests {
             if self.fail.load(Ordering::SeqCst) {
                 return Err(BanError::Failed {
                     addr,
-                    reason: "told to fail".into(),
+                    source: "told to fail".into(),
                 });
             }
             self.calls.lock().unwrap().push((addr, Some(ttl)));

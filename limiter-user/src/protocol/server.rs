@@ -39,6 +39,7 @@ use crate::{
     admission::{AcceptBackoff, Admission, Ticket},
     api::ban_ttl,
     buckets::{CheckError, Limiter, Pending, Submit},
+    errors::error_chain,
     secret::token_matches,
     settings::{ClientLimits, ServeConfig},
 };
@@ -562,12 +563,12 @@ impl Served {
                 Err(e) => error(ErrorCode::BanFailed, e.to_string()),
                 Ok(ttl) => match limiter.ban(addr, ttl) {
                     Ok(()) => Response::Done { changed: true },
-                    Err(e) => error(ErrorCode::BanFailed, e.to_string()),
+                    Err(e) => error(ErrorCode::BanFailed, error_chain(&e)),
                 },
             },
             Request::Unban { addr } => match limiter.unban(addr) {
                 Ok(changed) => Response::Done { changed },
-                Err(e) => error(ErrorCode::BanFailed, e.to_string()),
+                Err(e) => error(ErrorCode::BanFailed, error_chain(&e)),
             },
             Request::Authenticate { token } => self.authenticate(&token, peer),
         };

@@ -21,6 +21,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::{
     buckets::{BanError, Banner, EscalationConfig, SharedBanStats},
+    errors::error_chain,
     fleet::{BanChange, BansInForce, FleetBans, LogId},
 };
 
@@ -203,7 +204,10 @@ fn apply_in_force(local: &dyn Banner, counters: &Counters, in_force: BansInForce
             Ok(()) => {
                 counters.received.fetch_add(1, Ordering::Relaxed);
             }
-            Err(error) => tracing::error!(%addr, %error, "applying a fleet ban"),
+            Err(error) => {
+                let error = error_chain(&error);
+                tracing::error!(%addr, %error, "applying a fleet ban");
+            }
         }
     }
     in_force.last
@@ -225,6 +229,7 @@ async fn write(mut writer: Writer, local: Arc<dyn Banner>, counters: Arc<Counter
                         // The fleet's count crossed: banned on every agent, this one first.
                         tracing::warn!(%addr, failures = count, ttl = ?rule.ban, "the fleet's failures escalated to a ban");
                         if let Err(error) = local.ban(addr, rule.ban) {
+                            let error = error_chain(&error);
                             tracing::error!(%addr, %error, "escalation could not ban");
                         }
                         timed(bans.ban(addr, rule.ban)).await.map(|()| true)
@@ -320,6 +325,7 @@ async fn follow(
                             counters.received.fetch_add(1, Ordering::Relaxed);
                         }
                         Err(error) => {
+                            let error = error_chain(&error);
                             tracing::error!(?change, %error, "applying a fleet ban change")
                         }
                     }

@@ -188,14 +188,22 @@ impl ServeConfig {
     }
 }
 
-/// The broker side's settings, checked.
+/// The broker side's settings that a reload can change, checked; where the protocol is
+/// served is restart-only ([`super::RestartOnly`]).
 #[derive(Clone, Debug)]
 pub struct BrokerSettings {
-    pub serve: ServeConfig,
+    pub admin: AdminPeers,
     pub limiter: LimiterConfig,
 }
 
 impl BrokerLayer {
+    /// The Unix socket, defaulted.
+    pub fn socket(&self) -> PathBuf {
+        self.socket
+            .clone()
+            .unwrap_or_else(|| PathBuf::from(defaults::SOCKET))
+    }
+
     /// Checks these settings with the actions' tables (flags already merged in).
     pub fn resolve(
         &self,
@@ -243,22 +251,14 @@ impl BrokerLayer {
             }
         };
         Ok(BrokerSettings {
-            serve: ServeConfig {
-                listen: self.listen,
-                admin: AdminPeers {
-                    uids: if self.admin_uids.is_empty() {
-                        AdminPeers::default().uids
-                    } else {
-                        self.admin_uids.clone()
-                    },
-                    gids: (!self.admin_gids.is_empty()).then(|| self.admin_gids.clone()),
-                    token: self.admin_token.clone(),
+            admin: AdminPeers {
+                uids: if self.admin_uids.is_empty() {
+                    AdminPeers::default().uids
+                } else {
+                    self.admin_uids.clone()
                 },
-                ..ServeConfig::unix(
-                    self.socket
-                        .clone()
-                        .unwrap_or_else(|| PathBuf::from(defaults::SOCKET)),
-                )
+                gids: (!self.admin_gids.is_empty()).then(|| self.admin_gids.clone()),
+                token: self.admin_token.clone(),
             },
             limiter: LimiterConfig {
                 actions: resolve_actions(actions, overrides, fleet)?,
@@ -304,6 +304,9 @@ mod tests {
             .resolve(&BTreeMap::new(), &[], false)
             .unwrap();
         assert_eq!(off.limiter.escalation, None);
-        assert_eq!(off.serve.socket, PathBuf::from(defaults::SOCKET));
+        assert_eq!(
+            BrokerLayer::default().socket(),
+            PathBuf::from(defaults::SOCKET)
+        );
     }
 }

@@ -84,12 +84,11 @@ impl RunArgs {
             None => FileConfig::default(),
         };
         let layer = file::merge(&self.layer, &file.layer)?;
-        let broker = file::merge(&self.broker, &file.broker)?;
+        let broker_layer = file::merge(&self.broker, &file.broker)?;
         let fleet = file::merge(&self.cluster, &file.cluster)?.resolve()?;
-        let broker = broker.resolve(&file.actions, &self.actions.overrides(), fleet.is_some())?;
-        let mut settings = layer.resolve(broker)?;
-        settings.fleet = fleet;
-        settings.broker.serve.clients = settings.clients;
+        let broker =
+            broker_layer.resolve(&file.actions, &self.actions.overrides(), fleet.is_some())?;
+        let mut settings = layer.resolve(broker, &broker_layer, fleet)?;
         settings.pinned = file::keys(&self.layer)?
             .into_iter()
             .chain(
@@ -128,30 +127,115 @@ pub struct SweepSettings {
 /// Every setting of a running agent, checked.
 #[derive(Clone, Debug)]
 pub struct Settings {
-    pub ifaces: Vec<String>,
-    pub xdp_mode: XdpAttachMode,
-    pub pin_dir: PathBuf,
+    /// In the live settings, always the start's values: what the agent was built with.
+    pub restart: RestartOnly,
     pub policy: Policy,
-    /// Sizes the flow table and the per-source tables when the maps are created.
-    pub flow_table_size: u32,
-    /// Sizes the half-open table when the maps are created.
-    pub half_open_table_size: u32,
-    pub kernel_debug: bool,
     pub sweep: SweepSettings,
-    pub http: SocketAddr,
     pub admin_token: Option<String>,
     pub check_token: Option<String>,
     /// Connection cap and timeouts of every listener.
     pub clients: ClientLimits,
-    pub allow_private_bpffs: bool,
     pub broker: BrokerSettings,
-    /// The fleet's Redis, when the agents share their buckets (`[cluster]`).
-    pub fleet: Option<FleetConfig>,
     /// Settings the command line or the environment set, which the file cannot change.
     pub pinned: Vec<String>,
     /// Settings the file changed since the start that apply only on a restart (reload fills
     /// it in).
     pub restart_required: Vec<String>,
+}
+
+/// The settings the agent is built from once (maps sized, programs loaded and attached,
+/// listeners bound, the fleet connected), which a reload therefore cannot apply. One struct,
+/// so a reload keeps them all and compares them as a whole.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RestartOnly {
+    /// Empty: the interface of the default route, found at the start.
+    pub ifaces: Vec<String>,
+    pub pin_dir: PathBuf,
+    pub http: SocketAddr,
+    /// Sizes the flow table and the per-source tables when the maps are created.
+    pub flow_table_size: u32,
+    /// Sizes the half-open table when the maps are created.
+    pub half_open_table_size: u32,
+    pub xdp_mode: XdpAttachMode,
+    pub kernel_debug: bool,
+    pub allow_private_bpffs: bool,
+    pub broker_socket: PathBuf,
+    pub broker_listen: Option<SocketAddr>,
+    /// The fleet's Redis, when the agents share their buckets (`[cluster]`).
+    pub fleet: Option<FleetConfig>,
+}
+
+impl RestartOnly {
+    /// The settings, by the names the operator writes, whose values differ in `other`.
+    pub fn differences(&self, other: &Self) -> Vec<&'static str> {
+        if self == other {
+            return Vec::new();
+        }
+        // No `..`: a new field does not compile until it is named here.
+        let Self {
+            ifaces,
+            pin_dir,
+            http,
+            flow_table_size,
+            half_open_table_size,
+            xdp_mode,
+            kernel_debug,
+            allow_private_bpffs,
+            broker_socket,
+            broker_listen,
+            fleet,
+        } = self;
+        [
+            ("iface", *ifaces != other.ifaces),
+            ("pin-dir", *pin_dir != other.pin_dir),
+            ("http", *http != other.http),
+            ("flow-table-size", *flow_table_size != other.flow_table_size),
+            (
+                "half-open-table-size",
+                *half_open_table_size != other.half_open_table_size,
+            ),
+            ("xdp-mode", *xdp_mode != other.xdp_mode),
+            ("kernel-debug", *kernel_debug != other.kernel_debug),
+            (
+                "allow-private-bpffs",
+                *allow_private_bpffs != other.allow_private_bpffs,
+            ),
+            ("broker.socket", *broker_socket != other.broker_socket),
+            ("broker.listen", *broker_listen != other.broker_listen),
+            ("cluster", *fleet != other.fleet),
+        ]
+        .into_iter()
+        .filter_map(|(name, changed)| changed.then_some(name))
+        .collect()
+    }
+}
+
+impl Settings {
+    /// What the agent serves the broker protocol with; the addresses are the start's.
+    pub fn serve(&self) -> ServeConfig {
+        ServeConfig {
+            listen: self.restart.broker_listen,
+            clients: self.clients,
+            admin: self.broker.admin.clone(),
+            ..ServeConfig::unix(self.restart.broker_socket.clone())
+        }
+    }
+
+    /// `new`, a reload's resolve, as the running agent takes it: every live setting from
+    /// `new`, the restart-only ones kept from these, and those the file changed named, each
+    /// compared with what the agent runs, so a file changed back needs no restart.
+    pub fn reloaded(&self, new: Settings) -> Settings {
+        Settings {
+            restart: self.restart.clone(),
+            restart_required: self
+                .restart
+                .differences(&new.restart)
+                .into_iter()
+                .map(str::to_owned)
+                .collect(),
+            ..new
+        }
+    }
 }
 
 /// The settings in force, shared by the services and replaced whole on SIGHUP; services read
@@ -213,10 +297,10 @@ mod tests {
         assert_eq!(config.reject_conn, Refusal::Rst as u8);
         assert_eq!(config.reject_rate, Refusal::Drop as u8);
         assert_eq!(config.all_ports, 1);
-        assert_eq!(all.pin_dir, PathBuf::from(defaults::PIN_DIR));
-        assert_eq!(all.http, defaults::HTTP);
+        assert_eq!(all.restart.pin_dir, PathBuf::from(defaults::PIN_DIR));
+        assert_eq!(all.restart.http, defaults::HTTP);
         assert_eq!(all.admin_token, None);
-        assert_eq!(all.flow_table_size, defaults::FLOW_TABLE_SIZE);
+        assert_eq!(all.restart.flow_table_size, defaults::FLOW_TABLE_SIZE);
         assert!(all.pinned.is_empty());
     }
 
@@ -309,7 +393,7 @@ mod tests {
         assert_eq!(s.policy.ports, vec![5672]);
         assert_eq!(s.sweep.syn_timeout, Duration::from_secs(10));
         assert_eq!(s.sweep.idle_timeout, None);
-        assert_eq!(s.broker.serve.socket, PathBuf::from("/tmp/x.sock"));
+        assert_eq!(s.restart.broker_socket, PathBuf::from("/tmp/x.sock"));
         let escalation = s.broker.limiter.escalation.unwrap();
         assert_eq!(
             (escalation.after, escalation.window, escalation.ban),
@@ -335,7 +419,7 @@ mod tests {
             &["--check-timeout", "20ms"],
         )
         .unwrap();
-        let fleet = s.fleet.unwrap();
+        let fleet = s.restart.fleet.unwrap();
         assert!(fleet.redis.is_cluster());
         assert_eq!(fleet.redis.nodes().len(), 2);
         assert_eq!(fleet.key_prefix, "limiter");
@@ -346,7 +430,7 @@ mod tests {
         assert!(!actions.iter().find(|a| a.name == "publish").unwrap().shared);
         assert_eq!(s.pinned, ["cluster.check-timeout"]);
         let plain = args(&[]).resolve().unwrap();
-        assert!(plain.fleet.is_none());
+        assert!(plain.restart.fleet.is_none());
         assert!(plain.broker.limiter.actions.iter().all(|a| !a.shared));
         let error = with_file(
             "[cluster]\nredis = \"redis://h\"\nchek-timeout = \"1s\"\n",
@@ -354,6 +438,75 @@ mod tests {
         )
         .unwrap_err();
         assert!(error.to_string().contains("chek-timeout"), "{error}");
+    }
+
+    #[test]
+    fn a_reload_names_restart_only_changes_and_keeps_what_runs() {
+        let start = with_file("pin-dir = \"/a\"\nmax-conn-per-ip = 5\n", &[]).unwrap();
+        let same =
+            start.reloaded(with_file("pin-dir = \"/a\"\nmax-conn-per-ip = 5\n", &[]).unwrap());
+        assert!(
+            same.restart_required.is_empty(),
+            "{:?}",
+            same.restart_required
+        );
+
+        let changed = start.reloaded(
+            with_file(
+                "pin-dir = \"/b\"\nmax-conn-per-ip = 7\n[broker]\nlisten = \"127.0.0.1:7070\"\n",
+                &[],
+            )
+            .unwrap(),
+        );
+        assert_eq!(changed.restart_required, ["pin-dir", "broker.listen"]);
+        assert_eq!(changed.restart, start.restart);
+        assert_eq!(changed.serve().listen, None);
+        assert_eq!(changed.policy.config().max_conn_per_ip, 7);
+
+        // Compared with what runs, not with the last file: changed back, nothing waits.
+        let back = changed.reloaded(with_file("pin-dir = \"/a\"\n", &[]).unwrap());
+        assert!(
+            back.restart_required.is_empty(),
+            "{:?}",
+            back.restart_required
+        );
+    }
+
+    #[test]
+    fn restart_only_settings_go_by_the_names_operators_write() {
+        let start = args(&[]).resolve().unwrap().restart;
+        let other = args(&[
+            "--iface=x",
+            "--pin-dir=/x",
+            "--http=127.0.0.1:1",
+            "--flow-table-size=9",
+            "--half-open-table-size=9",
+            "--xdp-mode=skb",
+            "--kernel-debug",
+            "--allow-private-bpffs",
+            "--socket=/x.sock",
+            "--listen=7070",
+            "--redis=redis://h",
+        ])
+        .resolve()
+        .unwrap()
+        .restart;
+        assert_eq!(
+            start.differences(&other),
+            [
+                "iface",
+                "pin-dir",
+                "http",
+                "flow-table-size",
+                "half-open-table-size",
+                "xdp-mode",
+                "kernel-debug",
+                "allow-private-bpffs",
+                "broker.socket",
+                "broker.listen",
+                "cluster",
+            ]
+        );
     }
 
     #[test]

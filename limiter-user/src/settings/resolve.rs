@@ -7,14 +7,21 @@ use ipnet::IpNet;
 use limiter_common::{Config, Refusal};
 
 use super::{
-    BrokerSettings, ClientLimits, ConfigError, Settings, SweepSettings, defaults,
+    BrokerLayer, BrokerSettings, ClientLimits, ConfigError, RestartOnly, Settings, SweepSettings,
+    defaults,
     flags::{Layer, RefusalArg, XdpModeArg},
 };
-use crate::datapath::Policy;
+use crate::{datapath::Policy, fleet::FleetConfig};
 
 impl Layer {
-    /// Fills in the defaults and checks every setting.
-    pub fn resolve(&self, broker: BrokerSettings) -> Result<Settings, ConfigError> {
+    /// Fills in the defaults and checks every setting; `broker_layer` and `fleet` give the
+    /// restart-only settings of the `[broker]` and `[cluster]` tables.
+    pub fn resolve(
+        &self,
+        broker: BrokerSettings,
+        broker_layer: &BrokerLayer,
+        fleet: Option<FleetConfig>,
+    ) -> Result<Settings, ConfigError> {
         let sweep = SweepSettings {
             interval: self.sweep_interval.unwrap_or(defaults::SWEEP_INTERVAL),
             syn_timeout: self.syn_timeout.unwrap_or(defaults::SYN_TIMEOUT),
@@ -44,37 +51,42 @@ impl Layer {
                 ));
             }
         }
+        let policy = self.policy()?;
         Ok(Settings {
-            ifaces: self
-                .iface
-                .iter()
-                .map(|i| i.trim().to_string())
-                .filter(|i| !i.is_empty())
-                .collect(),
-            xdp_mode: self.xdp_mode.unwrap_or(XdpModeArg::Auto).into(),
-            pin_dir: self
-                .pin_dir
-                .clone()
-                .unwrap_or_else(|| PathBuf::from(defaults::PIN_DIR)),
-            policy: self.policy()?,
-            flow_table_size: table_size(
-                "flow-table-size",
-                self.flow_table_size.unwrap_or(defaults::FLOW_TABLE_SIZE),
-            )?,
-            half_open_table_size: table_size(
-                "half-open-table-size",
-                self.half_open_table_size
-                    .unwrap_or(defaults::HALF_OPEN_TABLE_SIZE),
-            )?,
-            kernel_debug: self.kernel_debug.unwrap_or(false),
+            restart: RestartOnly {
+                ifaces: self
+                    .iface
+                    .iter()
+                    .map(|i| i.trim().to_string())
+                    .filter(|i| !i.is_empty())
+                    .collect(),
+                pin_dir: self
+                    .pin_dir
+                    .clone()
+                    .unwrap_or_else(|| PathBuf::from(defaults::PIN_DIR)),
+                http: self.http.unwrap_or(defaults::HTTP),
+                flow_table_size: table_size(
+                    "flow-table-size",
+                    self.flow_table_size.unwrap_or(defaults::FLOW_TABLE_SIZE),
+                )?,
+                half_open_table_size: table_size(
+                    "half-open-table-size",
+                    self.half_open_table_size
+                        .unwrap_or(defaults::HALF_OPEN_TABLE_SIZE),
+                )?,
+                xdp_mode: self.xdp_mode.unwrap_or(XdpModeArg::Auto).into(),
+                kernel_debug: self.kernel_debug.unwrap_or(false),
+                allow_private_bpffs: self.allow_private_bpffs.unwrap_or(false),
+                broker_socket: broker_layer.socket(),
+                broker_listen: broker_layer.listen,
+                fleet,
+            },
+            policy,
             sweep,
-            http: self.http.unwrap_or(defaults::HTTP),
             admin_token: self.admin_token.clone(),
             check_token: self.check_token.clone(),
             clients: self.clients()?,
-            allow_private_bpffs: self.allow_private_bpffs.unwrap_or(false),
             broker,
-            fleet: None,
             pinned: Vec::new(),
             restart_required: Vec::new(),
         })

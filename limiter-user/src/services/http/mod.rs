@@ -82,7 +82,7 @@ impl HttpServer {
         settings: Live,
         sweep: &SweepStats,
     ) -> Result<Self, HttpError> {
-        let (addr, max) = settings.read(|s| (s.http, s.clients.max));
+        let (addr, max) = settings.read(|s| (s.restart.http, s.clients.max));
         let listener = tokio::net::TcpListener::bind(addr)
             .await
             .map_err(|source| HttpError::Bind { addr, source })?;
