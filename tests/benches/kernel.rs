@@ -202,11 +202,12 @@ fn main() {
         ),
     ));
 
-    // A source past its SYN rate: the SYN is refused (dropped). Repeated, the same SYN is a
-    // retransmission of a refused attempt, which changes nothing; fresh SYNs (a new ISN
-    // each) are new attempts, each counted against the source, one run per call.
+    // A source past its SYN rate (its one token spent by a completed handshake): the SYN is
+    // refused (dropped). Repeated, the same SYN is a retransmission of a refused attempt,
+    // which changes nothing; fresh SYNs (a new ISN each) are new attempts, each counted
+    // against the source, one run per call.
     let rate = Kernel::new(&["--syn-rate", "1", "--syn-burst", "1"]);
-    rate.xdp(&syn(1).build());
+    rate.connect(&syn(1));
     let mut over = syn(1);
     over.sport += 1;
     let attempts: Vec<Vec<u8>> = (0..SINGLE_RUNS as u32)
