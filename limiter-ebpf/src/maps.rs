@@ -104,29 +104,24 @@ pub trait KeyedMap<K, V> {
     fn insert_new(&self, key: &K, value: &V);
 }
 
-impl<K, V> KeyedMap<K, V> for HashMap<K, V> {
-    #[inline(always)]
-    fn lookup(&self, key: &K) -> Option<*mut V> {
-        self.get_ptr_mut(key)
-    }
+/// The two kinds answer the same calls with the same flags.
+macro_rules! keyed_map {
+    ($($kind:ident),*) => {$(
+        impl<K, V> KeyedMap<K, V> for $kind<K, V> {
+            #[inline(always)]
+            fn lookup(&self, key: &K) -> Option<*mut V> {
+                self.get_ptr_mut(key)
+            }
 
-    #[inline(always)]
-    fn insert_new(&self, key: &K, value: &V) {
-        let _ = self.insert(key, value, aya_ebpf::bindings::BPF_NOEXIST.into());
-    }
+            #[inline(always)]
+            fn insert_new(&self, key: &K, value: &V) {
+                let _ = self.insert(key, value, aya_ebpf::bindings::BPF_NOEXIST.into());
+            }
+        }
+    )*};
 }
 
-impl<K, V> KeyedMap<K, V> for LruHashMap<K, V> {
-    #[inline(always)]
-    fn lookup(&self, key: &K) -> Option<*mut V> {
-        self.get_ptr_mut(key)
-    }
-
-    #[inline(always)]
-    fn insert_new(&self, key: &K, value: &V) {
-        let _ = self.insert(key, value, aya_ebpf::bindings::BPF_NOEXIST.into());
-    }
-}
+keyed_map!(HashMap, LruHashMap);
 
 /// Looks a key up in a hash map, inserting `initial` first if it is absent. Two CPUs racing
 /// to insert both end up with the same entry: the loser's `BPF_NOEXIST` insert fails and its

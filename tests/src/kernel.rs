@@ -66,18 +66,7 @@ pub fn xdp_run(dp: &Datapath, frame: &[u8]) -> XdpRun {
 
 /// Runs `frame` through the egress TC program of `dp` once; returns the TC action.
 pub fn tc_run(dp: &Datapath, frame: &[u8]) -> u32 {
-    let prog: &SchedClassifier = dp
-        .ebpf()
-        .program(TC_PROGRAM)
-        .expect("the TC program")
-        .try_into()
-        .expect("a TC program");
-    prog.test_run(TestRunOptions {
-        data_in: Some(frame),
-        ..Default::default()
-    })
-    .expect("BPF_PROG_TEST_RUN")
-    .return_value
+    tc_run_marked(dp, frame, 0)
 }
 
 /// Runs `frame` through the egress TC program of `dp` once as an skb carrying `mark`;
