@@ -100,10 +100,10 @@ struct Agent {
 impl Agent {
     /// Re-reads the configuration (SIGHUP) through the start's own resolve, and applies
     /// everything that can change live: the kernel limits, lists, refusal modes and ports, the
-    /// sweeper's timeouts, the admin and check tokens, the actions (limits, windows, bursts,
-    /// key caps; see [`Limiter::reconfigure`] for keys and new, removed or re-keyed actions),
-    /// escalation, the listeners' caps and timeouts (timeouts for new connections) and who
-    /// is trusted with admin requests. What only a restart can change ([`RestartOnly`]) is
+    /// sweeper's timeouts, the admin and check tokens and check-open, the actions (limits,
+    /// windows, bursts, key caps; see [`Limiter::reconfigure`] for keys and new, removed or
+    /// re-keyed actions), escalation, the listeners' caps and timeouts (timeouts for new
+    /// connections) and who is trusted with admin requests. What only a restart can change ([`RestartOnly`]) is
     /// named, in the log and in `/v1/status`, as waiting for a restart, and so are the
     /// settings flags or environment pin. A bad file changes nothing.
     fn reload(&self) -> Result<(), ReloadError> {
