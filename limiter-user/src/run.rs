@@ -365,8 +365,9 @@ struct Buckets {
 }
 
 /// Phase 2: the broker limiter, banning through the kernel; in a fleet its shared actions are
-/// checked in Redis and its bans shared through it, so Redis must answer before anything
-/// attaches.
+/// checked in Redis and its bans shared through it. Before the listeners, so that the first
+/// broker to connect meets the limiter it will keep (a Redis that is away only delays this
+/// phase a little; shared checks are decided locally until it answers).
 async fn fleet(settings: &Settings, enforcer: &Arc<Enforcer>) -> anyhow::Result<Buckets> {
     let kernel_bans: Arc<dyn Banner> = Arc::new(KernelBans(Arc::clone(enforcer)));
     let clock = Arc::new(MonotonicClock::new());
