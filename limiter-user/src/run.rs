@@ -100,10 +100,10 @@ struct Agent {
 impl Agent {
     /// Re-reads the configuration (SIGHUP) through the start's own resolve, and applies
     /// everything that can change live: the kernel limits, lists, refusal modes and ports, the
-    /// sweeper's timeouts, the admin and check tokens, the actions (limits, windows, bursts,
-    /// key caps; see [`Limiter::reconfigure`] for keys and new, removed or re-keyed actions),
-    /// escalation, the listeners' caps and timeouts (timeouts for new connections) and who
-    /// is trusted with admin requests. What only a restart can change ([`RestartOnly`]) is
+    /// sweeper's timeouts, the admin and check tokens and check-open, the actions (limits,
+    /// windows, bursts, key caps; see [`Limiter::reconfigure`] for keys and new, removed or
+    /// re-keyed actions), escalation, the listeners' caps and timeouts (timeouts for new
+    /// connections) and who is trusted with admin requests. What only a restart can change ([`RestartOnly`]) is
     /// named, in the log and in `/v1/status`, as waiting for a restart, and so are the
     /// settings flags or environment pin. A bad file changes nothing.
     fn reload(&self) -> Result<(), ReloadError> {
@@ -365,8 +365,9 @@ struct Buckets {
 }
 
 /// Phase 2: the broker limiter, banning through the kernel; in a fleet its shared actions are
-/// checked in Redis and its bans shared through it, so Redis must answer before anything
-/// attaches.
+/// checked in Redis and its bans shared through it. Before the listeners, so that the first
+/// broker to connect meets the limiter it will keep (a Redis that is away only delays this
+/// phase a little; shared checks are decided locally until it answers).
 async fn fleet(settings: &Settings, enforcer: &Arc<Enforcer>) -> anyhow::Result<Buckets> {
     let kernel_bans: Arc<dyn Banner> = Arc::new(KernelBans(Arc::clone(enforcer)));
     let clock = Arc::new(MonotonicClock::new());

@@ -137,6 +137,9 @@ fn sighup_lowers_a_cap_live_and_a_bad_file_changes_nothing() {
     agent
         .wait_for("limiter is ready", startup_deadline())
         .unwrap();
+    // Neither check-token nor check-open: said once, at the start.
+    let closed = "POST /v1/check is closed until a check-token is set";
+    assert_eq!(agent.log().matches(closed).count(), 1, "{}", agent.log());
     let conns: Vec<_> = (0..3)
         .map(|_| s.connect().expect("under the cap"))
         .collect();
@@ -163,7 +166,11 @@ fn sighup_lowers_a_cap_live_and_a_bad_file_changes_nothing() {
 fn sighup_applies_actions_escalation_and_tokens_live_and_names_what_waits_for_a_restart() {
     let s = Setup::new();
     let file = s.sockets.path().join("limiter.toml");
-    std::fs::write(&file, "max-conn-total = 10\n[actions.auth]\nlimit = 2\n").unwrap();
+    std::fs::write(
+        &file,
+        "max-conn-total = 10\ncheck-open = true\n[actions.auth]\nlimit = 2\n",
+    )
+    .unwrap();
     let agent = s.agent(&["--config", file.to_str().unwrap(), "--max-conn-total", "50"]);
     agent
         .wait_for("limiter is ready", startup_deadline())
@@ -197,7 +204,7 @@ fn sighup_applies_actions_escalation_and_tokens_live_and_names_what_waits_for_a_
 
     std::fs::write(
         &file,
-        "max-conn-total = 20\nhttp = \"127.0.0.1:9191\"\n\
+        "max-conn-total = 20\nhttp = \"127.0.0.1:9191\"\ncheck-token = \"dash-secret\"\n\
          [broker]\nescalate-after = 2\nescalate-ban = \"5m\"\n\
          [actions.auth]\nlimit = 6\n\
          [actions.export]\nlimit = 1\nwindow = \"1m\"\nkey = \"user\"\n",
@@ -214,19 +221,20 @@ fn sighup_applies_actions_escalation_and_tokens_live_and_names_what_waits_for_a_
         .unwrap();
     assert_eq!(verdict.limit, 6);
     assert_eq!(allowed("192.0.2.9", 8), 6, "the reloaded limit of 6");
-    // Over HTTP: the action the reload added.
-    let check = |key: &str| {
+    // Over HTTP: the action the reload added, for callers with the token the reload set.
+    let check = |key: &str, token| {
         http(
             &s,
             reqwest::Method::POST,
             "/v1/check",
-            None,
+            token,
             Some(serde_json::json!({"action": "export", "key": key})),
         )
         .0
     };
-    assert_eq!(check("a"), 200);
-    assert_eq!(check("a"), 429, "one per minute");
+    assert_eq!(check("a", None), 401, "check-open gave way to the token");
+    assert_eq!(check("a", Some("dash-secret")), 200);
+    assert_eq!(check("a", Some("dash-secret")), 429, "one per minute");
     // Escalation, off at the start, bans the third reported failure.
     let escalations = runtime.block_on(async {
         let mut out = Vec::new();

@@ -21,6 +21,7 @@ use limiter::{
         http::{HttpError, HttpServer},
         sweeper::Sweeper,
     },
+    settings::{CheckAccess, Settings},
 };
 use limiter_tests::{
     agent::PinDir,
@@ -31,6 +32,7 @@ use reqwest::Method;
 use serde_json::{Value, json};
 
 const TOKEN: &str = "correct horse battery staple";
+const CHECK_TOKEN: &str = "dash-secret";
 const PORT: u16 = 5672;
 
 fn v4(last: u8) -> IpAddr {
@@ -128,11 +130,23 @@ impl Harness {
         Self::build(flags, None, true)
     }
 
+    /// With a check token, which [`Harness::check`] presents.
     fn build(flags: &[&str], pin_dir: Option<PathBuf>, ready: bool) -> Self {
+        let mut all = vec!["--check-token", CHECK_TOKEN];
+        all.extend_from_slice(flags);
+        Self::start(&all, limiter_config(), pin_dir, ready)
+    }
+
+    fn start(
+        flags: &[&str],
+        limiter: LimiterConfig,
+        pin_dir: Option<PathBuf>,
+        ready: bool,
+    ) -> Self {
         // RSTs by XDP_TX: the tests read the action BPF_PROG_TEST_RUN returns.
         let mut all = vec!["--http", "127.0.0.1:0", "--rst-xdp-tx"];
         all.extend_from_slice(flags);
-        let agent = limiter_tests::kernel::agent(&all, limiter_config(), pin_dir);
+        let agent = limiter_tests::kernel::agent(&all, limiter, pin_dir);
         if ready {
             agent.set_ready();
         }
@@ -194,7 +208,7 @@ impl Harness {
     }
 
     fn check(&self, body: Value) -> Answer {
-        self.send(Method::POST, "/v1/check", None, Some(body))
+        self.send(Method::POST, "/v1/check", Some(CHECK_TOKEN), Some(body))
     }
 
     /// Runs a SYN from `src` through the XDP program, and if it passes the rest of its
@@ -613,7 +627,7 @@ fn check_answers_429_with_retry_after_and_problem_details() {
         .assert_problem(400, "key");
     h.check(json!({"action": "export", "key": "x", "cost": -1}))
         .assert_problem(400, "cost");
-    let answer = h.send(Method::POST, "/v1/check", None, None);
+    let answer = h.send(Method::POST, "/v1/check", Some(CHECK_TOKEN), None);
     assert_eq!(answer.status, 415, "{}", answer.body);
     // Unlimited actions carry no rate-limit headers.
     let answer = h.check(json!({"action": "publish", "key": "x"}));
@@ -1159,16 +1173,90 @@ fn silent_and_idle_http_connections_are_closed_after_the_header_timeout() {
     assert!(idle_closed);
 }
 
+/// `auth` with one attempt a minute, so a spent attempt shows as the next one refused.
+fn one_auth_a_minute() -> LimiterConfig {
+    let mut table = BTreeMap::new();
+    table.insert(
+        "auth".to_owned(),
+        ActionConfig {
+            limit: Some(1),
+            window: Some(Window(Duration::from_secs(60))),
+            ..ActionConfig::default()
+        },
+    );
+    LimiterConfig {
+        actions: resolve_actions(&table, &[], false).expect("valid actions"),
+        ..limiter_config()
+    }
+}
+
+/// The attack an optional `check-token` left open: any local user spending a victim's `auth`
+/// attempts over the loopback listener, locking the victim out of the broker. Unless the
+/// operator opens it, the endpoint answers nobody until a check token is configured.
+#[test]
+fn by_default_check_refuses_every_caller_and_spends_nothing() {
+    let h = Harness::start(&[], one_auth_a_minute(), None, true);
+    let victim = json!({"action": "auth", "key": "192.0.2.77"});
+    for token in [None, Some("guess"), Some(TOKEN)] {
+        let answer = h.send(Method::POST, "/v1/check", token, Some(victim.clone()));
+        answer.assert_problem(403, "check-token");
+    }
+    assert!(h.agent.with_maps(|m| m.bans()).unwrap().is_empty());
+    // The broker's own check finds the victim's one attempt unspent.
+    let verdict = h.agent.limiter.check("auth", b"192.0.2.77", 1).unwrap();
+    assert!(verdict.allowed, "{verdict:?}");
+}
+
+#[test]
+fn check_open_lets_every_local_caller_spend_as_before() {
+    let h = Harness::start(&["--check-open"], one_auth_a_minute(), None, true);
+    let victim = json!({"action": "auth", "key": "192.0.2.77"});
+    let answer = h.send(Method::POST, "/v1/check", None, Some(victim.clone()));
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    let answer = h.send(Method::POST, "/v1/check", None, Some(victim));
+    answer.assert_problem(429, "auth");
+    assert!(
+        !h.agent
+            .limiter
+            .check("auth", b"192.0.2.77", 1)
+            .unwrap()
+            .allowed
+    );
+}
+
+#[test]
+fn who_check_answers_changes_with_a_reload() {
+    let h = Harness::start(&[], one_auth_a_minute(), None, true);
+    let body = json!({"action": "auth", "key": "192.0.2.78"});
+    let reload = |check: CheckAccess| {
+        h.agent.settings.replace(Settings {
+            check,
+            ..h.agent.settings()
+        })
+    };
+    reload(CheckAccess::Token(CHECK_TOKEN.into()));
+    let answer = h.send(Method::POST, "/v1/check", None, Some(body.clone()));
+    answer.assert_problem(401, "check token");
+    assert_eq!(h.check(body.clone()).status, 200);
+    reload(CheckAccess::Open);
+    let answer = h.send(Method::POST, "/v1/check", None, Some(body.clone()));
+    answer.assert_problem(429, "auth");
+    reload(CheckAccess::Closed);
+    h.check(body).assert_problem(403, "check-token");
+}
+
 #[test]
 fn check_can_require_its_own_token() {
-    let h = Harness::new(&["--check-token", "dash-secret"]);
+    let h = Harness::new(&["--admin-token", TOKEN]);
     let body = json!({"action": "export", "key": "carol"});
-    h.check(body.clone()).assert_problem(401, "check token");
-    let answer = h.send(Method::POST, "/v1/check", Some("wrong"), Some(body.clone()));
+    let answer = h.send(Method::POST, "/v1/check", None, Some(body.clone()));
     answer.assert_problem(401, "check token");
-    let answer = h.send(Method::POST, "/v1/check", Some("dash-secret"), Some(body));
-    assert_eq!(answer.status, 200, "{}", answer.body);
     // The admin token is not the check token.
+    let answer = h.send(Method::POST, "/v1/check", Some(TOKEN), Some(body.clone()));
+    answer.assert_problem(401, "check token");
+    let answer = h.send(Method::POST, "/v1/check", Some(CHECK_TOKEN), Some(body));
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    // Nor does the check token guard anything else.
     assert_eq!(h.get("/healthz").status, 200);
 }
 
@@ -1256,7 +1344,11 @@ fn check_goes_to_the_fleets_redis_for_a_shared_action_and_status_and_metrics_say
         let start = || FleetAgent::start(&url, actions, Duration::from_secs(2), 2);
         (start().await.unwrap(), start().await.unwrap())
     });
-    let agent = limiter_tests::kernel::agent(&["--http", "127.0.0.1:0"], limiter_config(), None);
+    let agent = limiter_tests::kernel::agent(
+        &["--http", "127.0.0.1:0", "--check-open"],
+        limiter_config(),
+        None,
+    );
     agent.set_ready();
     let server = runtime
         .block_on(HttpServer::bind(

@@ -152,9 +152,14 @@ pub struct Layer {
     /// Bearer token the admin endpoints require; without one they are off.
     #[arg(long, env = "LIMITER_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
-    /// Bearer token `POST /v1/check` requires; without one it is open to local users.
+    /// Bearer token `POST /v1/check` requires; without one (or check-open) the endpoint
+    /// refuses every caller.
     #[arg(long, env = "LIMITER_CHECK_TOKEN", hide_env_values = true)]
     pub check_token: Option<String>,
+    /// Answer `POST /v1/check` without a token. Any local user can then spend any key's
+    /// bucket, a victim address's `auth` attempts included; cannot be set with check-token.
+    #[arg(long, env = "LIMITER_CHECK_OPEN", num_args = 0..=1, default_missing_value = "true")]
+    pub check_open: Option<bool>,
     /// Connections each listener (HTTP, Unix socket, TCP) holds at once; more wait in the
     /// kernel's backlog until one closes. [default: 512]
     #[arg(long, env = "LIMITER_MAX_CLIENTS")]

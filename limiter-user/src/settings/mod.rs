@@ -132,7 +132,7 @@ pub struct Settings {
     pub policy: Policy,
     pub sweep: SweepSettings,
     pub admin_token: Option<String>,
-    pub check_token: Option<String>,
+    pub check: CheckAccess,
     /// Connection cap and timeouts of every listener.
     pub clients: ClientLimits,
     pub broker: BrokerSettings,
@@ -141,6 +141,19 @@ pub struct Settings {
     /// Settings the file changed since the start that apply only on a restart (reload fills
     /// it in).
     pub restart_required: Vec<String>,
+}
+
+/// Who `POST /v1/check` answers. A check spends the key's bucket, and `auth` is keyed by
+/// address, so an endpoint open to every local user lets any of them spend a victim's
+/// attempts: it stays closed unless the operator chooses a token or opens it outright.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CheckAccess {
+    /// Callers presenting this bearer token (`check-token`).
+    Token(String),
+    /// Every caller that reaches the listener (`check-open`).
+    Open,
+    /// Nobody, until one of the two is set.
+    Closed,
 }
 
 /// The settings the agent is built from once (maps sized, programs loaded and attached,
@@ -300,6 +313,7 @@ mod tests {
         assert_eq!(all.restart.pin_dir, PathBuf::from(defaults::PIN_DIR));
         assert_eq!(all.restart.http, defaults::HTTP);
         assert_eq!(all.admin_token, None);
+        assert_eq!(all.check, CheckAccess::Closed);
         assert_eq!(all.restart.flow_table_size, defaults::FLOW_TABLE_SIZE);
         assert!(all.pinned.is_empty());
     }
@@ -319,6 +333,8 @@ mod tests {
             (&["--syn-timeout", "0s"][..], "syn-timeout"),
             (&["--escalate-after", "0"][..], "escalate-after"),
             (&["--broker-admin-token", " "][..], "broker.admin-token"),
+            (&["--check-token", " "][..], "check-token"),
+            (&["--check-token", "t", "--check-open"][..], "check-open"),
             (&["--redis", "http://x"][..], "cluster.redis"),
             (&["--redis", "redis+cluster://"][..], "cluster.redis"),
             (
@@ -514,6 +530,21 @@ mod tests {
         // An action with a limit and no window is refused by the one resolve both use.
         let error = with_file("[actions.login]\nlimit = 3\n", &[]).unwrap_err();
         assert!(error.setting.starts_with("actions.login"), "{error}");
+    }
+
+    #[test]
+    fn check_is_closed_unless_a_token_or_check_open_is_set() {
+        let check = |text: &str, flags: &[&str]| with_file(text, flags).unwrap().check;
+        assert_eq!(check("", &[]), CheckAccess::Closed);
+        assert_eq!(check("check-open = false\n", &[]), CheckAccess::Closed);
+        assert_eq!(check("check-open = true\n", &[]), CheckAccess::Open);
+        assert_eq!(check("", &["--check-open"]), CheckAccess::Open);
+        assert_eq!(
+            check("check-token = \"t\"\n", &[]),
+            CheckAccess::Token("t".into())
+        );
+        let error = with_file("check-token = \"t\"\ncheck-open = true\n", &[]).unwrap_err();
+        assert_eq!(error.setting, "check-open", "{error}");
     }
 
     #[test]

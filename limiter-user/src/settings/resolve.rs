@@ -7,8 +7,8 @@ use ipnet::IpNet;
 use limiter_common::{Config, Refusal};
 
 use super::{
-    BrokerLayer, BrokerSettings, ClientLimits, ConfigError, RestartOnly, Settings, SweepSettings,
-    defaults,
+    BrokerLayer, BrokerSettings, CheckAccess, ClientLimits, ConfigError, RestartOnly, Settings,
+    SweepSettings, defaults,
     flags::{Layer, RefusalArg, XdpModeArg},
 };
 use crate::{datapath::Policy, fleet::FleetConfig};
@@ -51,6 +51,17 @@ impl Layer {
                 ));
             }
         }
+        let check = match (&self.check_token, self.check_open.unwrap_or(false)) {
+            (Some(_), true) => {
+                return Err(ConfigError::new(
+                    "check-open",
+                    "cannot be set with check-token (a token set is required; leave out one)",
+                ));
+            }
+            (Some(token), false) => CheckAccess::Token(token.clone()),
+            (None, true) => CheckAccess::Open,
+            (None, false) => CheckAccess::Closed,
+        };
         let policy = self.policy()?;
         Ok(Settings {
             restart: RestartOnly {
@@ -84,7 +95,7 @@ impl Layer {
             policy,
             sweep,
             admin_token: self.admin_token.clone(),
-            check_token: self.check_token.clone(),
+            check,
             clients: self.clients()?,
             broker,
             pinned: Vec::new(),

@@ -1,6 +1,6 @@
-//! `POST /v1/check`: a broker verdict for dashboards and scripts. It never escalates into a
-//! ban, since any local user can reach the listener; with `check-token` set, only callers
-//! holding the token reach it at all.
+//! `POST /v1/check`: a broker verdict for dashboards and scripts. A check spends the key's
+//! bucket, so it is answered only as `check-token` or `check-open` allows ([`CheckAccess`]),
+//! and it never escalates into a ban even then: whoever holds the token is not the broker.
 
 use axum::{
     Json,
@@ -20,24 +20,34 @@ use super::{
 use crate::{
     api::{CheckAnswer, CheckRequest},
     buckets::{CheckError, Submit},
+    settings::CheckAccess,
 };
 
 const RATE_LIMIT_LIMIT: HeaderName = HeaderName::from_static("x-ratelimit-limit");
 const RATE_LIMIT_REMAINING: HeaderName = HeaderName::from_static("x-ratelimit-remaining");
 const RATE_LIMIT_RESET: HeaderName = HeaderName::from_static("x-ratelimit-reset");
 
-/// Open without a configured check token; 401 without the right one. Read per request, so a
-/// reload applies at once.
+/// 401 without the configured token, 403 while neither a token nor `check-open` is set. Read
+/// per request, so a reload applies at once.
 pub(super) async fn require_check_token(
     State(state): State<AppState>,
     request: Request,
     next: Next,
 ) -> Result<Response, Problem> {
-    if let Some(expected) = state.settings.get().check_token {
-        require_bearer(&request, &expected, "check token")?;
+    match state.settings.read(|s| s.check.clone()) {
+        CheckAccess::Token(expected) => require_bearer(&request, &expected, "check token")?,
+        CheckAccess::Open => {}
+        CheckAccess::Closed => {
+            return Err(Problem::new(StatusCode::FORBIDDEN, CLOSED).with("setting", "check-token"));
+        }
     }
     Ok(next.run(request).await)
 }
+
+/// What a caller of the closed endpoint is told, and the agent logs at the start.
+pub(super) const CLOSED: &str = "POST /v1/check is closed until a check-token is set \
+    (check-token in the file, --check-token or LIMITER_CHECK_TOKEN; then send it as \
+    Authorization: Bearer <token>), or check-open = true opens it to every local user";
 
 /// 200 when allowed; 429 when limited (with `Retry-After`) or closed; 422 when the cost is
 /// more than the bucket can ever hold or the quota ever allow, since no wait will help.

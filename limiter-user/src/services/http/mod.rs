@@ -35,7 +35,7 @@ use crate::{
     admission::{AcceptBackoff, Admission},
     buckets::Limiter,
     datapath::Enforcer,
-    settings::Live,
+    settings::{CheckAccess, Live},
 };
 
 /// How long requests in flight get to finish once the agent stops.
@@ -82,7 +82,16 @@ impl HttpServer {
         settings: Live,
         sweep: &SweepStats,
     ) -> Result<Self, HttpError> {
-        let (addr, max) = settings.read(|s| (s.restart.http, s.clients.max));
+        let (addr, max, closed) = settings.read(|s| {
+            (
+                s.restart.http,
+                s.clients.max,
+                s.check == CheckAccess::Closed,
+            )
+        });
+        if closed {
+            tracing::warn!("{}", check::CLOSED);
+        }
         let listener = tokio::net::TcpListener::bind(addr)
             .await
             .map_err(|source| HttpError::Bind { addr, source })?;
