@@ -1309,9 +1309,9 @@ fn the_first_scrape_passes_promtool_and_has_every_documented_series_and_no_impos
         .keys()
         .filter(|k| k.starts_with("limiter_packets_total{"))
         .collect();
-    // 10 egress passes, 10 ingress passes (a plain segment is not counted), 10 ingress drops,
-    // 6 ingress RSTs.
-    assert_eq!(packets.len(), 36, "{packets:?}");
+    // 10 egress passes, 9 ingress passes (a plain segment is not counted), 12 ingress drops
+    // (the refusals, the unreadable and what the host would discard), 6 ingress RSTs.
+    assert_eq!(packets.len(), 37, "{packets:?}");
     for impossible in [
         r#"direction="egress",reason="tracked",verdict="rst""#,
         r#"direction="ingress",reason="admitted",verdict="drop""#,
@@ -1319,6 +1319,8 @@ fn the_first_scrape_passes_promtool_and_has_every_documented_series_and_no_impos
         r#"direction="ingress",reason="fragment",verdict="pass""#,
         r#"direction="egress",reason="half_open",verdict="pass""#,
         r#"direction="ingress",reason="segment",verdict="pass""#,
+        r#"direction="ingress",reason="checksum",verdict="pass""#,
+        r#"direction="egress",reason="martian_source",verdict="pass""#,
     ] {
         assert!(
             !packets.iter().any(|k| k.contains(impossible)),

@@ -487,7 +487,8 @@ impl Scraped for BrokerMetrics {
 /// can ever move are exported. Egress (TC) only observes: it passes, for parse failures and
 /// for the segments of connections. Ingress refuses (drop, or rst for a refused SYN or a
 /// handshake refused at its last ACK) for a refusal reason, drops what it cannot read when it
-/// could reach a protected port, and passes for every other reason but a plain segment (left
+/// could reach a protected port or the host would discard it (only ingress checks that), and
+/// passes for every other reason but a plain segment (left
 /// uncounted: see `policy::established` in the kernel crate), and for a full flow table when
 /// failing open.
 fn possible(direction: Direction, verdict: Verdict, reason: Reason) -> bool {
@@ -496,6 +497,7 @@ fn possible(direction: Direction, verdict: Verdict, reason: Reason) -> bool {
         reason,
         Reason::Fragment | Reason::Truncated | Reason::HeaderChain | Reason::Malformed
     );
+    let discarded = matches!(reason, Reason::Checksum | Reason::Martian);
     match (direction, verdict) {
         (Direction::Egress, Verdict::Pass) => {
             unreadable
@@ -511,10 +513,10 @@ fn possible(direction: Direction, verdict: Verdict, reason: Reason) -> bool {
         }
         (Direction::Egress, _) => false,
         (Direction::Ingress, Verdict::Pass) => {
-            (!refusal && !unreadable && reason != Reason::Segment)
+            (!refusal && !unreadable && !discarded && reason != Reason::Segment)
                 || reason == Reason::FlowTableFull
         }
-        (Direction::Ingress, Verdict::Drop) => refusal || unreadable,
+        (Direction::Ingress, Verdict::Drop) => refusal || unreadable || discarded,
         (Direction::Ingress, Verdict::Rst) => refusal,
     }
 }
