@@ -455,10 +455,6 @@ const _: () = assert!(core::mem::size_of::<AdjustRequest>() == 32);
 /// answer (see [`Config::rst_xdp_tx`]). Only XDP writes metadata, so no sender can forge it.
 pub const RST_MARK: u32 = 0x4C52_5354;
 
-/// The bit of a source's count in `SOURCE_CONNS` that marks its entry as being removed (the
-/// count reached zero): readers take it for zero, and a new slot goes to a fresh entry.
-pub const SOURCE_RETIRED: u64 = 1 << 63;
-
 /// The `skb->mark` of the RST|ACKs `limiter_tc_ingress` redirects out of the interface, so
 /// that the egress program, which they pass through, never takes the limiter's own answer
 /// for the host's RST closing a tracked connection (a spoofed SYN on a victim's 4-tuple

@@ -29,13 +29,9 @@ pub static HALF_OPEN: LruHashMap<FlowKey, HalfOpen> =
 #[map]
 pub static ACK_HINTS: Array<u32> = Array::with_max_entries(catalogue::ACK_HINTS.default_entries, 0);
 
-/// Allocated on demand: see `source_counts` for why a deleted entry's memory must not be
-/// reused at once.
 #[map]
-pub static SOURCE_CONNS: HashMap<SourceKey, u64> = HashMap::with_max_entries(
-    catalogue::SOURCE_CONNS.default_entries,
-    aya_ebpf::bindings::BPF_F_NO_PREALLOC,
-);
+pub static SOURCE_CONNS: HashMap<SourceKey, u64> =
+    HashMap::with_max_entries(catalogue::SOURCE_CONNS.default_entries, 0);
 
 #[map]
 pub static GLOBAL_CONNS: Array<u64> =

@@ -33,10 +33,9 @@ use crate::{
     atomics,
     maps::{
         self, ACK_HINTS, BANS, BLOCKED, EVENTS, FLOWS, GLOBAL_CONNS, HALF_OPEN, REFUSED_CONNS,
-        STATS, SYN_BUCKETS,
+        SOURCE_CONNS, STATS, SYN_BUCKETS,
     },
     parsing::{Common, Segment, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
-    source_counts,
 };
 
 /// What the entry point does with the packet.
@@ -444,7 +443,8 @@ fn at_cap(source: &SourceKey, bucket: *mut SynBucket, config: &Config) -> Option
     // SAFETY: pointer from a successful lookup.
     if config.max_conn_per_ip != 0
         && atomics::load(unsafe { &(*bucket).holders }) != 0
-        && source_counts::current(source) >= config.max_conn_per_ip as u64
+        && let Some(count) = SOURCE_CONNS.get_ptr(source)
+        && atomics::load(count) >= config.max_conn_per_ip as u64
     {
         return Some(Reason::ConnPerIp);
     }
@@ -660,28 +660,29 @@ fn complete(seg: &Segment, config: &Config, now: u64) -> Completion {
         return Completion::NotAHandshake;
     }
     let source = half_open.source;
-    let Some((per_source, before)) = source_counts::take(&source, 1) else {
+    let Some(per_source) = maps::get_or_insert(&SOURCE_CONNS, &source, &0) else {
         return full_at_ack(&source, config);
     };
+    let before = atomics::fetch_add(per_source, 1);
     if config.max_conn_per_ip != 0 && before >= config.max_conn_per_ip as u64 {
-        source_counts::give_back(&source, per_source, 1);
+        atomics::decrement(per_source);
         return refuse_at_ack(&source, Reason::ConnPerIp);
     }
     let Some(global) = GLOBAL_CONNS.get_ptr_mut(0) else {
-        source_counts::give_back(&source, per_source, 1);
+        atomics::decrement(per_source);
         return Completion::NotAHandshake;
     };
     let before = atomics::fetch_add(global, 1);
     if config.max_conn_total != 0 && before >= config.max_conn_total as u64 {
         atomics::decrement(global);
-        source_counts::give_back(&source, per_source, 1);
+        atomics::decrement(per_source);
         return refuse_at_ack(&source, Reason::ConnTotal);
     }
     // The SYN rate's token last, once the slots are sure: a handshake the caps refuse spends
     // none, and the token, unlike a slot, cannot be given back.
     if let Err(bucket) = take_token(&source, config) {
         atomics::decrement(global);
-        source_counts::give_back(&source, per_source, 1);
+        atomics::decrement(per_source);
         refused_attempt(Blame::Bucket(bucket), Reason::SynRate, None);
         count(Direction::Ingress, Verdict::Rst, Reason::SynRate);
         event(Event::RefusedAtAck);
@@ -702,7 +703,7 @@ fn complete(seg: &Segment, config: &Config, now: u64) -> Completion {
         }
         Err(error) => {
             atomics::decrement(global);
-            source_counts::give_back(&source, per_source, 1);
+            atomics::decrement(per_source);
             if error == -EEXIST {
                 // The 4-tuple is tracked already: a new connection reusing a closing one's.
                 // It takes over the old one's slot, open again.
@@ -790,22 +791,23 @@ pub fn adopt(key: &FlowKey) -> u32 {
         state: flow_state::ESTABLISHED,
         _pad: 0,
     };
+    let Some(per_source) = maps::get_or_insert(&SOURCE_CONNS, &source, &0) else {
+        return helper::ABSENT;
+    };
     let Some(global) = GLOBAL_CONNS.get_ptr_mut(0) else {
         return helper::ABSENT;
     };
     // The slots first, as at a handshake's ACK: a flow is never in the table without them, so
     // a RST closing it at once cannot release slots not yet taken. Whoever inserts the flow
     // keeps them: a racing handshake or a second adoption of the 4-tuple finds it there.
-    let Some((per_source, per_source_before)) = source_counts::take(&source, 1) else {
-        return helper::ABSENT;
-    };
+    let per_source_before = atomics::fetch_add(per_source, 1);
     let global_before = atomics::fetch_add(global, 1);
     if FLOWS
         .insert(key, flow, aya_ebpf::bindings::BPF_NOEXIST.into())
         .is_err()
     {
         atomics::decrement(global);
-        source_counts::give_back(&source, per_source, 1);
+        atomics::decrement(per_source);
         return helper::ABSENT;
     }
     hold(&source, config, 1);
@@ -876,7 +878,9 @@ pub fn close(key: &FlowKey, flow: *mut Flow, why: Event) -> bool {
     if FLOWS.remove(key).is_err() {
         return false;
     }
-    if source_counts::release(&source, 1) {
+    if let Some(per_source) = SOURCE_CONNS.get_ptr_mut(source)
+        && atomics::decrement(per_source)
+    {
         hold(&source, maps::config(), u64::MAX);
     }
     if let Some(global) = GLOBAL_CONNS.get_ptr_mut(0) {
@@ -898,15 +902,10 @@ pub fn adjust(source: &SourceKey, global: bool, delta: u64) -> u32 {
         atomics::fetch_add(counter, delta);
         return helper::DONE;
     }
-    // Two's complement: a "negative" delta gives slots back, and may remove the entry.
-    let adjusted = if (delta as i64) < 0 {
-        source_counts::release(source, delta.wrapping_neg())
-    } else {
-        source_counts::take(source, delta).is_some()
-    };
-    if !adjusted {
+    let Some(counter) = maps::get_or_insert(&SOURCE_CONNS, source, &0) else {
         return helper::ABSENT;
-    }
+    };
+    atomics::fetch_add(counter, delta);
     hold(source, maps::config(), delta);
     helper::DONE
 }

@@ -113,6 +113,8 @@ pub struct Reconciliation {
     pub seen: HashMap<Counter, Mismatch>,
     /// Counters to set to what the flow table holds.
     pub repairs: Vec<Repair>,
+    /// Sources whose counter reads 0: their entries hold nothing and can go.
+    pub idle_sources: Vec<SourceKey>,
 }
 
 /// One counter to repair.
@@ -157,6 +159,10 @@ pub fn reconcile(
             judge(Some(*source), 0, *counted);
         }
     }
+    let idle_sources = end
+        .iter()
+        .filter_map(|(who, count)| who.filter(|_| *count == 0))
+        .collect();
     let repairs = seen
         .iter()
         .filter(|(who, mismatch)| suspects.get(who) == Some(mismatch))
@@ -172,7 +178,11 @@ pub fn reconcile(
             },
         })
         .collect();
-    Reconciliation { seen, repairs }
+    Reconciliation {
+        seen,
+        repairs,
+        idle_sources,
+    }
 }
 
 #[cfg(test)]
@@ -482,12 +492,12 @@ mod tests {
     }
 
     #[test]
-    fn a_counter_that_agrees_is_left_alone() {
-        let a = source(1);
-        let read = counters(&[(Some(a), 2), (None, 2)]);
+    fn a_counter_that_agrees_is_left_alone_and_a_zero_one_is_idle() {
+        let (a, b) = (source(1), source(2));
+        let read = counters(&[(Some(a), 2), (Some(b), 0), (None, 2)]);
         let tally = HashMap::from([(a, 2)]);
         let result = reconcile(&read, &read, &tally, &HashMap::new());
         assert_eq!(result.seen, HashMap::new());
-        assert!(result.repairs.is_empty());
+        assert_eq!(result.idle_sources, vec![b]);
     }
 }

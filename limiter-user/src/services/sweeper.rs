@@ -277,10 +277,8 @@ impl Sweeper {
         Ok((adopted, closed))
     }
 
-    /// Reconciles the counters with the cycle's tally ([`sweep_rules::reconcile`]): the
-    /// counters it finds drifted are repaired. (A source's entry at zero is the kernel's to
-    /// remove, as its last slot is given back: a read here and a delete after it would race a
-    /// handshake taking a slot in between.)
+    /// Reconciles the counters with the cycle's tally ([`sweep_rules::reconcile`]): sources
+    /// whose counter reads 0 are forgotten, and the counters it finds drifted are repaired.
     fn reconcile(
         &mut self,
         enforcer: &Enforcer,
@@ -288,6 +286,9 @@ impl Sweeper {
     ) -> Result<u64, EnforceError> {
         let end = counters(enforcer)?;
         let verdict = sweep_rules::reconcile(start, &end, &self.tally, &self.suspects);
+        for source in &verdict.idle_sources {
+            enforcer.with_maps(|m| m.remove_idle_source(source))?;
+        }
         for repair in &verdict.repairs {
             enforcer.datapath().adjust(&repair.request)?;
             let (count, counted) = (repair.count, repair.counted);
