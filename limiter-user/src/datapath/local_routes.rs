@@ -13,7 +13,7 @@ use std::{
 
 use ipnet::{IpNet, Ipv6Net};
 use netlink_packet_core::{
-    NLM_F_DUMP, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload,
+    DecodeError, NLM_F_DUMP, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload,
 };
 use netlink_packet_route::{
     AddressFamily, RouteNetlinkMessage,
@@ -27,10 +27,14 @@ const LOCAL_TABLE: u32 = 255;
 
 #[derive(Debug, Error)]
 pub enum RoutesError {
+    /// The socket, or the kernel's error answer (as its errno).
     #[error("rtnetlink socket")]
     Io(#[from] io::Error),
-    #[error("rtnetlink answer: {0}")]
-    Decode(String),
+    #[error("decoding an rtnetlink answer")]
+    Decode(#[from] DecodeError),
+    /// An answer that is neither a route nor an error.
+    #[error("unexpected rtnetlink answer to a route lookup")]
+    Unexpected,
 }
 
 /// The host's own addresses, as prefixes keyed as flows key addresses (IPv4 as IPv4-mapped
@@ -71,17 +75,14 @@ impl LocalAddresses {
             let mut offset = 0;
             while offset < size {
                 let message =
-                    NetlinkMessage::<RouteNetlinkMessage>::deserialize(&buffer[offset..size])
-                        .map_err(|e| RoutesError::Decode(e.to_string()))?;
+                    NetlinkMessage::<RouteNetlinkMessage>::deserialize(&buffer[offset..size])?;
                 let length = message.header.length as usize;
                 match message.payload {
                     NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewRoute(route)) => {
                         prefixes.extend(local_prefix(&route));
                     }
                     NetlinkPayload::Done(_) => return Ok(Self::new(prefixes)),
-                    NetlinkPayload::Error(error) => {
-                        return Err(RoutesError::Decode(format!("{error:?}")));
-                    }
+                    NetlinkPayload::Error(error) => return Err(error.to_io().into()),
                     _ => {}
                 }
                 if length == 0 {
@@ -154,8 +155,7 @@ impl RouteQueries {
         send(&self.socket, header, RouteNetlinkMessage::GetRoute(route))?;
         let mut buffer = vec![0; 8 * 1024];
         let size = self.socket.recv(&mut &mut buffer[..], 0)?;
-        let answer = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&buffer[..size])
-            .map_err(|e| RoutesError::Decode(e.to_string()))?;
+        let answer = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&buffer[..size])?;
         match answer.payload {
             NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewRoute(route)) => {
                 Ok(route.attributes.iter().find_map(|a| match a {
@@ -164,7 +164,7 @@ impl RouteQueries {
                 }))
             }
             NetlinkPayload::Error(error) if error.code.is_some() => Ok(None),
-            other => Err(RoutesError::Decode(format!("{other:?}"))),
+            _ => Err(RoutesError::Unexpected),
         }
     }
 }
