@@ -137,9 +137,31 @@ pub struct Config {
     /// The SYN rate's burst tolerance in nanoseconds (the interval times `syn_burst`), derived
     /// with the interval.
     pub syn_tolerance_ns: u64,
+    /// Non-zero: a SYN to a protected port from a source holding no connection is answered
+    /// by the programs with a SYN cookie's SYN-ACK, made with the host's own secret
+    /// (`bpf_tcp_gen_syncookie`), and never reaches the host; its ACK, checked against the
+    /// same secret, proves the source, and only then is anything charged. The agent writes
+    /// it from `syn-cookies` (`auto` switches it live). [`syn_cookies`] bits.
+    pub syn_cookies: u8,
+    /// The window scale a cookie's SYN-ACK offers: the one the host will use for the
+    /// connection it builds from the cookie (derived, as the kernel does, from
+    /// `net.ipv4.tcp_rmem` and `net.core.rmem_max`), so that both ends agree on it.
+    pub cookie_wscale: u8,
+    /// The MSS a cookie's SYN-ACK offers over IPv4 (the protected interfaces' smallest MTU
+    /// less 40).
+    pub cookie_mss_v4: u16,
+    /// The MSS a cookie's SYN-ACK offers over IPv6 (the MTU less 60).
+    pub cookie_mss_v6: u16,
+    /// Non-zero: a cookie's SYN-ACK carries a timestamp whose low bits keep the client's
+    /// window scale and SACK (as the kernel's own cookies do). Only when the host runs
+    /// `net.ipv4.tcp_timestamps = 2`: with 1, the host adds a per-connection secret offset
+    /// to its timestamps, which the programs cannot know, so it would misread those bits.
+    pub cookie_timestamps: u8,
+    /// Explicit padding, always zero.
+    pub _pad: u8,
 }
 
-const _: () = assert!(core::mem::size_of::<Config>() == 56);
+const _: () = assert!(core::mem::size_of::<Config>() == 64);
 
 impl Config {
     /// What the programs do before the agent writes a configuration: count, limit nothing.
@@ -164,6 +186,12 @@ impl Config {
         bucket_seed: 0,
         syn_interval_ns: 0,
         syn_tolerance_ns: 0,
+        syn_cookies: 0,
+        cookie_wscale: 0,
+        cookie_mss_v4: 536,
+        cookie_mss_v6: 1220,
+        cookie_timestamps: 0,
+        _pad: 0,
     };
 
     /// Sets the GCRA terms the programs meter SYNs with from `syn_rate` and `syn_burst`
@@ -174,6 +202,16 @@ impl Config {
             .unwrap_or(0);
         self.syn_tolerance_ns = self.syn_interval_ns * self.syn_burst.max(1) as u64;
     }
+}
+
+/// The bits of [`Config::syn_cookies`].
+pub mod syn_cookies {
+    /// Answer an unproven source's SYN with a cookie.
+    pub const ANSWER: u8 = 1;
+    /// Check an ACK that no half-open handshake expects for a cookie. Set with [`ANSWER`], and
+    /// kept for a while after it is cleared, so that the ACKs of cookies already sent are
+    /// still charged.
+    pub const CHECK: u8 = 2;
 }
 
 /// A source address masked to its configured prefix. IPv4 addresses are stored IPv4-mapped
@@ -460,6 +498,10 @@ pub const RST_MARK: u32 = 0x4C52_5354;
 /// for the host's RST closing a tracked connection (a spoofed SYN on a victim's 4-tuple
 /// would otherwise release the victim's flow).
 pub const REPLY_MARK: u32 = 0x4C52_5250;
+
+/// The XDP metadata word that marks a SYN for `limiter_tc_ingress` to answer with a SYN
+/// cookie's SYN-ACK, as [`RST_MARK`] marks one to answer with a RST.
+pub const COOKIE_MARK: u32 = 0x4C52_434B;
 
 /// What the helper programs (`limiter_release`, `limiter_adjust`, `limiter_adopt`) return.
 pub mod helper {

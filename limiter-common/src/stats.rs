@@ -21,6 +21,8 @@ pub enum Verdict {
     /// Refused with a reset: a RST|ACK to a refused SYN's client, or a RST to the host for a
     /// handshake refused at its completing ACK.
     Rst = 2,
+    /// Answered by limiter itself with a SYN cookie's SYN-ACK: the SYN never reaches the host.
+    Cookie = 3,
 }
 
 /// Why. The reasons a *source* is refused for come first, so that [`Reason::blocked_slot`] is
@@ -58,30 +60,36 @@ pub enum Reason {
     /// and limiter would key an IPv4-mapped one exactly like the IPv4 source it names, so it
     /// is dropped on ingress before anything is judged.
     Martian = 11,
+    /// An ACK that could only complete a SYN cookie's handshake, with a cookie the host's
+    /// secret did not make (forged, or expired): dropped, and nothing is charged.
+    BadCookie = 12,
     /// A SYN admitted: it passes, and holds no slot and spends no token until its handshake
     /// completes.
-    HalfOpen = 12,
+    HalfOpen = 13,
+    /// A SYN from a source with no connection open, answered with a SYN cookie (verdict
+    /// `cookie`) while cookies are on: its source is charged only once its ACK proves it.
+    Unproven = 14,
     /// A handshake-completing ACK that took its connection's slots: the connection is tracked.
-    Admitted = 13,
+    Admitted = 15,
     /// A SYN-ACK, FIN or RST of a half-open or tracked connection.
-    Tracked = 14,
+    Tracked = 16,
     /// A SYN-ACK, FIN or RST to or from a protected port that belongs to no known connection.
-    Untracked = 15,
+    Untracked = 17,
     /// A data or ACK segment, passed without a lookup (the established fast path).
-    Segment = 16,
+    Segment = 18,
     /// The source is in an allow prefix: passed without counting towards any limit.
-    Allowlisted = 17,
+    Allowlisted = 19,
     /// TCP to (or, on egress, from) a port that is not protected.
-    UnprotectedPort = 18,
+    UnprotectedPort = 20,
     /// Not TCP (non-TCP fragments included).
-    NonTcp = 19,
+    NonTcp = 21,
     /// Neither IPv4 nor IPv6.
-    NonIp = 20,
+    NonIp = 22,
 }
 
 impl Reason {
     /// Number of reasons; sizes the `STATS` array.
-    pub const COUNT: usize = 21;
+    pub const COUNT: usize = 23;
     /// Reasons a source is refused for, each with a slot in [`crate::Blocked`]: the first six.
     pub const REFUSAL_COUNT: usize = 6;
     /// Every reason in wire order, for code that reads every counter.
@@ -98,7 +106,9 @@ impl Reason {
         Reason::Malformed,
         Reason::Checksum,
         Reason::Martian,
+        Reason::BadCookie,
         Reason::HalfOpen,
+        Reason::Unproven,
         Reason::Admitted,
         Reason::Tracked,
         Reason::Untracked,
@@ -124,7 +134,9 @@ impl Reason {
             Reason::Malformed => "malformed",
             Reason::Checksum => "checksum",
             Reason::Martian => "martian_source",
+            Reason::BadCookie => "bad_cookie",
             Reason::HalfOpen => "half_open",
+            Reason::Unproven => "unproven",
             Reason::Admitted => "admitted",
             Reason::Tracked => "tracked",
             Reason::Untracked => "untracked",
@@ -149,9 +161,10 @@ impl Reason {
 
 impl Verdict {
     /// Number of verdicts; sizes the `STATS` array.
-    pub const COUNT: usize = 3;
+    pub const COUNT: usize = 4;
     /// Every verdict in wire order.
-    pub const ALL: [Verdict; Verdict::COUNT] = [Verdict::Pass, Verdict::Drop, Verdict::Rst];
+    pub const ALL: [Verdict; Verdict::COUNT] =
+        [Verdict::Pass, Verdict::Drop, Verdict::Rst, Verdict::Cookie];
 
     /// The verdict as a metric label.
     pub const fn label(self) -> &'static str {
@@ -159,6 +172,7 @@ impl Verdict {
             Verdict::Pass => "pass",
             Verdict::Drop => "drop",
             Verdict::Rst => "rst",
+            Verdict::Cookie => "cookie",
         }
     }
 }

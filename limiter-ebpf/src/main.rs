@@ -5,12 +5,14 @@
 #![allow(internal_features)]
 
 mod atomics;
+mod cookie;
 mod headers;
 mod maps;
 mod parsing;
 mod policy;
 mod reply;
 
+use aya_ebpf::cty::c_void;
 use aya_ebpf::{
     bindings::{TC_ACT_OK, TC_ACT_SHOT, xdp_action},
     helpers::bpf_redirect,
@@ -19,7 +21,11 @@ use aya_ebpf::{
 };
 use aya_log_ebpf::debug;
 use headers::Window;
-use limiter_common::{AdjustRequest, Direction, Event, FlowKey, FlowRequest, REPLY_MARK, helper};
+use limiter_common::{
+    AdjustRequest, COOKIE_MARK, Direction, Event, FlowKey, FlowRequest, REPLY_MARK, RST_MARK,
+    helper,
+};
+use parsing::Segment;
 use policy::Action;
 
 /// Ingress: refuses connections over their limits before the socket layer sees them.
@@ -41,28 +47,75 @@ pub fn limiter_xdp(ctx: XdpContext) -> u32 {
             Err(reason) => return unparsed(reason),
         },
     };
-    let action = policy::ingress(&segment);
+    let action = match policy::ingress(&segment) {
+        Action::CheckCookie => {
+            match cookie::check(ctx.ctx as *mut c_void, &Window::of_xdp(&ctx), &segment) {
+                cookie::Check::Valid => policy::cookie_ack(&segment),
+                cookie::Check::Invalid => policy::bad_cookie(),
+                cookie::Check::NotACookie => Action::Pass,
+            }
+        }
+        action => action,
+    };
+    respond(&ctx, action, &segment)
+}
+
+/// Carries out the policy's action on an ingress frame.
+#[inline(always)]
+fn respond(ctx: &XdpContext, action: Action, segment: &Segment) -> u32 {
     match action {
-        Action::Pass => xdp_action::XDP_PASS,
+        Action::Pass | Action::CheckCookie => xdp_action::XDP_PASS,
         Action::Drop => xdp_action::XDP_DROP,
         Action::Rst { xdp_tx } => {
-            debug!(&ctx, "refusing SYN from port {} with RST", segment.sport);
-            if !xdp_tx && reply::xdp_mark(&ctx) {
+            debug!(
+                ctx,
+                "refusing a segment from port {} with RST", segment.sport
+            );
+            if !xdp_tx && reply::xdp_mark(ctx, RST_MARK) {
                 // `limiter_tc_ingress` answers it.
                 xdp_action::XDP_PASS
-            } else if reply::xdp_answer(&ctx, &segment) {
+            } else if reply::xdp_answer(ctx, segment) {
                 xdp_action::XDP_TX
             } else {
                 xdp_action::XDP_DROP
             }
         }
         Action::ResetHost => {
-            if reply::xdp_replace(&ctx, &segment) {
+            if reply::xdp_replace(ctx, segment) {
                 xdp_action::XDP_PASS
             } else {
                 xdp_action::XDP_DROP
             }
         }
+        Action::Cookie { xdp_tx } => {
+            if !xdp_tx && reply::xdp_mark(ctx, COOKIE_MARK) {
+                // `limiter_tc_ingress` answers it.
+                xdp_action::XDP_PASS
+            } else {
+                xdp_cookie(ctx, segment)
+            }
+        }
+    }
+}
+
+/// Answers a SYN with a cookie's SYN-ACK by `XDP_TX`, or passes it to the host if no cookie
+/// can be made or the frame cannot hold the answer.
+#[inline(never)]
+fn xdp_cookie(ctx: &XdpContext, syn: &Segment) -> u32 {
+    let window = Window::of_xdp(ctx);
+    let value = cookie::make(ctx.ctx as *mut c_void, &window, syn);
+    let answered = value >= 0 && {
+        let cookie = cookie::Cookie {
+            isn: value as u32,
+            offered: cookie::offered(&window, syn),
+        };
+        reply::xdp_syn_ack(ctx, syn, &cookie)
+    };
+    policy::cookie_sent(answered, value as u32);
+    if answered {
+        xdp_action::XDP_TX
+    } else {
+        xdp_action::XDP_PASS
     }
 }
 
@@ -80,24 +133,48 @@ fn unparsed(reason: limiter_common::Reason) -> u32 {
 /// at the cost of one metadata check.
 #[classifier]
 pub fn limiter_tc_ingress(ctx: TcContext) -> i32 {
-    if !reply::tc_take_mark(&ctx) {
+    let mark = reply::tc_take_mark(&ctx);
+    if mark != RST_MARK && mark != COOKIE_MARK {
         return TC_ACT_OK;
     }
-    match parsing::parse(&Window::of_tc(&ctx), Direction::Ingress) {
-        Ok(syn) if syn.is_syn() => {
-            if reply::tc_answer(&ctx, &syn) {
-                // Its way out passes `limiter_tc`, which must not take it for the host's RST.
-                ctx.set_mark(REPLY_MARK);
-                // SAFETY: reading the context's field; the helper has no other preconditions.
-                unsafe { bpf_redirect((*ctx.skb.skb).ifindex, 0) as i32 }
-            } else {
-                // A refused SYN never reaches the host, answered or not.
-                TC_ACT_SHOT
-            }
+    let Ok(segment) = parsing::parse(&Window::of_tc(&ctx), Direction::Ingress) else {
+        // Only parsed segments are marked.
+        return TC_ACT_OK;
+    };
+    let answered = if mark == COOKIE_MARK {
+        if !tc_cookie(&ctx, &segment) {
+            // No cookie: the host answers the SYN itself.
+            return TC_ACT_OK;
         }
-        // Only refused SYNs are marked.
-        _ => TC_ACT_OK,
+        true
+    } else {
+        reply::tc_answer(&ctx, &segment)
+    };
+    if !answered {
+        // A refused segment never reaches the host, answered or not.
+        return TC_ACT_SHOT;
     }
+    // Its way out passes `limiter_tc`, which must not take it for the host's own segment.
+    ctx.set_mark(REPLY_MARK);
+    // SAFETY: reading the context's field; the helper has no other preconditions.
+    unsafe { bpf_redirect((*ctx.skb.skb).ifindex, 0) as i32 }
+}
+
+/// Rewrites a marked SYN into its cookie's SYN-ACK; false (the SYN untouched) if no cookie
+/// can be made.
+#[inline(never)]
+fn tc_cookie(ctx: &TcContext, syn: &Segment) -> bool {
+    let window = Window::of_tc(ctx);
+    let value = cookie::make(ctx.skb.skb as *mut c_void, &window, syn);
+    let answered = value >= 0 && {
+        let cookie = cookie::Cookie {
+            isn: value as u32,
+            offered: cookie::offered(&window, syn),
+        };
+        reply::tc_syn_ack(ctx, syn, &cookie)
+    };
+    policy::cookie_sent(answered, value as u32);
+    answered
 }
 
 /// Egress: sees the host's SYN-ACKs (the ISN a handshake must acknowledge) and its FINs and

@@ -26,7 +26,7 @@ use limiter_common::{
     BUCKET_TAG_MASK, Blocked, Config, Direction, Event, Flow, FlowKey, HalfOpen, Reason, Refusal,
     SEEN_ATTEMPTS, SeenAttempts, SourceKey, SynBucket, Verdict, attempt_signature, bucket_place,
     flow_state, helper, maps::ACK_HINT_BITS, seen_slot, source::V4_MAPPED, source_key,
-    stats::stat_slot,
+    stats::stat_slot, syn_cookies,
 };
 
 use crate::{
@@ -50,6 +50,15 @@ pub enum Action {
     /// Turn this handshake-completing ACK into a RST to the host and pass it, so the host
     /// drops the embryonic connection the caps refused.
     ResetHost,
+    /// Answer the SYN with a SYN cookie's SYN-ACK (see `cookie`): by `XDP_TX` when `xdp_tx`,
+    /// else through TC ingress; if no cookie can be made, pass it (see [`cookie_sent`]).
+    Cookie {
+        xdp_tx: bool,
+    },
+    /// An ACK no half-open handshake expects, while cookies are checked: if it carries a
+    /// valid cookie, [`cookie_ack`] admits it; if a listener's cookie is wrong, drop it
+    /// ([`bad_cookie`]); else pass it.
+    CheckCookie,
 }
 
 #[inline(always)]
@@ -285,6 +294,7 @@ pub fn ingress(seg: &Segment) -> Action {
             Completion::Admitted => admitted = true,
             Completion::Refused(action) => return action,
             Completion::NotAHandshake => {}
+            Completion::MaybeCookie => return Action::CheckCookie,
         }
     }
     if seg.has(TCP_FIN) {
@@ -402,7 +412,69 @@ fn syn(seg: &Segment, config: &Config) -> Action {
             config,
         );
     }
+    if config.syn_cookies & syn_cookies::ANSWER != 0 && !proven(&source, bucket) {
+        return Action::Cookie {
+            xdp_tx: config.rst_xdp_tx != 0,
+        };
+    }
     pass(Direction::Ingress, Reason::HalfOpen)
+}
+
+/// Whether `source` holds a connection now: its handshakes reach the host, which gives them
+/// every TCP option; an unproven source's SYN gets a cookie. Looked up only if a source of
+/// its bucket slot holds one (a flood's new sources pay no lookup).
+#[inline(always)]
+fn proven(source: &SourceKey, bucket: *mut SynBucket) -> bool {
+    // SAFETY: pointer from a successful lookup.
+    atomics::load(unsafe { &(*bucket).holders }) != 0
+        && SOURCE_CONNS
+            .get_ptr(source)
+            .is_some_and(|count| atomics::load(count) != 0)
+}
+
+/// Counts a SYN [`Action::Cookie`] answered (with the cookie `isn`) or had to pass on to the
+/// host (no cookie could be made). A cookie's ACK acknowledges it plus one, as a SYN-ACK's
+/// does: its hint is stamped so that the ACK is looked at ([`hinted`]).
+#[inline(always)]
+pub fn cookie_sent(answered: bool, isn: u32) {
+    if answered {
+        stamp_hint(isn, now());
+        count(Direction::Ingress, Verdict::Cookie, Reason::Unproven);
+    } else {
+        count(Direction::Ingress, Verdict::Pass, Reason::HalfOpen);
+    }
+}
+
+/// An ACK whose cookie the host did not make: nothing is charged, and it goes no further.
+#[inline(always)]
+pub fn bad_cookie() -> Action {
+    count(Direction::Ingress, Verdict::Drop, Reason::BadCookie);
+    Action::Drop
+}
+
+/// The ACK of a valid cookie: the source is proven, and the connection takes its slots and
+/// its SYN token exactly as a handshake the host answered ([`admit`]). The host holds no
+/// state for it yet, so a refusal answers the client with a RST (or drops the ACK), rather
+/// than resetting the host.
+#[inline(never)]
+pub fn cookie_ack(seg: &Segment) -> Action {
+    let config = maps::config();
+    let now = now();
+    let source = source_of(seg, config);
+    match admit(&inbound(seg), source, now, config, now) {
+        Completion::Admitted => pass(Direction::Ingress, Reason::Admitted),
+        Completion::Refused(Action::ResetHost) => {
+            if Refusal::from_u8(config.reject_conn) == Refusal::Rst {
+                Action::Rst {
+                    xdp_tx: config.rst_xdp_tx != 0,
+                }
+            } else {
+                Action::Drop
+            }
+        }
+        Completion::Refused(action) => action,
+        Completion::NotAHandshake | Completion::MaybeCookie => Action::Pass,
+    }
 }
 
 /// The `SYN_BUCKETS` slot of a source key.
@@ -616,8 +688,15 @@ fn syn_ack(seg: &Segment, config: &Config, now: u64) -> Action {
             return pass(Direction::Egress, Reason::Untracked);
         }
     }
+    stamp_hint(seg.seq, now);
+    pass(Direction::Egress, Reason::Tracked)
+}
+
+/// Stamps the ACK hint of a SYN-ACK carrying `isn` (see [`hinted`]).
+#[inline(always)]
+fn stamp_hint(isn: u32, now: u64) {
     let stamp = hint_now(now);
-    for slot in [hint_slot(seg.seq.wrapping_add(1)), HINT_CLOCK] {
+    for slot in [hint_slot(isn.wrapping_add(1)), HINT_CLOCK] {
         if let Some(ptr) = ACK_HINTS.get_ptr_mut(slot) {
             // SAFETY: pointer from a successful array lookup. Racing CPUs write times a moment
             // apart: either is fine (see `hinted`).
@@ -628,7 +707,6 @@ fn syn_ack(seg: &Segment, config: &Config, now: u64) -> Action {
             }
         }
     }
-    pass(Direction::Egress, Reason::Tracked)
 }
 
 enum Completion {
@@ -638,6 +716,8 @@ enum Completion {
     Refused(Action),
     /// No half-open connection this segment completes.
     NotAHandshake,
+    /// None the host answered, but cookies are checked: it may complete one of those.
+    MaybeCookie,
 }
 
 /// An ACK that may complete a half-open connection: if it acknowledges the server's ISN, the
@@ -646,6 +726,9 @@ enum Completion {
 fn complete(seg: &Segment, config: &Config, now: u64) -> Completion {
     let key = inbound(seg);
     let Some(entry) = HALF_OPEN.get_ptr(key) else {
+        if config.syn_cookies & syn_cookies::CHECK != 0 {
+            return Completion::MaybeCookie;
+        }
         return Completion::NotAHandshake;
     };
     // SAFETY: pointer from a successful lookup; copied before the delete below, after which
@@ -659,7 +742,19 @@ fn complete(seg: &Segment, config: &Config, now: u64) -> Completion {
     if HALF_OPEN.remove(key).is_err() {
         return Completion::NotAHandshake;
     }
-    let source = half_open.source;
+    admit(&key, half_open.source, half_open.first_seen_ns, config, now)
+}
+
+/// A proven handshake of `source`: the connection takes its slots and the SYN rate's token,
+/// exactly, or is refused.
+#[inline(always)]
+fn admit(
+    key: &FlowKey,
+    source: SourceKey,
+    first_seen_ns: u64,
+    config: &Config,
+    now: u64,
+) -> Completion {
     let Some(per_source) = maps::get_or_insert(&SOURCE_CONNS, &source, &0) else {
         return full_at_ack(&source, config);
     };
@@ -689,7 +784,7 @@ fn complete(seg: &Segment, config: &Config, now: u64) -> Completion {
         return Completion::Refused(Action::ResetHost);
     }
     let flow = Flow {
-        first_seen_ns: half_open.first_seen_ns,
+        first_seen_ns,
         last_seen_ns: now,
         source,
         state: flow_state::ESTABLISHED,
@@ -714,7 +809,7 @@ fn complete(seg: &Segment, config: &Config, now: u64) -> Completion {
                             &mut (*flow).state,
                             !(flow_state::FIN_BOTH | flow_state::RST_IN),
                         );
-                        (*flow).first_seen_ns = half_open.first_seen_ns;
+                        (*flow).first_seen_ns = first_seen_ns;
                     }
                 }
                 Completion::NotAHandshake

@@ -25,6 +25,7 @@ use crate::{
         fleet_bans::FleetBanning,
         http::HttpServer,
         sweeper::{self, SweepStats, SweepTargets},
+        syn_cookies,
     },
     settings::{ConfigError, Live, RestartOnly, RunArgs, Settings},
 };
@@ -502,6 +503,10 @@ async fn serve(
             stats: sweep,
             settings: agent.settings.clone(),
         },
+        stop.clone().cancelled_owned(),
+    ));
+    tasks.spawn(syn_cookies::run(
+        Arc::clone(&agent.enforcer),
         stop.clone().cancelled_owned(),
     ));
     tasks.spawn(listeners.protocol.run(stop.clone().cancelled_owned()));

@@ -13,5 +13,5 @@ pub use check::{CheckAnswer, CheckRequest};
 pub use views::{
     ActionCounts, ActionView, BanEntry, BlockedKey, BlockedSource, BrokerRateLimits, Connections,
     EscalationView, FleetStatus, KernelLimits, KernelRateLimits, RateLimits, SourceConnections,
-    Status, millis,
+    Status, SynCookiesStatus, millis,
 };

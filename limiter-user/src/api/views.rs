@@ -37,6 +37,23 @@ pub struct Status {
     /// The fleet's shared buckets; `None` without a fleet (or from pinned maps).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fleet: Option<FleetStatus>,
+    /// SYN cookies; `None` from pinned maps (whether they are on is in `limits`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub syn_cookies: Option<SynCookiesStatus>,
+}
+
+/// SYN cookies as the agent runs them.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SynCookiesStatus {
+    /// `off`, `auto` or `always`.
+    pub mode: String,
+    /// Whether the programs answer unproven sources' SYNs with cookies now.
+    pub active: bool,
+    /// With `auto`: the SYNs a second that turn them on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub threshold: Option<u32>,
+    pub switched_on: u64,
+    pub switched_off: u64,
 }
 
 /// Fleet mode at a glance: where the shared buckets are and whether they answer.
@@ -71,6 +88,9 @@ pub struct KernelLimits {
     pub reject_rate: String,
     pub reject_ban: String,
     pub reject_deny: String,
+    /// Whether unproven sources' SYNs are answered with cookies now.
+    #[serde(default)]
+    pub syn_cookies: bool,
 }
 
 impl KernelLimits {
@@ -92,6 +112,7 @@ impl KernelLimits {
             reject_rate: refusal(config.reject_rate),
             reject_ban: refusal(config.reject_ban),
             reject_deny: refusal(config.reject_deny),
+            syn_cookies: config.syn_cookies & limiter_common::syn_cookies::ANSWER != 0,
         }
     }
 

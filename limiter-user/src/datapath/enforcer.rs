@@ -5,7 +5,7 @@ use std::{
     net::IpAddr,
     sync::{
         Mutex, MutexGuard, RwLock,
-        atomic::{AtomicBool, Ordering},
+        atomic::{AtomicBool, AtomicU64, Ordering},
     },
     time::Duration,
 };
@@ -49,6 +49,18 @@ pub struct Enforcer {
     policy: RwLock<Policy>,
     extra: Mutex<Extra>,
     ready: AtomicBool,
+    /// `syn-cookies = auto`'s switches, on and off, for the metrics.
+    cookie_switches: [AtomicU64; 2],
+}
+
+/// SYN cookies as they stand, for the status and the metrics.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CookieStatus {
+    pub mode: super::CookieMode,
+    /// Whether the programs answer unproven sources' SYNs with cookies now.
+    pub active: bool,
+    pub switched_on: u64,
+    pub switched_off: u64,
 }
 
 impl Enforcer {
@@ -58,7 +70,38 @@ impl Enforcer {
             policy: RwLock::new(policy),
             extra: Mutex::new(Extra::default()),
             ready: AtomicBool::new(false),
+            cookie_switches: [AtomicU64::new(0), AtomicU64::new(0)],
         }
+    }
+
+    /// Writes `syn-cookies = auto`'s bits (see `services::syn_cookies`); `on` says which way
+    /// it switched, for the count.
+    pub fn switch_auto_cookies(&self, bits: u8, on: bool) -> Result<(), EnforceError> {
+        let policy = self.policy();
+        let was_on =
+            self.with_maps(|m| m.config())?.syn_cookies & limiter_common::syn_cookies::ANSWER != 0;
+        self.with_maps(|m| m.set_auto_cookies(bits, &policy))?;
+        if was_on != on {
+            self.cookie_switches[usize::from(!on)].fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    pub fn cookie_status(&self) -> Result<CookieStatus, EnforceError> {
+        let config = self.with_maps(|m| m.config())?;
+        let (switched_on, switched_off) = self.cookie_switches();
+        Ok(CookieStatus {
+            mode: self.policy.read().expect("policy lock").cookies,
+            active: config.syn_cookies & limiter_common::syn_cookies::ANSWER != 0,
+            switched_on,
+            switched_off,
+        })
+    }
+
+    /// How often `syn-cookies = auto` switched cookies on, and off.
+    pub fn cookie_switches(&self) -> (u64, u64) {
+        let [on, off] = &self.cookie_switches;
+        (on.load(Ordering::Relaxed), off.load(Ordering::Relaxed))
     }
 
     /// The datapath, locked. Every map operation is a short syscall; hold it briefly and never

@@ -230,6 +230,8 @@ pub struct Datapath {
     pub maps: Maps,
     logger: Option<KernelLogger>,
     pin_dir: Option<PathBuf>,
+    /// The smallest MTU of the interfaces attached, for the SYN cookies' MSS.
+    smallest_mtu: Option<u32>,
 }
 
 pub type KernelLogger = aya_log::EbpfLogger<&'static dyn log::Log>;
@@ -286,6 +288,7 @@ impl Datapath {
             maps,
             logger,
             pin_dir: options.pin_dir,
+            smallest_mtu: None,
         })
     }
 
@@ -300,6 +303,51 @@ impl Datapath {
     /// pinned for `iface` are adopted (their programs swapped for ours, with no moment
     /// unenforced); otherwise the programs are attached and their links pinned.
     pub fn attach(&mut self, iface: &str, mode: XdpAttachMode) -> Result<Attachment, LoadError> {
+        let attached = self.attach_programs(iface, mode)?;
+        self.learn_cookie_terms(iface);
+        Ok(attached)
+    }
+
+    /// Reads what the host's TCP stack lets a SYN cookie offer on `iface` (its MTU, and the
+    /// sysctls), says what it found, and hands it to the programs. The smallest MTU of the
+    /// interfaces attached wins. A host that cannot be read keeps the safe defaults.
+    fn learn_cookie_terms(&mut self, iface: &str) {
+        let host = match super::HostTcp::read() {
+            Ok(host) => host,
+            Err(error) => {
+                tracing::warn!(error = %crate::errors::error_chain(&error), "SYN cookies will offer only a small MSS");
+                return;
+            }
+        };
+        let mtu = match super::host_tcp::mtu(iface) {
+            Ok(mtu) => mtu,
+            Err(error) => {
+                tracing::warn!(error = %crate::errors::error_chain(&error), "SYN cookies will offer only a small MSS");
+                return;
+            }
+        };
+        let mtu = self.smallest_mtu.map_or(mtu, |seen| seen.min(mtu));
+        self.smallest_mtu = Some(mtu);
+        let terms = host.terms(mtu);
+        tracing::info!(
+            ?host,
+            ?terms,
+            iface,
+            "the host's TCP settings for SYN cookies"
+        );
+        for finding in host.findings() {
+            tracing::warn!("SYN cookies: {finding}");
+        }
+        if let Err(error) = self.maps.set_cookie_terms(terms) {
+            tracing::warn!(error = %crate::errors::error_chain(&error), "writing the SYN cookie terms");
+        }
+    }
+
+    fn attach_programs(
+        &mut self,
+        iface: &str,
+        mode: XdpAttachMode,
+    ) -> Result<Attachment, LoadError> {
         let Some(dir) = self.pin_dir.clone() else {
             let (taken, _) = self.attach_xdp(iface, mode)?;
             let mut path = TcPath::Tcx;

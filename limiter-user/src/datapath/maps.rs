@@ -10,12 +10,12 @@ use aya::{
 use ipnet::IpNet;
 use limiter_common::{
     Ban, Blocked, Config, Direction, Event, Flow, FlowKey, HalfOpen, Reason, SourceKey, SynBucket,
-    Verdict, map_names, stats::stat_slot,
+    Verdict, map_names, stats::stat_slot, syn_cookies,
 };
 use thiserror::Error;
 
 use super::{
-    Policy,
+    CookieMode, CookieTerms, Policy,
     keys::{boot_time_ns, bucket_seed, source_key},
     mapped::MappedArray,
     pins,
@@ -124,6 +124,11 @@ pub struct Maps {
     /// The ports this handle last wrote: the port table is 64 Ki entries, so it is compared
     /// with the kernel's only when the wanted set changes, not on every list change.
     ports_written: Option<Vec<u16>>,
+    /// What a cookie's SYN-ACK may offer on this host (see `host_tcp`), once an interface
+    /// is attached.
+    cookie_terms: CookieTerms,
+    /// The [`syn_cookies`] bits `syn-cookies = auto` has switched to.
+    auto_cookies: u8,
 }
 
 /// Packets counted under one (direction, verdict, reason).
@@ -180,6 +185,8 @@ impl Maps {
             blocked: typed(BLOCKED).get()?,
             refused_conns: typed(REFUSED_CONNS).get()?,
             ports_written: None,
+            cookie_terms: CookieTerms::default(),
+            auto_cookies: 0,
         })
     }
 
@@ -201,9 +208,45 @@ impl Maps {
             0 => bucket_seed()?,
             kept => kept,
         };
+        config.syn_cookies = match policy.cookies {
+            CookieMode::Off => 0,
+            CookieMode::Auto { .. } => self.auto_cookies,
+            CookieMode::Always => syn_cookies::ANSWER | syn_cookies::CHECK,
+        };
+        self.write_config(config)
+    }
+
+    /// Writes the config with the cookie terms this handle holds.
+    fn write_config(&mut self, mut config: Config) -> Result<(), MapsError> {
+        let terms = self.cookie_terms;
+        config.cookie_mss_v4 = terms.mss_v4;
+        config.cookie_mss_v6 = terms.mss_v6;
+        config.cookie_wscale = terms.wscale;
+        config.cookie_timestamps = terms.timestamps.into();
         self.config
             .set(0, config, 0)
             .map_err(map_error(map_names::CONFIG))
+    }
+
+    /// Sets what cookies may offer (an interface was attached) and writes it.
+    pub fn set_cookie_terms(&mut self, terms: CookieTerms) -> Result<(), MapsError> {
+        self.cookie_terms = terms;
+        let config = self.config()?;
+        self.write_config(config)
+    }
+
+    /// Switches `syn-cookies = auto`'s [`syn_cookies`] bits; the policy's mode decides whether
+    /// they apply (the caller passes it, as the policy in force).
+    pub fn set_auto_cookies(&mut self, bits: u8, policy: &Policy) -> Result<(), MapsError> {
+        self.auto_cookies = bits;
+        if let CookieMode::Auto { .. } = policy.cookies {
+            let config = Config {
+                syn_cookies: bits,
+                ..self.config()?
+            };
+            self.write_config(config)?;
+        }
+        Ok(())
     }
 
     /// Makes the kernel's port table hold exactly `ports`, writing only what differs.

@@ -4,6 +4,7 @@
 
 mod enforcer;
 mod helpers;
+mod host_tcp;
 pub mod kernel;
 pub mod keys;
 mod loader;
@@ -18,14 +19,15 @@ pub mod sockets;
 mod tc_legacy;
 mod walk;
 
-pub use enforcer::{EnforceError, Enforcer};
+pub use enforcer::{CookieStatus, EnforceError, Enforcer};
 pub use helpers::Adoption;
+pub use host_tcp::{CookieTerms, HostTcp, HostTcpError};
 pub use loader::{
     Attachment, Datapath, EBPF_OBJECT, KernelLogger, LoadError, LoadOptions, TcPath, XdpAttachMode,
 };
 pub use maps::{Maps, MapsError, PacketCount};
 pub use pins::detach;
-pub use policy::Policy;
+pub use policy::{CookieMode, Policy};
 pub use programs::{TC_PROGRAM, XDP_PROGRAM};
 pub use route::default_route_interface;
 pub use tc_legacy::TcLegacyError;

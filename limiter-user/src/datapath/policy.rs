@@ -11,10 +11,24 @@ pub struct Policy {
     /// ignored here and derived by [`Policy::config`], so they can never disagree with what
     /// the maps hold; `has_bans` follows the ban table, which [`super::Maps`] keeps.
     pub limits: Config,
+    /// When the programs answer SYNs with cookies.
+    pub cookies: CookieMode,
     /// Protected ports; empty means every port.
     pub ports: Vec<u16>,
     pub allow: Vec<IpNet>,
     pub deny: Vec<IpNet>,
+}
+
+/// When the programs answer an unproven source's SYN with a cookie (`syn-cookies`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CookieMode {
+    Off,
+    /// While the SYNs a second reaching the host (or answered with cookies) pass `threshold`
+    /// (see `services::syn_cookies`).
+    Auto {
+        threshold: u32,
+    },
+    Always,
 }
 
 impl Policy {
@@ -56,6 +70,7 @@ mod tests {
                 all_ports: 0,
                 ..Config::UNCONFIGURED
             },
+            cookies: CookieMode::Off,
             ports: Vec::new(),
             allow: Vec::new(),
             deny: Vec::new(),
@@ -84,6 +99,7 @@ mod tests {
                 syn_tolerance_ns: 7,
                 ..Config::UNCONFIGURED
             },
+            cookies: CookieMode::Off,
             ports: Vec::new(),
             allow: Vec::new(),
             deny: Vec::new(),

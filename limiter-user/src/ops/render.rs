@@ -72,6 +72,33 @@ pub fn render_status(status: &Status, http: SocketAddr) -> String {
         "            packets: {}",
         by_reason(&status.refused_packets)
     );
+    match &status.syn_cookies {
+        Some(cookies) => {
+            let threshold = cookies
+                .threshold
+                .map(|t| format!(" above {t} SYNs/s"))
+                .unwrap_or_default();
+            let _ = writeln!(
+                out,
+                "syn cookies {} ({}{threshold}); switched on {} times, off {}",
+                if cookies.active { "ON" } else { "off" },
+                cookies.mode,
+                cookies.switched_on,
+                cookies.switched_off,
+            );
+        }
+        None => {
+            let _ = writeln!(
+                out,
+                "syn cookies {}",
+                if status.limits.syn_cookies {
+                    "ON"
+                } else {
+                    "off"
+                }
+            );
+        }
+    }
     if let Some(fleet) = &status.fleet {
         let _ = writeln!(
             out,

@@ -139,6 +139,8 @@ struct Kernel {
     flow_entries: IntGauge,
     flow_capacity: IntGauge,
     bans: IntGauge,
+    cookies_active: IntGauge,
+    cookie_switches: IntCounterVec,
     readable: IntGauge,
 }
 
@@ -194,6 +196,18 @@ impl KernelMetrics {
                 "Connections the kernel flow table can hold.",
             )?,
             bans: gauge("limiter_bans_active", "Bans in force.")?,
+            cookies_active: gauge(
+                "limiter_syn_cookies_active",
+                "1 while the kernel programs answer unproven sources' SYNs with cookies.",
+            )?,
+            cookie_switches: IntCounterVec::new(
+                Opts::new(
+                    "limiter_syn_cookie_switches_total",
+                    "Times syn-cookies = auto switched cookies on or off.",
+                ),
+                &["to"],
+            )
+            .map_err(r)?,
             readable: gauge(
                 "limiter_maps_readable",
                 "1 when every kernel map read of this scrape succeeded; 0 when the kernel metrics are missing or partial.",
@@ -241,6 +255,12 @@ impl KernelMetrics {
             .set(i64::from(enforcer.with_maps(|m| m.flow_capacity())?));
         k.bans
             .set(gauge_value(enforcer.with_maps(|m| m.bans())?.len() as u64));
+        let config = enforcer.with_maps(|m| m.config())?;
+        k.cookies_active
+            .set((config.syn_cookies & limiter_common::syn_cookies::ANSWER != 0).into());
+        let (on, off) = enforcer.cookie_switches();
+        k.cookie_switches.with_label_values(&["on"]).inc_by(on);
+        k.cookie_switches.with_label_values(&["off"]).inc_by(off);
         Ok(())
     }
 }
@@ -261,6 +281,8 @@ impl Scraped for KernelMetrics {
             &k.flow_entries,
             &k.flow_capacity,
             &k.bans,
+            &k.cookies_active,
+            &k.cookie_switches,
             &k.readable,
         ]
     }
@@ -270,6 +292,7 @@ impl Scraped for KernelMetrics {
         k.packets.reset();
         k.refused_connections.reset();
         k.events.reset();
+        k.cookie_switches.reset();
         let readable = match self.fill(k) {
             Ok(()) => true,
             Err(error) => {
@@ -497,7 +520,10 @@ fn possible(direction: Direction, verdict: Verdict, reason: Reason) -> bool {
         reason,
         Reason::Fragment | Reason::Truncated | Reason::HeaderChain | Reason::Malformed
     );
-    let discarded = matches!(reason, Reason::Checksum | Reason::Martian);
+    let discarded = matches!(
+        reason,
+        Reason::Checksum | Reason::Martian | Reason::BadCookie
+    );
     match (direction, verdict) {
         (Direction::Egress, Verdict::Pass) => {
             unreadable
@@ -513,11 +539,15 @@ fn possible(direction: Direction, verdict: Verdict, reason: Reason) -> bool {
         }
         (Direction::Egress, _) => false,
         (Direction::Ingress, Verdict::Pass) => {
-            (!refusal && !unreadable && !discarded && reason != Reason::Segment)
+            (!refusal
+                && !unreadable
+                && !discarded
+                && !matches!(reason, Reason::Segment | Reason::Unproven))
                 || reason == Reason::FlowTableFull
         }
         (Direction::Ingress, Verdict::Drop) => refusal || unreadable || discarded,
         (Direction::Ingress, Verdict::Rst) => refusal,
+        (Direction::Ingress, Verdict::Cookie) => reason == Reason::Unproven,
     }
 }
 

@@ -63,6 +63,7 @@ pub fn kernel_status(maps: &impl ReadMaps) -> Result<Status, MapsError> {
         pinned: None,
         restart_required: None,
         fleet: None,
+        syn_cookies: None,
     })
 }
 

@@ -28,6 +28,18 @@ impl From<RefusalArg> for Refusal {
     }
 }
 
+/// When the programs answer SYNs with cookies themselves (see `syn-cookies`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SynCookiesArg {
+    /// Never: every SYN the limits admit reaches the host.
+    Off,
+    /// While the SYNs reaching the host pass `syn-cookies-threshold` a second.
+    Auto,
+    /// For every SYN from a source that holds no connection.
+    Always,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum XdpModeArg {
@@ -101,6 +113,16 @@ pub struct Layer {
     /// [default: drop]
     #[arg(long, env = "LIMITER_REJECT_DENY", value_enum)]
     pub reject_deny: Option<RefusalArg>,
+    /// Answer SYNs from sources holding no connection with SYN cookies made in the kernel
+    /// programs, so a spoofed flood never reaches the host's TCP stack (the host needs
+    /// net.ipv4.tcp_syncookies = 2; see README). [default: off]
+    #[arg(long, env = "LIMITER_SYN_COOKIES", value_enum)]
+    pub syn_cookies: Option<SynCookiesArg>,
+    /// With `syn-cookies = auto`: SYNs a second reaching the host (or answered with cookies)
+    /// that turn cookies on; they go off once the rate stays under half of it for ten
+    /// seconds. [default: 2000]
+    #[arg(long, env = "LIMITER_SYN_COOKIES_THRESHOLD")]
+    pub syn_cookies_threshold: Option<u32>,
     /// Source CIDR never limited (repeatable).
     #[arg(long, env = "LIMITER_ALLOW", value_delimiter = ',')]
     #[serde(default, skip_serializing_if = "Vec::is_empty")]

@@ -42,6 +42,7 @@ pub mod defaults {
     pub const MAX_CONN_PER_IP: u32 = 100;
     pub const MAX_CONN_TOTAL: u32 = 10_000;
     pub const SYN_RATE: u32 = 20;
+    pub const SYN_COOKIES_THRESHOLD: u32 = 2_000;
     pub const IPV4_PREFIX: u8 = 32;
     pub const IPV6_PREFIX: u8 = 64;
     pub const FLOW_TABLE_SIZE: u32 = limiter_common::maps::FLOWS.default_entries;

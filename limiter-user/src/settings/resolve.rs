@@ -9,9 +9,12 @@ use limiter_common::{Config, Refusal};
 use super::{
     BrokerLayer, BrokerSettings, CheckAccess, ClientLimits, ConfigError, RestartOnly, Settings,
     SweepSettings, defaults,
-    flags::{Layer, RefusalArg, XdpModeArg},
+    flags::{Layer, RefusalArg, SynCookiesArg, XdpModeArg},
 };
-use crate::{datapath::Policy, fleet::FleetConfig};
+use crate::{
+    datapath::{CookieMode, Policy},
+    fleet::FleetConfig,
+};
 
 impl Layer {
     /// Fills in the defaults and checks every setting; `broker_layer` and `fleet` give the
@@ -137,6 +140,20 @@ impl Layer {
                 "must be at least 1 when a SYN rate is set",
             ));
         }
+        let threshold = self
+            .syn_cookies_threshold
+            .unwrap_or(defaults::SYN_COOKIES_THRESHOLD);
+        if threshold == 0 {
+            return Err(ConfigError::new(
+                "syn-cookies-threshold",
+                "must be at least 1 SYN a second",
+            ));
+        }
+        let cookies = match self.syn_cookies.unwrap_or(SynCookiesArg::Off) {
+            SynCookiesArg::Off => CookieMode::Off,
+            SynCookiesArg::Auto => CookieMode::Auto { threshold },
+            SynCookiesArg::Always => CookieMode::Always,
+        };
         let allow = parse_cidrs("allow", &self.allow)?;
         let deny = parse_cidrs("deny", &self.deny)?;
         let refusal =
@@ -158,6 +175,7 @@ impl Layer {
         };
         Ok(Policy {
             limits,
+            cookies,
             ports,
             allow,
             deny,

@@ -15,6 +15,7 @@ use super::{
 };
 use crate::{
     api::{Connections, RateLimits, Status},
+    datapath::CookieMode,
     services::{
         metrics,
         views::{broker_rate_limits, connections_view, kernel_rate_limits, kernel_status},
@@ -114,6 +115,25 @@ pub(super) async fn status(State(state): State<AppState>) -> Result<Json<Status>
         status.pinned = Some(settings.pinned);
         status.restart_required = Some(settings.restart_required);
         status.fleet = state.limiter.shared_status();
+        let cookies = state
+            .enforcer
+            .cookie_status()
+            .map_err(|e| Problem::internal("reading the SYN cookies", &e))?;
+        status.syn_cookies = Some(crate::api::SynCookiesStatus {
+            mode: match cookies.mode {
+                CookieMode::Off => "off",
+                CookieMode::Auto { .. } => "auto",
+                CookieMode::Always => "always",
+            }
+            .to_owned(),
+            active: cookies.active,
+            threshold: match cookies.mode {
+                CookieMode::Auto { threshold } => Some(threshold),
+                _ => None,
+            },
+            switched_on: cookies.switched_on,
+            switched_off: cookies.switched_off,
+        });
         Ok(status)
     })
     .await?;
