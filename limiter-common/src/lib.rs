@@ -441,7 +441,9 @@ const _: () = assert!(core::mem::size_of::<FlowRequest>() == 40);
 pub struct AdjustRequest {
     /// The source whose counter drifted (ignored when `global` is set).
     pub source: SourceKey,
-    /// Added to the counter (two's complement: negative lowers it).
+    /// Added to the counter (two's complement: negative lowers it). Zero, for a source:
+    /// remove its entry if it holds zero, the sweeper's idle sources (a read from user space
+    /// and a delete after it would race a handshake taking a slot in between).
     pub delta: i64,
     /// Non-zero: adjust the global counter, not `source`'s.
     pub global: u32,
@@ -454,6 +456,10 @@ const _: () = assert!(core::mem::size_of::<AdjustRequest>() == 32);
 /// The XDP metadata word that marks a SYN refused with `rst` for `limiter_tc_ingress` to
 /// answer (see [`Config::rst_xdp_tx`]). Only XDP writes metadata, so no sender can forge it.
 pub const RST_MARK: u32 = 0x4C52_5354;
+
+/// The bit of a source's count in `SOURCE_CONNS` that marks its entry as being removed (the
+/// count reached zero): readers take it for zero, and a new slot waits for a fresh entry.
+pub const SOURCE_RETIRED: u64 = 1 << 63;
 
 /// The `skb->mark` of the RST|ACKs `limiter_tc_ingress` redirects out of the interface, so
 /// that the egress program, which they pass through, never takes the limiter's own answer

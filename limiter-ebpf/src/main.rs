@@ -10,6 +10,7 @@ mod maps;
 mod parsing;
 mod policy;
 mod reply;
+mod source_counts;
 
 use aya_ebpf::{
     bindings::{TC_ACT_OK, TC_ACT_SHOT, xdp_action},

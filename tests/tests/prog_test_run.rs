@@ -12,13 +12,14 @@ use etherparse::{
     IpFragOffset, IpHeaders, IpNumber, Ipv4Extensions, Ipv4Header, Ipv6Extensions,
     Ipv6FragmentHeader, Ipv6Header, PacketBuilder,
 };
+use limiter::datapath::{ADJUST_PROGRAM, RELEASE_PROGRAM};
 use limiter_common::{
-    Direction, Event, FlowKey, HalfOpen, RST_MARK, Reason, Verdict, attempt_signature,
-    bucket_place, flow_state, maps, seen_slot, source_key,
+    AdjustRequest, Direction, Event, FlowKey, FlowRequest, HalfOpen, RST_MARK, Reason, Verdict,
+    attempt_signature, bucket_place, flow_state, helper, maps, seen_slot, source_key,
 };
 use limiter_tests::{
     frames::{self, CLIENT_MAC, Flags, SERVER_MAC, Tcp, Vlans},
-    kernel::{Kernel, TC_ACT_OK, XDP_DROP, XDP_PASS, XDP_TX, handshake, isn, settings},
+    kernel::{Kernel, TC_ACT_OK, XDP_DROP, XDP_PASS, XDP_TX, handshake, helper_run, isn, settings},
 };
 
 const PORT: u16 = 5672;
@@ -584,6 +585,171 @@ fn the_limiters_own_rst_leaving_the_host_releases_nothing() {
     // Without the mark (the host's own RST), the same frame closes it.
     assert_eq!(k.tc(&answer), TC_ACT_OK);
     assert_eq!(k.global(), 0);
+}
+
+/// The client's RST for the connection `syn` opened, then the sweeper's release of the flow
+/// once the host's socket is gone (the RST only marks it).
+fn client_rst_and_sweep(k: &Kernel, s: &Tcp) {
+    let mut rst = s.with_flags(RST);
+    rst.seq = s.seq.wrapping_add(1);
+    k.xdp(&rst.build());
+    let request = FlowRequest { flow: flow_key(s) };
+    assert_eq!(helper_run(&k.dp, RELEASE_PROGRAM, &request), helper::DONE);
+}
+
+#[test]
+fn sources_that_hold_nothing_hold_no_entry() {
+    // The attacker's try (finding 9): a handshake and a RST from each of more sources than
+    // the source table holds, leaving an entry at zero per source on the old code, then a
+    // new source with the table failing closed. Half close by the host's RST, half by the
+    // client's, released as the sweeper does.
+    let k = Kernel::new(&["--flow-table-size", "256", "--fail-closed"]);
+    for i in 0..300u32 {
+        let s = syn(IpAddr::V4(Ipv4Addr::from(0x0A00_0000 + i)), 1000);
+        k.connect(&s);
+        if i % 2 == 0 {
+            k.tc(&host_rst(&s));
+        } else {
+            client_rst_and_sweep(&k, &s);
+        }
+    }
+    assert_eq!(k.dp.maps.events(Event::Opened).unwrap(), 300);
+    assert_eq!(k.ingress(Verdict::Rst, Reason::FlowTableFull), 0);
+    assert!(k.dp.maps.all_source_connections().unwrap().is_empty());
+    assert_eq!(k.global(), 0);
+    k.connect(&syn(v4(9), 1));
+    assert_eq!(k.global(), 1, "a new source is admitted");
+    assert_eq!(k.dp.maps.source_connections(v4(9)).unwrap(), 1);
+}
+
+/// Whether the ACK of `s`'s handshake was refused at the ACK (a RST to the host) rather than
+/// admitted; panics if it was neither (let in uncounted).
+fn connect_counted(k: &Kernel, s: &Tcp) -> bool {
+    let opened = k.dp.maps.events(Event::Opened).unwrap();
+    let refused = k.dp.maps.events(Event::RefusedAtAck).unwrap();
+    k.connect(s);
+    let opened = k.dp.maps.events(Event::Opened).unwrap() > opened;
+    let refused = k.dp.maps.events(Event::RefusedAtAck).unwrap() > refused;
+    assert!(opened || refused, "a handshake let in uncounted");
+    opened
+}
+
+/// `rounds` rounds of: one thread opening and closing connections of `churned` (each time
+/// the entry may reach zero and be removed) while another opens 100 of `held` that stay
+/// open; after each, `held` holds exactly the connections admitted, and closing them leaves
+/// no entry. Returns how many of the held connections were refused at the ACK (a retiring
+/// entry outlasting every look; never expected, but a refusal loses no count).
+fn churn_rounds(k: &Kernel, churned: IpAddr, held: IpAddr, rounds: u16) -> u64 {
+    let start = std::sync::Barrier::new(2);
+    let mut refused = 0;
+    for round in 0..rounds {
+        let base = 1000 + round * 600;
+        let admitted = std::thread::scope(|scope| {
+            let start = &start;
+            scope.spawn(move || {
+                start.wait();
+                for i in 0..400u16 {
+                    let s = syn(churned, base + i);
+                    if connect_counted(k, &s) {
+                        k.tc(&host_rst(&s));
+                    }
+                }
+            });
+            let opener = scope.spawn(move || {
+                start.wait();
+                (0..100u16)
+                    .filter(|i| connect_counted(k, &syn(held, base + 400 + i)))
+                    .map(|i| syn(held, base + 400 + i))
+                    .collect::<Vec<_>>()
+            });
+            opener.join().unwrap()
+        });
+        refused += 100 - admitted.len() as u64;
+        let counted = k.dp.maps.source_connections(held).unwrap();
+        assert_eq!(counted, admitted.len() as u64, "round {round}");
+        assert_eq!(k.global(), counted, "round {round}");
+        assert_eq!(
+            k.dp.maps.flows().unwrap().len() as u64,
+            counted,
+            "round {round}"
+        );
+        for s in &admitted {
+            k.tc(&host_rst(s));
+        }
+        assert!(k.dp.maps.all_source_connections().unwrap().is_empty());
+        assert_eq!(k.global(), 0);
+    }
+    assert_eq!(k.ingress(Verdict::Pass, Reason::FlowTableFull), 0);
+    refused
+}
+
+#[test]
+fn a_source_churning_on_two_cpus_loses_no_count() {
+    // The source's entry keeps reaching zero and being removed on one CPU while the other
+    // takes slots in it: every slot lands in a live entry.
+    let k = Kernel::new(&["--syn-rate", "0", "--max-conn-per-ip", "0"]);
+    let refused = churn_rounds(&k, v4(2), v4(2), 20);
+    assert!(refused <= 1, "{refused} handshakes refused as busy");
+}
+
+#[test]
+fn sources_churning_side_by_side_keep_their_own_counts() {
+    // A removed entry's memory is reused at once for the next new entry, so a slot taken
+    // through a pointer from before the removal could land in another source's count.
+    let k = Kernel::new(&["--syn-rate", "0", "--max-conn-per-ip", "0"]);
+    let refused = churn_rounds(&k, v4(3), v4(4), 20);
+    assert!(refused <= 1, "{refused} handshakes refused as busy");
+}
+
+#[test]
+fn removing_idle_sources_races_no_handshake() {
+    // The sweeper removes entries it reads at zero. A read from user space and a delete
+    // after it lose a slot taken in between; the kernel's retirement cannot.
+    let k = Kernel::new(&["--syn-rate", "0", "--max-conn-per-ip", "0"]);
+    let source = source_key(&limiter_tests::model::mapped(v4(5)), 32, 128);
+    let idle = AdjustRequest {
+        source,
+        delta: 0,
+        global: 0,
+        _pad: 0,
+    };
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let (mut removed, mut admitted) = (0u32, 0u64);
+    std::thread::scope(|scope| {
+        let (k, done, idle) = (&k, &done, &idle);
+        let sweeper = scope.spawn(move || {
+            let mut removed = 0;
+            // Bounded: the opener's 200 handshakes end it much sooner.
+            for _ in 0..200_000 {
+                if done.load(std::sync::atomic::Ordering::Relaxed) {
+                    break;
+                }
+                if helper_run(&k.dp, ADJUST_PROGRAM, idle) == helper::DONE {
+                    removed += 1;
+                }
+            }
+            removed
+        });
+        for i in 0..200u16 {
+            let s = syn(v4(5), 3000 + i);
+            // Every other connection closes, so the entry keeps coming back to zero.
+            if connect_counted(k, &s) {
+                admitted += 1;
+                if i % 2 == 0 {
+                    k.tc(&host_rst(&s));
+                    admitted -= 1;
+                }
+            }
+        }
+        done.store(true, std::sync::atomic::Ordering::Relaxed);
+        removed = sweeper.join().unwrap();
+    });
+    assert_eq!(k.dp.maps.source_connections(v4(5)).unwrap(), admitted);
+    assert_eq!(k.global(), admitted);
+    assert!(admitted >= 99, "{admitted} of 100 admitted");
+    // An entry holding connections is never removed; one at zero is.
+    assert_eq!(helper_run(&k.dp, ADJUST_PROGRAM, &idle), helper::ABSENT);
+    eprintln!("the sweeper's removal ran into {removed} idle entries");
 }
 
 #[test]

@@ -26,7 +26,7 @@ pub use loader::{
 pub use maps::{Maps, MapsError, PacketCount};
 pub use pins::detach;
 pub use policy::Policy;
-pub use programs::{TC_PROGRAM, XDP_PROGRAM};
+pub use programs::{ADJUST_PROGRAM, RELEASE_PROGRAM, TC_PROGRAM, XDP_PROGRAM};
 pub use route::default_route_interface;
 pub use tc_legacy::TcLegacyError;
 pub use walk::{FlowBatch, SweepCursor};

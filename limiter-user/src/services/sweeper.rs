@@ -277,8 +277,11 @@ impl Sweeper {
         Ok((adopted, closed))
     }
 
-    /// Reconciles the counters with the cycle's tally ([`sweep_rules::reconcile`]): sources
-    /// whose counter reads 0 are forgotten, and the counters it finds drifted are repaired.
+    /// Reconciles the counters with the cycle's tally ([`sweep_rules::reconcile`]): the
+    /// counters it finds drifted are repaired, and an entry read at 0 (the kernel removes a
+    /// source's entry as its last slot goes; a rare race can leave one behind) is removed by
+    /// the kernel's own retirement, never by a delete from here, which would race a
+    /// handshake taking a slot between the read and the delete.
     fn reconcile(
         &mut self,
         enforcer: &Enforcer,
@@ -287,7 +290,7 @@ impl Sweeper {
         let end = counters(enforcer)?;
         let verdict = sweep_rules::reconcile(start, &end, &self.tally, &self.suspects);
         for source in &verdict.idle_sources {
-            enforcer.with_maps(|m| m.remove_idle_source(source))?;
+            enforcer.datapath().remove_idle_source(source)?;
         }
         for repair in &verdict.repairs {
             enforcer.datapath().adjust(&repair.request)?;
