@@ -137,9 +137,15 @@ pub struct Config {
     /// The SYN rate's burst tolerance in nanoseconds (the interval times `syn_burst`), derived
     /// with the interval.
     pub syn_tolerance_ns: u64,
+    /// Non-zero: tunnelled packets (IPv4 protocol or IPv6 next header 4, 41 or 47) pass on
+    /// ingress; zero: they are dropped as [`Reason::Tunnel`], since the SYN inside would
+    /// reach the host through its tunnel device unjudged.
+    pub tunnels_pass: u8,
+    /// Explicit padding, always zero.
+    pub _pad: [u8; 7],
 }
 
-const _: () = assert!(core::mem::size_of::<Config>() == 56);
+const _: () = assert!(core::mem::size_of::<Config>() == 64);
 
 impl Config {
     /// What the programs do before the agent writes a configuration: count, limit nothing.
@@ -164,6 +170,8 @@ impl Config {
         bucket_seed: 0,
         syn_interval_ns: 0,
         syn_tolerance_ns: 0,
+        tunnels_pass: 1,
+        _pad: [0; 7],
     };
 
     /// Sets the GCRA terms the programs meter SYNs with from `syn_rate` and `syn_burst`

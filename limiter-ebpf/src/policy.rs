@@ -73,10 +73,17 @@ pub fn pass(direction: Direction, reason: Reason) -> Action {
 /// A packet the parser could not read. On ingress, anything that could be TCP to a protected
 /// port (a fragment, a cut-short or malformed header, an over-long IPv6 header chain) is
 /// dropped: passing it would let the host reassemble or walk it into a connection nothing
-/// judged. Non-IP and non-TCP traffic passes. On egress everything passes.
+/// judged. A tunnel is dropped too unless the configuration lets tunnels pass (the host
+/// would decapsulate it into a connection nothing judged). Non-IP and non-TCP traffic
+/// passes. On egress everything passes.
 #[inline(always)]
 pub fn unparsed(direction: Direction, reason: Reason) -> Action {
-    if direction == Direction::Ingress && !matches!(reason, Reason::NonIp | Reason::NonTcp) {
+    let passes = match reason {
+        Reason::NonIp | Reason::NonTcp => true,
+        Reason::Tunnel => maps::config().tunnels_pass != 0,
+        _ => false,
+    };
+    if direction == Direction::Ingress && !passes {
         count(direction, Verdict::Drop, reason);
         return Action::Drop;
     }

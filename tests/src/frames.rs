@@ -331,6 +331,38 @@ pub fn udp(src: IpAddr, dst: IpAddr) -> Vec<u8> {
     frame
 }
 
+/// The protocols a tunnel ending on the host arrives in (IPv4 protocol, IPv6 next header).
+pub const IPIP: IpNumber = IpNumber(4);
+pub const IPV6_IN_IP: IpNumber = IpNumber(41);
+pub const GRE: IpNumber = IpNumber(47);
+
+/// `inner`, an Ethernet frame whose IP packet goes through a tunnel from `src` to `dst`: in
+/// IP (`IPIP` for an IPv4 packet, `IPV6_IN_IP` for an IPv6 one) or in GRE (a four-byte GRE
+/// header naming the inner packet's EtherType).
+pub fn tunnel(src: IpAddr, dst: IpAddr, protocol: IpNumber, inner: &[u8]) -> Vec<u8> {
+    let builder = match (src, dst) {
+        (IpAddr::V4(s), IpAddr::V4(d)) => {
+            PacketBuilder::ethernet2(CLIENT_MAC, SERVER_MAC).ipv4(s.octets(), d.octets(), 64)
+        }
+        (IpAddr::V6(s), IpAddr::V6(d)) => {
+            PacketBuilder::ethernet2(CLIENT_MAC, SERVER_MAC).ipv6(s.octets(), d.octets(), 64)
+        }
+        _ => panic!("mixed families"),
+    };
+    let (ether_type, packet) = (&inner[12..14], &inner[14..]);
+    let mut payload = Vec::new();
+    if protocol == GRE {
+        payload.extend_from_slice(&[0, 0]);
+        payload.extend_from_slice(ether_type);
+    }
+    payload.extend_from_slice(packet);
+    let mut frame = Vec::new();
+    builder
+        .write(&mut frame, protocol, &payload)
+        .expect("writing to a Vec");
+    frame
+}
+
 /// An Ethernet frame of a local experimental EtherType: neither IPv4 nor IPv6.
 pub fn non_ip() -> Vec<u8> {
     let header = Ethernet2Header {

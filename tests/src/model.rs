@@ -261,7 +261,12 @@ impl Model {
     }
 
     fn unparsed(&mut self, direction: Direction, reason: Reason) -> Action {
-        if direction == Direction::Ingress && !matches!(reason, Reason::NonIp | Reason::NonTcp) {
+        let passes = match reason {
+            Reason::NonIp | Reason::NonTcp => true,
+            Reason::Tunnel => self.config.tunnels_pass != 0,
+            _ => false,
+        };
+        if direction == Direction::Ingress && !passes {
             self.count(direction, Verdict::Drop, reason);
             return Action::Drop;
         }

@@ -70,9 +70,11 @@ const RATE: &[&str] = &[
     "rst",
 ];
 
-/// The same caps with an allow list and a deny list over part of the clients, and refused
-/// connections dropped rather than answered.
+/// The same caps with an allow list and a deny list over part of the clients, refused
+/// connections dropped rather than answered, and tunnels let through.
 const LISTS: &[&str] = &[
+    "--tunnels",
+    "pass",
     "--ports",
     "5672",
     "--max-conn-per-ip",
@@ -647,10 +649,17 @@ impl Generator {
             80..82 => self.too_many_vlans(c),
             82..85 => {
                 let src = self.clients[c / PORTS_PER_CLIENT];
-                let (bytes, reason) = if self.rng.percent(50) {
-                    (frames::non_ip(), Reason::NonIp)
-                } else {
-                    (frames::udp(src, server(src)), Reason::NonTcp)
+                let (bytes, reason) = match self.rng.below(3) {
+                    0 => (frames::non_ip(), Reason::NonIp),
+                    1 => (frames::udp(src, server(src)), Reason::NonTcp),
+                    _ => {
+                        // A SYN of the connection, tunnelled to the host.
+                        let inner = self.client(c, SYN).build();
+                        let protocol =
+                            [frames::IPIP, frames::IPV6_IN_IP, frames::GRE][self.rng.below(3)];
+                        let frame = frames::tunnel(src, server(src), protocol, &inner);
+                        (frame, Reason::Tunnel)
+                    }
                 };
                 Frame {
                     bytes,

@@ -875,6 +875,61 @@ fn a_tiny_first_fragment_syn_is_refused() {
     assert_eq!(k.ingress(Verdict::Drop, Reason::Fragment), 5);
 }
 
+/// A SYN to the protected port inside each kind of tunnel the programs recognise, from
+/// outside to the host: IPIP and GRE over IPv4, IPv6 in IPv4 (SIT), IPIP and IPv6 in IPv6
+/// and GRE over IPv6.
+fn tunnelled_syns() -> Vec<Vec<u8>> {
+    let (outer4, host4) = (v4(66), server4());
+    let (outer6, host6) = (v6("2001:db8:66::1"), v6("2001:db8:ffff::1"));
+    let inner4 = syn(v4(77), 41000).build();
+    let inner6 = syn(v6("2001:db8:77::1"), 41000).build();
+    vec![
+        frames::tunnel(outer4, host4, frames::IPIP, &inner4),
+        frames::tunnel(outer4, host4, frames::GRE, &inner4),
+        frames::tunnel(outer4, host4, frames::IPV6_IN_IP, &inner6),
+        frames::tunnel(outer6, host6, frames::IPIP, &inner4),
+        frames::tunnel(outer6, host6, frames::IPV6_IN_IP, &inner6),
+        frames::tunnel(outer6, host6, frames::GRE, &inner6),
+    ]
+}
+
+#[test]
+fn tunnels_to_a_protected_interface_are_dropped_unless_passed() {
+    // The attacker's try (finding 10): a SYN wrapped in a tunnel the host ends reaches its
+    // sockets from the tunnel device, never judged on the interface it came in on.
+    let k = Kernel::new(&["--max-conn-per-ip", "1"]);
+    let frames = tunnelled_syns();
+    for frame in &frames {
+        assert_eq!(k.xdp(frame).action, XDP_DROP);
+    }
+    let n = frames.len() as u64;
+    assert_eq!(k.ingress(Verdict::Drop, Reason::Tunnel), n);
+    assert_eq!(k.ingress(Verdict::Pass, Reason::NonTcp), 0);
+    // Leaving the host, a tunnel passes, counted.
+    for frame in &frames {
+        assert_eq!(k.tc(frame), TC_ACT_OK);
+    }
+    assert_eq!(
+        k.packets(Direction::Egress, Verdict::Pass, Reason::Tunnel),
+        n
+    );
+    // Other non-TCP traffic still passes.
+    assert_eq!(k.xdp(&frames::udp(v4(66), server4())).action, XDP_PASS);
+    assert_eq!(k.ingress(Verdict::Pass, Reason::NonTcp), 1);
+
+    // A host that ends tunnels lets them through, live: the same maps, a new policy.
+    let mut k = k;
+    k.dp.maps
+        .apply(&settings(&["--max-conn-per-ip", "1", "--tunnels", "pass"]).policy)
+        .unwrap();
+    for frame in &frames {
+        assert_eq!(k.xdp(frame).action, XDP_PASS);
+    }
+    assert_eq!(k.ingress(Verdict::Pass, Reason::Tunnel), n);
+    assert_eq!(k.ingress(Verdict::Drop, Reason::Tunnel), n, "no more drops");
+    assert_eq!(k.global(), 0, "nothing inside was judged or counted");
+}
+
 #[test]
 fn fragments_to_unprotected_ports_and_non_tcp_fragments_pass() {
     let k = Kernel::new(&["--ports", "5672"]);

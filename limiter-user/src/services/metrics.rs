@@ -487,8 +487,9 @@ impl Scraped for BrokerMetrics {
 /// can ever move are exported. Egress (TC) only observes: it passes, for parse failures and
 /// for the segments of connections. Ingress refuses (drop, or rst for a refused SYN or a
 /// handshake refused at its last ACK) for a refusal reason, drops what it cannot read when it
-/// could reach a protected port or the host would discard it (only ingress checks that), and
-/// passes for every other reason but a plain segment (left
+/// could reach a protected port or the host would discard it (only ingress checks that) and
+/// a tunnel unless `tunnels` is `pass`, and passes for every other reason but a plain segment
+/// (left
 /// uncounted: see `policy::established` in the kernel crate), and for a full flow table when
 /// failing open.
 fn possible(direction: Direction, verdict: Verdict, reason: Reason) -> bool {
@@ -498,6 +499,8 @@ fn possible(direction: Direction, verdict: Verdict, reason: Reason) -> bool {
         Reason::Fragment | Reason::Truncated | Reason::HeaderChain | Reason::Malformed
     );
     let discarded = matches!(reason, Reason::Checksum | Reason::Martian);
+    // Dropped unless `tunnels` is `pass`, then passed; passed on egress like non-TCP.
+    let tunnel = reason == Reason::Tunnel;
     match (direction, verdict) {
         (Direction::Egress, Verdict::Pass) => {
             unreadable
@@ -509,6 +512,7 @@ fn possible(direction: Direction, verdict: Verdict, reason: Reason) -> bool {
                         | Reason::Segment
                         | Reason::Tracked
                         | Reason::Untracked
+                        | Reason::Tunnel
                 )
         }
         (Direction::Egress, _) => false,
@@ -516,7 +520,7 @@ fn possible(direction: Direction, verdict: Verdict, reason: Reason) -> bool {
             (!refusal && !unreadable && !discarded && reason != Reason::Segment)
                 || reason == Reason::FlowTableFull
         }
-        (Direction::Ingress, Verdict::Drop) => refusal || unreadable || discarded,
+        (Direction::Ingress, Verdict::Drop) => refusal || unreadable || discarded || tunnel,
         (Direction::Ingress, Verdict::Rst) => refusal,
     }
 }
