@@ -781,8 +781,15 @@ impl Generator {
     /// programs would key as that client). Any state it changed would be a hole.
     fn host_discarded(&mut self, c: usize) -> Frame {
         let flags = [SYN, RST, ACK, FIN | ACK, RST | ACK];
-        let pick = self.rng.below(flags.len());
-        let mut tcp = self.client(c, flags[pick]);
+        let mut flag = flags[self.rng.below(flags.len())];
+        // A plain ACK takes the established fast path unless its ack number's hint is fresh,
+        // and passes there uncounted and unjudged (it changes nothing, so the host's discard
+        // is all that happens to it): only the ACK that would complete a half-open handshake
+        // reaches the discard check, which is the one that matters.
+        if flag == ACK && self.conns[c].stage != Stage::SynAcked {
+            flag = RST | ACK;
+        }
+        let mut tcp = self.client(c, flag);
         tcp.ack = self.conns[c].isn.wrapping_add(1);
         let (bytes, reason, label) = match tcp.src {
             IpAddr::V4(_) => {
