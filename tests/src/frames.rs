@@ -52,6 +52,9 @@ pub struct Tcp {
     pub fragment_offset: u16,
     /// TCP options as a SYN carries them (MSS, SACK permitted, window scale).
     pub tcp_options: bool,
+    /// A TCP Fast Open cookie option (kind 34) after the usual options, as a client's SYN
+    /// carrying data on a cookie the server gave it earlier.
+    pub fast_open_cookie: Option<[u8; 8]>,
     pub payload: Vec<u8>,
 }
 
@@ -74,6 +77,7 @@ impl Tcp {
             ipv6_extensions: false,
             fragment_offset: 0,
             tcp_options: true,
+            fast_open_cookie: None,
             payload: Vec::new(),
         }
     }
@@ -134,10 +138,19 @@ impl Tcp {
         tcp.urg = self.other_flags & 0x20 != 0;
         tcp.ece = self.other_flags & 0x40 != 0;
         tcp.cwr = self.other_flags & 0x80 != 0;
+        let mut options = Vec::new();
         if self.tcp_options {
             // MSS 1460, SACK permitted, NOP, window scale 7: 12 bytes.
-            tcp.set_options_raw(&[2, 4, 5, 180, 4, 2, 1, 3, 3, 7, 1, 1])
-                .expect("valid TCP options");
+            options.extend_from_slice(&[2, 4, 5, 180, 4, 2, 1, 3, 3, 7, 1, 1]);
+        }
+        if let Some(cookie) = self.fast_open_cookie {
+            // Fast Open (kind 34, length 10) and two NOPs to a four-byte boundary.
+            options.extend_from_slice(&[34, 10]);
+            options.extend_from_slice(&cookie);
+            options.extend_from_slice(&[1, 1]);
+        }
+        if !options.is_empty() {
+            tcp.set_options_raw(&options).expect("valid TCP options");
         }
         tcp
     }

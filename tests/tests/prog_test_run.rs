@@ -875,6 +875,45 @@ fn a_tiny_first_fragment_syn_is_refused() {
     assert_eq!(k.ingress(Verdict::Drop, Reason::Fragment), 5);
 }
 
+#[test]
+fn a_fast_open_syn_is_judged_and_counted_exactly_like_a_syn() {
+    // TCP Fast Open: a SYN carrying a cookie and data, which a server with TFO enabled hands
+    // to the application at once, before the handshake completes. The limiter judges it as
+    // the SYN it is (lists, bans, rate, caps) and counts it only at the proven handshake, so
+    // data in a SYN buys nothing: a refused one is dropped or reset with its data.
+    let k = Kernel::new(&["--max-conn-per-ip", "1", "--syn-rate", "0"]);
+    let tfo = |sport: u16| {
+        let mut s = syn(v4(8), sport);
+        s.fast_open_cookie = Some(*b"cookie!!");
+        s.payload = b"CONNECT broker".to_vec();
+        s
+    };
+    let first = tfo(45000);
+    assert_eq!(k.xdp(&first.build()).action, XDP_PASS);
+    assert_eq!(k.ingress(Verdict::Pass, Reason::HalfOpen), 1);
+    assert_eq!(k.global(), 0, "no slot before the handshake completes");
+    // The server acknowledges the SYN and its data; the client's ACK proves it.
+    let h = handshake(&first, isn(first.sport));
+    k.tc(&h.syn_ack);
+    let mut ack = first.with_flags(ACK);
+    ack.fast_open_cookie = None;
+    ack.payload.clear();
+    ack.seq = first.seq.wrapping_add(1 + first.payload.len() as u32);
+    ack.ack = isn(first.sport).wrapping_add(1);
+    k.xdp(&ack.build());
+    assert_eq!(k.dp.maps.source_connections(v4(8)).unwrap(), 1);
+    // At the cap, a second Fast Open SYN is refused like any SYN, its data never delivered.
+    let second = tfo(45001);
+    let run = k.xdp(&second.build());
+    assert_eq!(
+        run.action, XDP_PASS,
+        "marked for the TC ingress program's RST"
+    );
+    assert_eq!(run.frame[..4], RST_MARK.to_ne_bytes());
+    assert_eq!(k.ingress(Verdict::Rst, Reason::ConnPerIp), 1);
+    assert_eq!(k.dp.maps.source_connections(v4(8)).unwrap(), 1);
+}
+
 /// A SYN to the protected port inside each kind of tunnel the programs recognise, from
 /// outside to the host: IPIP and GRE over IPv4, IPv6 in IPv4 (SIT), IPIP and IPv6 in IPv6
 /// and GRE over IPv6.

@@ -100,6 +100,9 @@ pub struct PassReport {
     /// Established connections the flow table lacked, adopted (see [`Sweeper::adopt`]).
     pub adopted: u64,
     pub repairs: u64,
+    /// This pass's walk reached the end of the flow table: a cycle ended (and was
+    /// reconciled, if it began at the table's start).
+    pub cycle_ended: bool,
 }
 
 /// The sweeper's memory between passes.
@@ -186,9 +189,14 @@ impl Sweeper {
                     Release::Idle => report.idle += 1,
                 },
                 Some(_) => {}
+                // Each flow counts once in a cycle: a walk whose cursor's key was deleted (a
+                // flow released at the end of the last batch) starts again from the first key
+                // and reads again flows it counted already, which would otherwise look like
+                // drift and, seen twice, be "repaired" into it.
                 None => {
-                    *self.tally.entry(flow.source).or_default() += 1;
-                    self.tracked.insert(*key);
+                    if self.tracked.insert(*key) {
+                        *self.tally.entry(flow.source).or_default() += 1;
+                    }
                 }
             }
         }
@@ -196,6 +204,7 @@ impl Sweeper {
             (report.adopted, report.over_cap) = self.adopt(enforcer, sockets)?;
         }
         self.settled = true;
+        report.cycle_ended = flows.wrapped;
         if flows.wrapped {
             if let Some(start) = self.cycle_start.take() {
                 report.repairs = self.reconcile(enforcer, &start)?;
