@@ -157,8 +157,10 @@ pub struct Config {
     /// `net.ipv4.tcp_timestamps = 2`: with 1, the host adds a per-connection secret offset
     /// to its timestamps, which the programs cannot know, so it would misread those bits.
     pub cookie_timestamps: u8,
-    /// Explicit padding, always zero.
-    pub _pad: u8,
+    /// Non-zero: tunnelled packets (IPv4 protocol or IPv6 next header 4, 41 or 47) pass on
+    /// ingress; zero: they are dropped as [`Reason::Tunnel`], since the SYN inside would
+    /// reach the host through its tunnel device unjudged.
+    pub tunnels_pass: u8,
 }
 
 const _: () = assert!(core::mem::size_of::<Config>() == 64);
@@ -191,7 +193,7 @@ impl Config {
         cookie_mss_v4: 536,
         cookie_mss_v6: 1220,
         cookie_timestamps: 0,
-        _pad: 0,
+        tunnels_pass: 1,
     };
 
     /// Sets the GCRA terms the programs meter SYNs with from `syn_rate` and `syn_burst`
@@ -479,7 +481,9 @@ const _: () = assert!(core::mem::size_of::<FlowRequest>() == 40);
 pub struct AdjustRequest {
     /// The source whose counter drifted (ignored when `global` is set).
     pub source: SourceKey,
-    /// Added to the counter (two's complement: negative lowers it).
+    /// Added to the counter (two's complement: negative lowers it). Zero, for a source:
+    /// remove its entry if it holds zero, the sweeper's idle sources (a read from user space
+    /// and a delete after it would race a handshake taking a slot in between).
     pub delta: i64,
     /// Non-zero: adjust the global counter, not `source`'s.
     pub global: u32,
@@ -492,6 +496,10 @@ const _: () = assert!(core::mem::size_of::<AdjustRequest>() == 32);
 /// The XDP metadata word that marks a SYN refused with `rst` for `limiter_tc_ingress` to
 /// answer (see [`Config::rst_xdp_tx`]). Only XDP writes metadata, so no sender can forge it.
 pub const RST_MARK: u32 = 0x4C52_5354;
+
+/// The bit of a source's count in `SOURCE_CONNS` that marks its entry as being removed (the
+/// count reached zero): readers take it for zero, and a new slot waits for a fresh entry.
+pub const SOURCE_RETIRED: u64 = 1 << 63;
 
 /// The `skb->mark` of the RST|ACKs `limiter_tc_ingress` redirects out of the interface, so
 /// that the egress program, which they pass through, never takes the limiter's own answer

@@ -85,11 +85,15 @@ pub enum Reason {
     NonTcp = 21,
     /// Neither IPv4 nor IPv6.
     NonIp = 22,
+    /// IP in IP (4), IPv6 in IP (41) or GRE (47), over IPv4 or IPv6: the host would take
+    /// the inner packet off its tunnel device, so a SYN inside would never be judged here.
+    /// Dropped on ingress unless `Config::tunnels_pass` lets tunnels through.
+    Tunnel = 23,
 }
 
 impl Reason {
     /// Number of reasons; sizes the `STATS` array.
-    pub const COUNT: usize = 23;
+    pub const COUNT: usize = 24;
     /// Reasons a source is refused for, each with a slot in [`crate::Blocked`]: the first six.
     pub const REFUSAL_COUNT: usize = 6;
     /// Every reason in wire order, for code that reads every counter.
@@ -117,6 +121,7 @@ impl Reason {
         Reason::UnprotectedPort,
         Reason::NonTcp,
         Reason::NonIp,
+        Reason::Tunnel,
     ];
 
     /// The reason as a metric label.
@@ -145,6 +150,7 @@ impl Reason {
             Reason::UnprotectedPort => "unprotected_port",
             Reason::NonTcp => "non_tcp",
             Reason::NonIp => "non_ip",
+            Reason::Tunnel => "tunnel",
         }
     }
 

@@ -11,6 +11,7 @@ mod maps;
 mod parsing;
 mod policy;
 mod reply;
+mod source_counts;
 
 use aya_ebpf::cty::c_void;
 use aya_ebpf::{

@@ -29,6 +29,7 @@ pub static HALF_OPEN: LruHashMap<FlowKey, HalfOpen> =
 #[map]
 pub static ACK_HINTS: Array<u32> = Array::with_max_entries(catalogue::ACK_HINTS.default_entries, 0);
 
+/// Preallocated, so an insert fails only when the table is full (see `source_counts`).
 #[map]
 pub static SOURCE_CONNS: HashMap<SourceKey, u64> =
     HashMap::with_max_entries(catalogue::SOURCE_CONNS.default_entries, 0);

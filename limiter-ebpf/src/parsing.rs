@@ -21,6 +21,9 @@ use crate::headers::{
 pub const MAX_L3_OFFSET: usize = ETH_HLEN + 2 * VLAN_HLEN;
 pub const IPPROTO_TCP: u8 = 6;
 const IPPROTO_UDP: u8 = 17;
+const IPPROTO_IPIP: u8 = 4;
+const IPPROTO_IPV6: u8 = 41;
+const IPPROTO_GRE: u8 = 47;
 const IPPROTO_ICMPV6: u8 = 58;
 const IPV6_NO_NEXT: u8 = 59;
 const IPPROTO_SCTP: u8 = 132;
@@ -326,7 +329,7 @@ fn parse_ipv4(w: &Window, l3: usize, ingress: bool) -> Result<Segment, Reason> {
     // More-fragments flag or an offset: part of a fragmented datagram.
     let fragment = frag & IPV4_FRAGMENTED != 0;
     if ip.protocol != IPPROTO_TCP {
-        return Err(Reason::NonTcp);
+        return Err(not_tcp(ip.protocol));
     }
     if frag & IPV4_OFFSET != 0 {
         // Not the first fragment: no TCP header at all.
@@ -415,10 +418,13 @@ fn parse_ipv6(w: &Window, l3: usize, ingress: bool) -> Result<Segment, Reason> {
                 l4 += (usize::from(ext.len) + 2) * 4;
             }
             _ => {
-                // A first fragment whose chain goes on in a later fragment, or whose upper
-                // layer is one the parser does not know, could still be TCP; a first
-                // fragment of UDP or ICMPv6 passes like the rest of its datagram.
-                return Err(if fragment && !known_not_tcp(next) {
+                // A tunnel, fragment or not, is judged as one. A first fragment whose chain
+                // goes on in a later fragment, or whose upper layer is one the parser does
+                // not know, could still be TCP; a first fragment of UDP or ICMPv6 passes like
+                // the rest of its datagram.
+                return Err(if is_tunnel(next) {
+                    Reason::Tunnel
+                } else if fragment && !known_not_tcp(next) {
                     Reason::Fragment
                 } else {
                     Reason::NonTcp
@@ -445,6 +451,24 @@ fn may_lead_to_tcp(next: u8) -> bool {
         next,
         IPPROTO_TCP | IPV6_HOP_BY_HOP | IPV6_ROUTING | IPV6_FRAGMENT | IPV6_AUTH | IPV6_DEST_OPTS
     )
+}
+
+/// IP in IP, IPv6 in IP (SIT/6in4) and GRE: the protocols that carry an IP packet the host
+/// takes off a tunnel device, out of the programs' sight. (VXLAN, FOU and GUE ride on UDP,
+/// ESP is encrypted: neither can be told from other traffic without configuration.)
+#[inline(always)]
+fn is_tunnel(protocol: u8) -> bool {
+    matches!(protocol, IPPROTO_IPIP | IPPROTO_IPV6 | IPPROTO_GRE)
+}
+
+/// The reason for an IPv4 protocol other than TCP.
+#[inline(always)]
+fn not_tcp(protocol: u8) -> Reason {
+    if is_tunnel(protocol) {
+        Reason::Tunnel
+    } else {
+        Reason::NonTcp
+    }
 }
 
 /// An upper layer that is not TCP and carries none.

@@ -33,9 +33,10 @@ use crate::{
     atomics,
     maps::{
         self, ACK_HINTS, BANS, BLOCKED, EVENTS, FLOWS, GLOBAL_CONNS, HALF_OPEN, REFUSED_CONNS,
-        SOURCE_CONNS, STATS, SYN_BUCKETS,
+        STATS, SYN_BUCKETS,
     },
     parsing::{Common, Segment, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
+    source_counts::{self, Taken},
 };
 
 /// What the entry point does with the packet.
@@ -81,10 +82,17 @@ pub fn pass(direction: Direction, reason: Reason) -> Action {
 /// A packet the parser could not read. On ingress, anything that could be TCP to a protected
 /// port (a fragment, a cut-short or malformed header, an over-long IPv6 header chain) is
 /// dropped: passing it would let the host reassemble or walk it into a connection nothing
-/// judged. Non-IP and non-TCP traffic passes. On egress everything passes.
+/// judged. A tunnel is dropped too unless the configuration lets tunnels pass (the host
+/// would decapsulate it into a connection nothing judged). Non-IP and non-TCP traffic
+/// passes. On egress everything passes.
 #[inline(always)]
 pub fn unparsed(direction: Direction, reason: Reason) -> Action {
-    if direction == Direction::Ingress && !matches!(reason, Reason::NonIp | Reason::NonTcp) {
+    let passes = match reason {
+        Reason::NonIp | Reason::NonTcp => true,
+        Reason::Tunnel => maps::config().tunnels_pass != 0,
+        _ => false,
+    };
+    if direction == Direction::Ingress && !passes {
         count(direction, Verdict::Drop, reason);
         return Action::Drop;
     }
@@ -427,9 +435,7 @@ fn syn(seg: &Segment, config: &Config) -> Action {
 fn proven(source: &SourceKey, bucket: *mut SynBucket) -> bool {
     // SAFETY: pointer from a successful lookup.
     atomics::load(unsafe { &(*bucket).holders }) != 0
-        && SOURCE_CONNS
-            .get_ptr(source)
-            .is_some_and(|count| atomics::load(count) != 0)
+        && source_counts::current(source) != 0
 }
 
 /// Counts a SYN [`Action::Cookie`] answered (with the cookie `isn`) or had to pass on to the
@@ -515,8 +521,7 @@ fn at_cap(source: &SourceKey, bucket: *mut SynBucket, config: &Config) -> Option
     // SAFETY: pointer from a successful lookup.
     if config.max_conn_per_ip != 0
         && atomics::load(unsafe { &(*bucket).holders }) != 0
-        && let Some(count) = SOURCE_CONNS.get_ptr(source)
-        && atomics::load(count) >= config.max_conn_per_ip as u64
+        && source_counts::current(source) >= config.max_conn_per_ip as u64
     {
         return Some(Reason::ConnPerIp);
     }
@@ -755,33 +760,32 @@ fn admit(
     config: &Config,
     now: u64,
 ) -> Completion {
-    let Some(per_source) = maps::get_or_insert(&SOURCE_CONNS, &source, &0) else {
-        return full_at_ack(&source, config);
+    let (per_source, before) = match source_counts::take(&source, 1) {
+        Taken::Slots { counter, before } => (counter, before),
+        Taken::Full => return full_at_ack(&source, config),
+        // Refused, never let in uncounted: see `source_counts`.
+        Taken::Busy => return refuse_at_ack(Blame::Source(&source), Reason::FlowTableFull),
     };
-    let before = atomics::fetch_add(per_source, 1);
     if config.max_conn_per_ip != 0 && before >= config.max_conn_per_ip as u64 {
-        atomics::decrement(per_source);
-        return refuse_at_ack(&source, Reason::ConnPerIp);
+        source_counts::give_back(&source, per_source, 1);
+        return refuse_at_ack(Blame::Source(&source), Reason::ConnPerIp);
     }
     let Some(global) = GLOBAL_CONNS.get_ptr_mut(0) else {
-        atomics::decrement(per_source);
+        source_counts::give_back(&source, per_source, 1);
         return Completion::NotAHandshake;
     };
     let before = atomics::fetch_add(global, 1);
     if config.max_conn_total != 0 && before >= config.max_conn_total as u64 {
         atomics::decrement(global);
-        atomics::decrement(per_source);
-        return refuse_at_ack(&source, Reason::ConnTotal);
+        source_counts::give_back(&source, per_source, 1);
+        return refuse_at_ack(Blame::Source(&source), Reason::ConnTotal);
     }
     // The SYN rate's token last, once the slots are sure: a handshake the caps refuse spends
     // none, and the token, unlike a slot, cannot be given back.
     if let Err(bucket) = take_token(&source, config) {
         atomics::decrement(global);
-        atomics::decrement(per_source);
-        refused_attempt(Blame::Bucket(bucket), Reason::SynRate, None);
-        count(Direction::Ingress, Verdict::Rst, Reason::SynRate);
-        event(Event::RefusedAtAck);
-        return Completion::Refused(Action::ResetHost);
+        source_counts::give_back(&source, per_source, 1);
+        return refuse_at_ack(Blame::Bucket(bucket), Reason::SynRate);
     }
     let flow = Flow {
         first_seen_ns,
@@ -798,7 +802,7 @@ fn admit(
         }
         Err(error) => {
             atomics::decrement(global);
-            atomics::decrement(per_source);
+            source_counts::give_back(&source, per_source, 1);
             if error == -EEXIST {
                 // The 4-tuple is tracked already: a new connection reusing a closing one's.
                 // It takes over the old one's slot, open again.
@@ -841,9 +845,9 @@ fn take_token(source: &SourceKey, config: &Config) -> Result<(), *mut SynBucket>
 /// A completed handshake over a cap: another connection of the source (or of the host) took
 /// the last slot between this one's SYN and its ACK. The ACK becomes a RST to the host.
 #[inline(always)]
-fn refuse_at_ack(source: &SourceKey, reason: Reason) -> Completion {
+fn refuse_at_ack(blame: Blame, reason: Reason) -> Completion {
     // Always a new attempt: only the ACK that deleted the half-open entry gets here.
-    refused_attempt(Blame::Source(source), reason, None);
+    refused_attempt(blame, reason, None);
     count(Direction::Ingress, Verdict::Rst, reason);
     event(Event::RefusedAtAck);
     Completion::Refused(Action::ResetHost)
@@ -853,7 +857,7 @@ fn refuse_at_ack(source: &SourceKey, reason: Reason) -> Completion {
 #[inline(always)]
 fn full_at_ack(source: &SourceKey, config: &Config) -> Completion {
     if config.fail_closed != 0 {
-        refuse_at_ack(source, Reason::FlowTableFull)
+        refuse_at_ack(Blame::Source(source), Reason::FlowTableFull)
     } else {
         count(Direction::Ingress, Verdict::Pass, Reason::FlowTableFull);
         Completion::Refused(Action::Pass)
@@ -886,23 +890,26 @@ pub fn adopt(key: &FlowKey) -> u32 {
         state: flow_state::ESTABLISHED,
         _pad: 0,
     };
-    let Some(per_source) = maps::get_or_insert(&SOURCE_CONNS, &source, &0) else {
-        return helper::ABSENT;
-    };
     let Some(global) = GLOBAL_CONNS.get_ptr_mut(0) else {
         return helper::ABSENT;
     };
     // The slots first, as at a handshake's ACK: a flow is never in the table without them, so
     // a RST closing it at once cannot release slots not yet taken. Whoever inserts the flow
     // keeps them: a racing handshake or a second adoption of the 4-tuple finds it there.
-    let per_source_before = atomics::fetch_add(per_source, 1);
+    let Taken::Slots {
+        counter: per_source,
+        before: per_source_before,
+    } = source_counts::take(&source, 1)
+    else {
+        return helper::ABSENT;
+    };
     let global_before = atomics::fetch_add(global, 1);
     if FLOWS
         .insert(key, flow, aya_ebpf::bindings::BPF_NOEXIST.into())
         .is_err()
     {
         atomics::decrement(global);
-        atomics::decrement(per_source);
+        source_counts::give_back(&source, per_source, 1);
         return helper::ABSENT;
     }
     hold(&source, config, 1);
@@ -973,9 +980,7 @@ pub fn close(key: &FlowKey, flow: *mut Flow, why: Event) -> bool {
     if FLOWS.remove(key).is_err() {
         return false;
     }
-    if let Some(per_source) = SOURCE_CONNS.get_ptr_mut(source)
-        && atomics::decrement(per_source)
-    {
+    if source_counts::release(&source, 1) {
         hold(&source, maps::config(), u64::MAX);
     }
     if let Some(global) = GLOBAL_CONNS.get_ptr_mut(0) {
@@ -997,10 +1002,23 @@ pub fn adjust(source: &SourceKey, global: bool, delta: u64) -> u32 {
         atomics::fetch_add(counter, delta);
         return helper::DONE;
     }
-    let Some(counter) = maps::get_or_insert(&SOURCE_CONNS, source, &0) else {
-        return helper::ABSENT;
+    // Zero removes the entry if it holds zero (the sweeper's idle sources, exactly).
+    if delta == 0 {
+        return if source_counts::retire_idle(source) {
+            helper::DONE
+        } else {
+            helper::ABSENT
+        };
+    }
+    // Two's complement: a "negative" delta gives slots back, and may remove the entry.
+    let adjusted = if (delta as i64) < 0 {
+        source_counts::release(source, delta.wrapping_neg())
+    } else {
+        matches!(source_counts::take(source, delta), Taken::Slots { .. })
     };
-    atomics::fetch_add(counter, delta);
+    if !adjusted {
+        return helper::ABSENT;
+    }
     hold(source, maps::config(), delta);
     helper::DONE
 }

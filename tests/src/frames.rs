@@ -52,6 +52,9 @@ pub struct Tcp {
     pub fragment_offset: u16,
     /// TCP options as a SYN carries them (MSS, SACK permitted, window scale).
     pub tcp_options: bool,
+    /// A TCP Fast Open cookie option (kind 34) after the usual options, as a client's SYN
+    /// carrying data on a cookie the server gave it earlier.
+    pub fast_open_cookie: Option<[u8; 8]>,
     pub payload: Vec<u8>,
 }
 
@@ -74,6 +77,7 @@ impl Tcp {
             ipv6_extensions: false,
             fragment_offset: 0,
             tcp_options: true,
+            fast_open_cookie: None,
             payload: Vec::new(),
         }
     }
@@ -134,10 +138,19 @@ impl Tcp {
         tcp.urg = self.other_flags & 0x20 != 0;
         tcp.ece = self.other_flags & 0x40 != 0;
         tcp.cwr = self.other_flags & 0x80 != 0;
+        let mut options = Vec::new();
         if self.tcp_options {
             // MSS 1460, SACK permitted, NOP, window scale 7: 12 bytes.
-            tcp.set_options_raw(&[2, 4, 5, 180, 4, 2, 1, 3, 3, 7, 1, 1])
-                .expect("valid TCP options");
+            options.extend_from_slice(&[2, 4, 5, 180, 4, 2, 1, 3, 3, 7, 1, 1]);
+        }
+        if let Some(cookie) = self.fast_open_cookie {
+            // Fast Open (kind 34, length 10) and two NOPs to a four-byte boundary.
+            options.extend_from_slice(&[34, 10]);
+            options.extend_from_slice(&cookie);
+            options.extend_from_slice(&[1, 1]);
+        }
+        if !options.is_empty() {
+            tcp.set_options_raw(&options).expect("valid TCP options");
         }
         tcp
     }
@@ -327,6 +340,38 @@ pub fn udp(src: IpAddr, dst: IpAddr) -> Vec<u8> {
     let mut frame = Vec::new();
     builder
         .write(&mut frame, b"hello")
+        .expect("writing to a Vec");
+    frame
+}
+
+/// The protocols a tunnel ending on the host arrives in (IPv4 protocol, IPv6 next header).
+pub const IPIP: IpNumber = IpNumber(4);
+pub const IPV6_IN_IP: IpNumber = IpNumber(41);
+pub const GRE: IpNumber = IpNumber(47);
+
+/// `inner`, an Ethernet frame whose IP packet goes through a tunnel from `src` to `dst`: in
+/// IP (`IPIP` for an IPv4 packet, `IPV6_IN_IP` for an IPv6 one) or in GRE (a four-byte GRE
+/// header naming the inner packet's EtherType).
+pub fn tunnel(src: IpAddr, dst: IpAddr, protocol: IpNumber, inner: &[u8]) -> Vec<u8> {
+    let builder = match (src, dst) {
+        (IpAddr::V4(s), IpAddr::V4(d)) => {
+            PacketBuilder::ethernet2(CLIENT_MAC, SERVER_MAC).ipv4(s.octets(), d.octets(), 64)
+        }
+        (IpAddr::V6(s), IpAddr::V6(d)) => {
+            PacketBuilder::ethernet2(CLIENT_MAC, SERVER_MAC).ipv6(s.octets(), d.octets(), 64)
+        }
+        _ => panic!("mixed families"),
+    };
+    let (ether_type, packet) = (&inner[12..14], &inner[14..]);
+    let mut payload = Vec::new();
+    if protocol == GRE {
+        payload.extend_from_slice(&[0, 0]);
+        payload.extend_from_slice(ether_type);
+    }
+    payload.extend_from_slice(packet);
+    let mut frame = Vec::new();
+    builder
+        .write(&mut frame, protocol, &payload)
         .expect("writing to a Vec");
     frame
 }

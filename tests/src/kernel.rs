@@ -64,6 +64,28 @@ pub fn xdp_run(dp: &Datapath, frame: &[u8]) -> XdpRun {
     }
 }
 
+/// Runs one of the agent's helper programs (`limiter_release`, `limiter_adjust`, ...) with
+/// `request` as its input, through a shared `dp`, so a test can run it on one thread while
+/// another sends frames; returns its answer (one of `limiter_common::helper`'s).
+pub fn helper_run<T: aya::Pod>(dp: &Datapath, name: &str, request: &T) -> u32 {
+    let prog: &Xdp = dp
+        .ebpf()
+        .program(name)
+        .expect("the helper program")
+        .try_into()
+        .expect("an XDP program");
+    // SAFETY: `T: Pod` is plain data with no padding the compiler adds.
+    let bytes = unsafe {
+        std::slice::from_raw_parts((request as *const T).cast::<u8>(), std::mem::size_of::<T>())
+    };
+    prog.test_run(TestRunOptions {
+        data_in: Some(bytes),
+        ..Default::default()
+    })
+    .expect("BPF_PROG_TEST_RUN")
+    .return_value
+}
+
 /// Runs `frame` through the egress TC program of `dp` once; returns the TC action.
 pub fn tc_run(dp: &Datapath, frame: &[u8]) -> u32 {
     tc_run_marked(dp, frame, 0)

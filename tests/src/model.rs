@@ -114,7 +114,8 @@ pub struct Model {
     /// By slot, only those a SYN or a connection touched.
     pub buckets: HashMap<u32, Bucket>,
     pub flows: HashMap<FlowKey, Flow>,
-    /// Entries are created at a handshake's completion and never removed, as in the kernel.
+    /// Entries are created at a handshake's completion and removed when their count returns
+    /// to zero, as in the kernel.
     pub source_conns: HashMap<SourceKey, u64>,
     pub global: u64,
     /// Refused connection attempts by `Reason::blocked_slot`.
@@ -260,7 +261,12 @@ impl Model {
     }
 
     fn unparsed(&mut self, direction: Direction, reason: Reason) -> Action {
-        if direction == Direction::Ingress && !matches!(reason, Reason::NonIp | Reason::NonTcp) {
+        let passes = match reason {
+            Reason::NonIp | Reason::NonTcp => true,
+            Reason::Tunnel => self.config.tunnels_pass != 0,
+            _ => false,
+        };
+        if direction == Direction::Ingress && !passes {
             self.count(direction, Verdict::Drop, reason);
             return Action::Drop;
         }
@@ -540,6 +546,9 @@ impl Model {
         };
         if let Some(n) = self.source_conns.get_mut(&flow.source) {
             *n -= 1;
+            if *n == 0 {
+                self.source_conns.remove(&flow.source);
+            }
             let slot = self.place(&flow.source).slot;
             self.buckets.entry(slot).or_default().holders -= 1;
         }

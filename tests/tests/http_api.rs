@@ -1309,9 +1309,10 @@ fn the_first_scrape_passes_promtool_and_has_every_documented_series_and_no_impos
         .keys()
         .filter(|k| k.starts_with("limiter_packets_total{"))
         .collect();
-    // 10 egress passes, 9 ingress passes (a plain segment is not counted), 12 ingress drops
-    // (the refusals, the unreadable and what the host would discard), 6 ingress RSTs.
-    assert_eq!(packets.len(), 37, "{packets:?}");
+    // 11 egress passes, 10 ingress passes (a plain segment is not counted), 13 ingress drops
+    // (the refusals, the unreadable, what the host would discard and tunnels), 6 ingress
+    // RSTs.
+    assert_eq!(packets.len(), 40, "{packets:?}");
     for impossible in [
         r#"direction="egress",reason="tracked",verdict="rst""#,
         r#"direction="ingress",reason="admitted",verdict="drop""#,

@@ -70,9 +70,11 @@ const RATE: &[&str] = &[
     "rst",
 ];
 
-/// The same caps with an allow list and a deny list over part of the clients, and refused
-/// connections dropped rather than answered.
+/// The same caps with an allow list and a deny list over part of the clients, refused
+/// connections dropped rather than answered, and tunnels let through.
 const LISTS: &[&str] = &[
+    "--tunnels",
+    "pass",
     "--ports",
     "5672",
     "--max-conn-per-ip",
@@ -647,10 +649,17 @@ impl Generator {
             80..82 => self.too_many_vlans(c),
             82..85 => {
                 let src = self.clients[c / PORTS_PER_CLIENT];
-                let (bytes, reason) = if self.rng.percent(50) {
-                    (frames::non_ip(), Reason::NonIp)
-                } else {
-                    (frames::udp(src, server(src)), Reason::NonTcp)
+                let (bytes, reason) = match self.rng.below(3) {
+                    0 => (frames::non_ip(), Reason::NonIp),
+                    1 => (frames::udp(src, server(src)), Reason::NonTcp),
+                    _ => {
+                        // A SYN of the connection, tunnelled to the host.
+                        let inner = self.client(c, SYN).build();
+                        let protocol =
+                            [frames::IPIP, frames::IPV6_IN_IP, frames::GRE][self.rng.below(3)];
+                        let frame = frames::tunnel(src, server(src), protocol, &inner);
+                        (frame, Reason::Tunnel)
+                    }
                 };
                 Frame {
                     bytes,
@@ -772,8 +781,15 @@ impl Generator {
     /// programs would key as that client). Any state it changed would be a hole.
     fn host_discarded(&mut self, c: usize) -> Frame {
         let flags = [SYN, RST, ACK, FIN | ACK, RST | ACK];
-        let pick = self.rng.below(flags.len());
-        let mut tcp = self.client(c, flags[pick]);
+        let mut flag = flags[self.rng.below(flags.len())];
+        // A plain ACK takes the established fast path unless its ack number's hint is fresh,
+        // and passes there uncounted and unjudged (it changes nothing, so the host's discard
+        // is all that happens to it): only the ACK that would complete a half-open handshake
+        // reaches the discard check, which is the one that matters.
+        if flag == ACK && self.conns[c].stage != Stage::SynAcked {
+            flag = RST | ACK;
+        }
+        let mut tcp = self.client(c, flag);
         tcp.ack = self.conns[c].isn.wrapping_add(1);
         let (bytes, reason, label) = match tcp.src {
             IpAddr::V4(_) => {

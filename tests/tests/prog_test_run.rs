@@ -12,13 +12,14 @@ use etherparse::{
     IpFragOffset, IpHeaders, IpNumber, Ipv4Extensions, Ipv4Header, Ipv6Extensions,
     Ipv6FragmentHeader, Ipv6Header, PacketBuilder,
 };
+use limiter::datapath::{ADJUST_PROGRAM, RELEASE_PROGRAM};
 use limiter_common::{
-    Direction, Event, FlowKey, HalfOpen, RST_MARK, Reason, Verdict, attempt_signature,
-    bucket_place, flow_state, maps, seen_slot, source_key,
+    AdjustRequest, Direction, Event, FlowKey, FlowRequest, HalfOpen, RST_MARK, Reason, Verdict,
+    attempt_signature, bucket_place, flow_state, helper, maps, seen_slot, source_key,
 };
 use limiter_tests::{
     frames::{self, CLIENT_MAC, Flags, SERVER_MAC, Tcp, Vlans},
-    kernel::{Kernel, TC_ACT_OK, XDP_DROP, XDP_PASS, XDP_TX, handshake, isn, settings},
+    kernel::{Kernel, TC_ACT_OK, XDP_DROP, XDP_PASS, XDP_TX, handshake, helper_run, isn, settings},
 };
 
 const PORT: u16 = 5672;
@@ -586,6 +587,171 @@ fn the_limiters_own_rst_leaving_the_host_releases_nothing() {
     assert_eq!(k.global(), 0);
 }
 
+/// The client's RST for the connection `syn` opened, then the sweeper's release of the flow
+/// once the host's socket is gone (the RST only marks it).
+fn client_rst_and_sweep(k: &Kernel, s: &Tcp) {
+    let mut rst = s.with_flags(RST);
+    rst.seq = s.seq.wrapping_add(1);
+    k.xdp(&rst.build());
+    let request = FlowRequest { flow: flow_key(s) };
+    assert_eq!(helper_run(&k.dp, RELEASE_PROGRAM, &request), helper::DONE);
+}
+
+#[test]
+fn sources_that_hold_nothing_hold_no_entry() {
+    // The attacker's try (finding 9): a handshake and a RST from each of more sources than
+    // the source table holds, leaving an entry at zero per source on the old code, then a
+    // new source with the table failing closed. Half close by the host's RST, half by the
+    // client's, released as the sweeper does.
+    let k = Kernel::new(&["--flow-table-size", "256", "--fail-closed"]);
+    for i in 0..300u32 {
+        let s = syn(IpAddr::V4(Ipv4Addr::from(0x0A00_0000 + i)), 1000);
+        k.connect(&s);
+        if i % 2 == 0 {
+            k.tc(&host_rst(&s));
+        } else {
+            client_rst_and_sweep(&k, &s);
+        }
+    }
+    assert_eq!(k.dp.maps.events(Event::Opened).unwrap(), 300);
+    assert_eq!(k.ingress(Verdict::Rst, Reason::FlowTableFull), 0);
+    assert!(k.dp.maps.all_source_connections().unwrap().is_empty());
+    assert_eq!(k.global(), 0);
+    k.connect(&syn(v4(9), 1));
+    assert_eq!(k.global(), 1, "a new source is admitted");
+    assert_eq!(k.dp.maps.source_connections(v4(9)).unwrap(), 1);
+}
+
+/// Whether the ACK of `s`'s handshake was refused at the ACK (a RST to the host) rather than
+/// admitted; panics if it was neither (let in uncounted).
+fn connect_counted(k: &Kernel, s: &Tcp) -> bool {
+    let opened = k.dp.maps.events(Event::Opened).unwrap();
+    let refused = k.dp.maps.events(Event::RefusedAtAck).unwrap();
+    k.connect(s);
+    let opened = k.dp.maps.events(Event::Opened).unwrap() > opened;
+    let refused = k.dp.maps.events(Event::RefusedAtAck).unwrap() > refused;
+    assert!(opened || refused, "a handshake let in uncounted");
+    opened
+}
+
+/// `rounds` rounds of: one thread opening and closing connections of `churned` (each time
+/// the entry may reach zero and be removed) while another opens 100 of `held` that stay
+/// open; after each, `held` holds exactly the connections admitted, and closing them leaves
+/// no entry. Returns how many of the held connections were refused at the ACK (a retiring
+/// entry outlasting every look; never expected, but a refusal loses no count).
+fn churn_rounds(k: &Kernel, churned: IpAddr, held: IpAddr, rounds: u16) -> u64 {
+    let start = std::sync::Barrier::new(2);
+    let mut refused = 0;
+    for round in 0..rounds {
+        let base = 1000 + round * 600;
+        let admitted = std::thread::scope(|scope| {
+            let start = &start;
+            scope.spawn(move || {
+                start.wait();
+                for i in 0..400u16 {
+                    let s = syn(churned, base + i);
+                    if connect_counted(k, &s) {
+                        k.tc(&host_rst(&s));
+                    }
+                }
+            });
+            let opener = scope.spawn(move || {
+                start.wait();
+                (0..100u16)
+                    .filter(|i| connect_counted(k, &syn(held, base + 400 + i)))
+                    .map(|i| syn(held, base + 400 + i))
+                    .collect::<Vec<_>>()
+            });
+            opener.join().unwrap()
+        });
+        refused += 100 - admitted.len() as u64;
+        let counted = k.dp.maps.source_connections(held).unwrap();
+        assert_eq!(counted, admitted.len() as u64, "round {round}");
+        assert_eq!(k.global(), counted, "round {round}");
+        assert_eq!(
+            k.dp.maps.flows().unwrap().len() as u64,
+            counted,
+            "round {round}"
+        );
+        for s in &admitted {
+            k.tc(&host_rst(s));
+        }
+        assert!(k.dp.maps.all_source_connections().unwrap().is_empty());
+        assert_eq!(k.global(), 0);
+    }
+    assert_eq!(k.ingress(Verdict::Pass, Reason::FlowTableFull), 0);
+    refused
+}
+
+#[test]
+fn a_source_churning_on_two_cpus_loses_no_count() {
+    // The source's entry keeps reaching zero and being removed on one CPU while the other
+    // takes slots in it: every slot lands in a live entry.
+    let k = Kernel::new(&["--syn-rate", "0", "--max-conn-per-ip", "0"]);
+    let refused = churn_rounds(&k, v4(2), v4(2), 20);
+    assert!(refused <= 1, "{refused} handshakes refused as busy");
+}
+
+#[test]
+fn sources_churning_side_by_side_keep_their_own_counts() {
+    // A removed entry's memory is reused at once for the next new entry, so a slot taken
+    // through a pointer from before the removal could land in another source's count.
+    let k = Kernel::new(&["--syn-rate", "0", "--max-conn-per-ip", "0"]);
+    let refused = churn_rounds(&k, v4(3), v4(4), 20);
+    assert!(refused <= 1, "{refused} handshakes refused as busy");
+}
+
+#[test]
+fn removing_idle_sources_races_no_handshake() {
+    // The sweeper removes entries it reads at zero. A read from user space and a delete
+    // after it lose a slot taken in between; the kernel's retirement cannot.
+    let k = Kernel::new(&["--syn-rate", "0", "--max-conn-per-ip", "0"]);
+    let source = source_key(&limiter_tests::model::mapped(v4(5)), 32, 128);
+    let idle = AdjustRequest {
+        source,
+        delta: 0,
+        global: 0,
+        _pad: 0,
+    };
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let (mut removed, mut admitted) = (0u32, 0u64);
+    std::thread::scope(|scope| {
+        let (k, done, idle) = (&k, &done, &idle);
+        let sweeper = scope.spawn(move || {
+            let mut removed = 0;
+            // Bounded: the opener's 200 handshakes end it much sooner.
+            for _ in 0..200_000 {
+                if done.load(std::sync::atomic::Ordering::Relaxed) {
+                    break;
+                }
+                if helper_run(&k.dp, ADJUST_PROGRAM, idle) == helper::DONE {
+                    removed += 1;
+                }
+            }
+            removed
+        });
+        for i in 0..200u16 {
+            let s = syn(v4(5), 3000 + i);
+            // Every other connection closes, so the entry keeps coming back to zero.
+            if connect_counted(k, &s) {
+                admitted += 1;
+                if i % 2 == 0 {
+                    k.tc(&host_rst(&s));
+                    admitted -= 1;
+                }
+            }
+        }
+        done.store(true, std::sync::atomic::Ordering::Relaxed);
+        removed = sweeper.join().unwrap();
+    });
+    assert_eq!(k.dp.maps.source_connections(v4(5)).unwrap(), admitted);
+    assert_eq!(k.global(), admitted);
+    assert!(admitted >= 99, "{admitted} of 100 admitted");
+    // An entry holding connections is never removed; one at zero is.
+    assert_eq!(helper_run(&k.dp, ADJUST_PROGRAM, &idle), helper::ABSENT);
+    eprintln!("the sweeper's removal ran into {removed} idle entries");
+}
+
 #[test]
 fn fins_both_ways_close_the_flow() {
     let k = Kernel::new(&[]);
@@ -707,6 +873,100 @@ fn a_tiny_first_fragment_syn_is_refused() {
     let whole_header = syn(v4(2), 1).fragments(32);
     assert_eq!(k.xdp(&whole_header[0]).action, XDP_DROP);
     assert_eq!(k.ingress(Verdict::Drop, Reason::Fragment), 5);
+}
+
+#[test]
+fn a_fast_open_syn_is_judged_and_counted_exactly_like_a_syn() {
+    // TCP Fast Open: a SYN carrying a cookie and data, which a server with TFO enabled hands
+    // to the application at once, before the handshake completes. The limiter judges it as
+    // the SYN it is (lists, bans, rate, caps) and counts it only at the proven handshake, so
+    // data in a SYN buys nothing: a refused one is dropped or reset with its data.
+    let k = Kernel::new(&["--max-conn-per-ip", "1", "--syn-rate", "0"]);
+    let tfo = |sport: u16| {
+        let mut s = syn(v4(8), sport);
+        s.fast_open_cookie = Some(*b"cookie!!");
+        s.payload = b"CONNECT broker".to_vec();
+        s
+    };
+    let first = tfo(45000);
+    assert_eq!(k.xdp(&first.build()).action, XDP_PASS);
+    assert_eq!(k.ingress(Verdict::Pass, Reason::HalfOpen), 1);
+    assert_eq!(k.global(), 0, "no slot before the handshake completes");
+    // The server acknowledges the SYN and its data; the client's ACK proves it.
+    let h = handshake(&first, isn(first.sport));
+    k.tc(&h.syn_ack);
+    let mut ack = first.with_flags(ACK);
+    ack.fast_open_cookie = None;
+    ack.payload.clear();
+    ack.seq = first.seq.wrapping_add(1 + first.payload.len() as u32);
+    ack.ack = isn(first.sport).wrapping_add(1);
+    k.xdp(&ack.build());
+    assert_eq!(k.dp.maps.source_connections(v4(8)).unwrap(), 1);
+    // At the cap, a second Fast Open SYN is refused like any SYN, its data never delivered.
+    let second = tfo(45001);
+    let run = k.xdp(&second.build());
+    assert_eq!(
+        run.action, XDP_PASS,
+        "marked for the TC ingress program's RST"
+    );
+    assert_eq!(run.frame[..4], RST_MARK.to_ne_bytes());
+    assert_eq!(k.ingress(Verdict::Rst, Reason::ConnPerIp), 1);
+    assert_eq!(k.dp.maps.source_connections(v4(8)).unwrap(), 1);
+}
+
+/// A SYN to the protected port inside each kind of tunnel the programs recognise, from
+/// outside to the host: IPIP and GRE over IPv4, IPv6 in IPv4 (SIT), IPIP and IPv6 in IPv6
+/// and GRE over IPv6.
+fn tunnelled_syns() -> Vec<Vec<u8>> {
+    let (outer4, host4) = (v4(66), server4());
+    let (outer6, host6) = (v6("2001:db8:66::1"), v6("2001:db8:ffff::1"));
+    let inner4 = syn(v4(77), 41000).build();
+    let inner6 = syn(v6("2001:db8:77::1"), 41000).build();
+    vec![
+        frames::tunnel(outer4, host4, frames::IPIP, &inner4),
+        frames::tunnel(outer4, host4, frames::GRE, &inner4),
+        frames::tunnel(outer4, host4, frames::IPV6_IN_IP, &inner6),
+        frames::tunnel(outer6, host6, frames::IPIP, &inner4),
+        frames::tunnel(outer6, host6, frames::IPV6_IN_IP, &inner6),
+        frames::tunnel(outer6, host6, frames::GRE, &inner6),
+    ]
+}
+
+#[test]
+fn tunnels_to_a_protected_interface_are_dropped_unless_passed() {
+    // The attacker's try (finding 10): a SYN wrapped in a tunnel the host ends reaches its
+    // sockets from the tunnel device, never judged on the interface it came in on.
+    let k = Kernel::new(&["--max-conn-per-ip", "1"]);
+    let frames = tunnelled_syns();
+    for frame in &frames {
+        assert_eq!(k.xdp(frame).action, XDP_DROP);
+    }
+    let n = frames.len() as u64;
+    assert_eq!(k.ingress(Verdict::Drop, Reason::Tunnel), n);
+    assert_eq!(k.ingress(Verdict::Pass, Reason::NonTcp), 0);
+    // Leaving the host, a tunnel passes, counted.
+    for frame in &frames {
+        assert_eq!(k.tc(frame), TC_ACT_OK);
+    }
+    assert_eq!(
+        k.packets(Direction::Egress, Verdict::Pass, Reason::Tunnel),
+        n
+    );
+    // Other non-TCP traffic still passes.
+    assert_eq!(k.xdp(&frames::udp(v4(66), server4())).action, XDP_PASS);
+    assert_eq!(k.ingress(Verdict::Pass, Reason::NonTcp), 1);
+
+    // A host that ends tunnels lets them through, live: the same maps, a new policy.
+    let mut k = k;
+    k.dp.maps
+        .apply(&settings(&["--max-conn-per-ip", "1", "--tunnels", "pass"]).policy)
+        .unwrap();
+    for frame in &frames {
+        assert_eq!(k.xdp(frame).action, XDP_PASS);
+    }
+    assert_eq!(k.ingress(Verdict::Pass, Reason::Tunnel), n);
+    assert_eq!(k.ingress(Verdict::Drop, Reason::Tunnel), n, "no more drops");
+    assert_eq!(k.global(), 0, "nothing inside was judged or counted");
 }
 
 #[test]

@@ -11,7 +11,7 @@ use std::{
 
 use limiter::{
     buckets::{LimiterConfig, actions::builtin_actions},
-    datapath::{Adoption, keys::source_key},
+    datapath::{Adoption, SweepCursor, keys::source_key},
     services::sweeper::Sweeper,
     settings::SweepSettings,
 };
@@ -182,6 +182,64 @@ fn drifted_counters_are_repaired_after_two_sightings() {
             agent.sweep_pass(&mut sweeper, &settings).unwrap().repairs,
             0
         );
+    }
+}
+
+#[test]
+fn a_cycle_whose_walk_restarts_counts_each_flow_once() {
+    // Finding 12: a cycle over more flows than `sweep-batch` whose cursor (the last key of a
+    // batch) is deleted before the next pass, so the walk starts again from the first key
+    // and reads the first flow again. Each flow has a source of its own: the first flow's
+    // source holds one connection throughout, so its counter is judged every cycle, and a
+    // flow read twice must not pass for drift seen twice, "repaired" into a real one.
+    let agent = start(&["--sweep-batch", "2"]);
+    let mut open: Vec<Tcp> = (10..16).map(|last| syn(v4(last), 1000)).collect();
+    for s in &open {
+        connect(&agent, s);
+    }
+    let settings = agent.settings().sweep;
+    let mut sweeper = Sweeper::new();
+    let mut repairs = 0;
+    for _cycle in 0..3 {
+        // The first pass of a cycle reads the table's first two keys; the second is its cursor.
+        let first = agent
+            .with_maps(|m| m.flow_batch(&mut SweepCursor::default(), 2))
+            .unwrap();
+        repairs += agent.sweep_pass(&mut sweeper, &settings).unwrap().repairs;
+        let cursor = first.flows[1].0;
+        let at = open.iter().position(|s| flow_key_of(s) == cursor).unwrap();
+        let closed = open.remove(at);
+        let rst = closed.reply(Flags {
+            rst: true,
+            ..Flags::default()
+        });
+        tc_run(&agent.datapath(), &rst.build());
+        // The rest of the cycle: from the first key again, to the end (bounded).
+        let mut ended = false;
+        for _ in 0..8 {
+            let report = agent.sweep_pass(&mut sweeper, &settings).unwrap();
+            repairs += report.repairs;
+            if report.cycle_ended {
+                ended = true;
+                break;
+            }
+        }
+        assert!(ended, "the walk reaches the end of the table");
+    }
+    assert_eq!(repairs, 0, "no drift was there to repair");
+    for s in &open {
+        assert_eq!(agent.with_maps(|m| m.source_connections(s.src)).unwrap(), 1);
+    }
+    assert_eq!(agent.with_maps(|m| m.global_connections()).unwrap(), 3);
+}
+
+fn flow_key_of(s: &Tcp) -> FlowKey {
+    FlowKey {
+        remote: mapped(s.src),
+        local: mapped(s.dst),
+        remote_port: s.sport,
+        local_port: s.dport,
+        _pad: 0,
     }
 }
 

@@ -9,8 +9,8 @@ use aya::{
 };
 use ipnet::IpNet;
 use limiter_common::{
-    Ban, Blocked, Config, Direction, Event, Flow, FlowKey, HalfOpen, Reason, SourceKey, SynBucket,
-    Verdict, map_names, stats::stat_slot, syn_cookies,
+    Ban, Blocked, Config, Direction, Event, Flow, FlowKey, HalfOpen, Reason, SOURCE_RETIRED,
+    SourceKey, SynBucket, Verdict, map_names, stats::stat_slot, syn_cookies,
 };
 use thiserror::Error;
 
@@ -381,16 +381,23 @@ impl Maps {
     pub fn source_connections(&self, addr: IpAddr) -> Result<u64, MapsError> {
         let key = source_key(addr, &self.config()?);
         match self.source_conns.get(&key, 0) {
+            Ok(n) if n & SOURCE_RETIRED != 0 => Ok(0),
             Ok(n) => Ok(n),
             Err(MapError::KeyNotFound) => Ok(0),
             Err(error) => Err(map_error(map_names::SOURCE_CONNS)(error)),
         }
     }
 
-    /// Every source's open connections, including sources at zero not yet swept.
+    /// Every source's open connections (an entry the kernel is removing, at zero, is left
+    /// out).
     pub fn all_source_connections(&self) -> Result<Vec<(SourceKey, u64)>, MapsError> {
         self.source_conns
             .iter()
+            .filter(|entry| {
+                entry
+                    .as_ref()
+                    .map_or(true, |(_, n)| n & SOURCE_RETIRED == 0)
+            })
             .map(|entry| entry.map_err(map_error(map_names::SOURCE_CONNS)))
             .collect()
     }
@@ -459,15 +466,6 @@ impl Maps {
                 source,
             }
         })
-    }
-
-    /// Deletes a source's counter entry if it still reads zero.
-    pub fn remove_idle_source(&mut self, key: &SourceKey) -> Result<bool, MapsError> {
-        match self.source_conns.get(key, 0) {
-            Ok(0) => Ok(self.source_conns.remove(key).is_ok()),
-            Ok(_) | Err(MapError::KeyNotFound) => Ok(false),
-            Err(e) => Err(map_error(map_names::SOURCE_CONNS)(e)),
-        }
     }
 
     /// Slots the flow table was created with (an adopted table keeps its original size).

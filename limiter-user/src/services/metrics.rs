@@ -510,8 +510,9 @@ impl Scraped for BrokerMetrics {
 /// can ever move are exported. Egress (TC) only observes: it passes, for parse failures and
 /// for the segments of connections. Ingress refuses (drop, or rst for a refused SYN or a
 /// handshake refused at its last ACK) for a refusal reason, drops what it cannot read when it
-/// could reach a protected port or the host would discard it (only ingress checks that), and
-/// passes for every other reason but a plain segment (left
+/// could reach a protected port or the host would discard it (only ingress checks that) and
+/// a tunnel unless `tunnels` is `pass`, and passes for every other reason but a plain segment
+/// (left
 /// uncounted: see `policy::established` in the kernel crate), and for a full flow table when
 /// failing open.
 fn possible(direction: Direction, verdict: Verdict, reason: Reason) -> bool {
@@ -524,6 +525,8 @@ fn possible(direction: Direction, verdict: Verdict, reason: Reason) -> bool {
         reason,
         Reason::Checksum | Reason::Martian | Reason::BadCookie
     );
+    // Dropped unless `tunnels` is `pass`, then passed; passed on egress like non-TCP.
+    let tunnel = reason == Reason::Tunnel;
     match (direction, verdict) {
         (Direction::Egress, Verdict::Pass) => {
             unreadable
@@ -535,6 +538,7 @@ fn possible(direction: Direction, verdict: Verdict, reason: Reason) -> bool {
                         | Reason::Segment
                         | Reason::Tracked
                         | Reason::Untracked
+                        | Reason::Tunnel
                 )
         }
         (Direction::Egress, _) => false,
@@ -545,7 +549,7 @@ fn possible(direction: Direction, verdict: Verdict, reason: Reason) -> bool {
                 && !matches!(reason, Reason::Segment | Reason::Unproven))
                 || reason == Reason::FlowTableFull
         }
-        (Direction::Ingress, Verdict::Drop) => refusal || unreadable || discarded,
+        (Direction::Ingress, Verdict::Drop) => refusal || unreadable || discarded || tunnel,
         (Direction::Ingress, Verdict::Rst) => refusal,
         (Direction::Ingress, Verdict::Cookie) => reason == Reason::Unproven,
     }

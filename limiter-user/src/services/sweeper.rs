@@ -100,6 +100,9 @@ pub struct PassReport {
     /// Established connections the flow table lacked, adopted (see [`Sweeper::adopt`]).
     pub adopted: u64,
     pub repairs: u64,
+    /// This pass's walk reached the end of the flow table: a cycle ended (and was
+    /// reconciled, if it began at the table's start).
+    pub cycle_ended: bool,
 }
 
 /// The sweeper's memory between passes.
@@ -186,9 +189,14 @@ impl Sweeper {
                     Release::Idle => report.idle += 1,
                 },
                 Some(_) => {}
+                // Each flow counts once in a cycle: a walk whose cursor's key was deleted (a
+                // flow released at the end of the last batch) starts again from the first key
+                // and reads again flows it counted already, which would otherwise look like
+                // drift and, seen twice, be "repaired" into it.
                 None => {
-                    *self.tally.entry(flow.source).or_default() += 1;
-                    self.tracked.insert(*key);
+                    if self.tracked.insert(*key) {
+                        *self.tally.entry(flow.source).or_default() += 1;
+                    }
                 }
             }
         }
@@ -196,6 +204,7 @@ impl Sweeper {
             (report.adopted, report.over_cap) = self.adopt(enforcer, sockets)?;
         }
         self.settled = true;
+        report.cycle_ended = flows.wrapped;
         if flows.wrapped {
             if let Some(start) = self.cycle_start.take() {
                 report.repairs = self.reconcile(enforcer, &start)?;
@@ -277,8 +286,11 @@ impl Sweeper {
         Ok((adopted, closed))
     }
 
-    /// Reconciles the counters with the cycle's tally ([`sweep_rules::reconcile`]): sources
-    /// whose counter reads 0 are forgotten, and the counters it finds drifted are repaired.
+    /// Reconciles the counters with the cycle's tally ([`sweep_rules::reconcile`]): the
+    /// counters it finds drifted are repaired, and an entry read at 0 (the kernel removes a
+    /// source's entry as its last slot goes; a rare race can leave one behind) is removed by
+    /// the kernel's own retirement, never by a delete from here, which would race a
+    /// handshake taking a slot between the read and the delete.
     fn reconcile(
         &mut self,
         enforcer: &Enforcer,
@@ -287,7 +299,7 @@ impl Sweeper {
         let end = counters(enforcer)?;
         let verdict = sweep_rules::reconcile(start, &end, &self.tally, &self.suspects);
         for source in &verdict.idle_sources {
-            enforcer.with_maps(|m| m.remove_idle_source(source))?;
+            enforcer.datapath().remove_idle_source(source)?;
         }
         for repair in &verdict.repairs {
             enforcer.datapath().adjust(&repair.request)?;

@@ -51,9 +51,18 @@ impl FileConfig {
                 .try_into()
                 .map_err(|e: toml::de::Error| ConfigError::new("cluster", e.message()))?,
         };
-        let layer = Layer::deserialize(toml::Value::Table(table)).map_err(|e| {
-            // serde names the offending key in its message ("unknown field `x`").
-            ConfigError::new("config", e.message())
+        let layer = Layer::deserialize(toml::Value::Table(table.clone())).map_err(|e| {
+            // serde names an unknown key in its message ("unknown field `x`"), but not the
+            // key of a value it refuses ("unknown variant `x`"): the first key refused on its
+            // own is the one.
+            let refused = table.iter().find(|(key, value)| {
+                let alone = toml::Table::from_iter([((*key).clone(), (*value).clone())]);
+                Layer::deserialize(toml::Value::Table(alone)).is_err()
+            });
+            ConfigError::new(
+                refused.map_or("config", |(key, _)| key.as_str()),
+                e.message(),
+            )
         })?;
         Ok(Self {
             layer,

@@ -40,6 +40,17 @@ pub enum SynCookiesArg {
     Always,
 }
 
+/// What the programs do with tunnelled packets (IP in IP, IPv6 in IP, GRE) on ingress.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TunnelsArg {
+    /// Drop them: the host would take the packet inside off its tunnel device, unjudged.
+    Drop,
+    /// Let them through, for a host that ends tunnels (limiter attached to the tunnel's
+    /// device too judges what comes out of it).
+    Pass,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum XdpModeArg {
@@ -123,6 +134,11 @@ pub struct Layer {
     /// seconds. [default: 2000]
     #[arg(long, env = "LIMITER_SYN_COOKIES_THRESHOLD")]
     pub syn_cookies_threshold: Option<u32>,
+    /// Tunnelled packets (IPv4 protocol or IPv6 next header 4, 41, 47: IPIP, SIT, GRE) on a
+    /// protected interface: dropped, or passed for a host that ends tunnels (attach limiter
+    /// to the tunnel's device too). [default: drop]
+    #[arg(long, env = "LIMITER_TUNNELS", value_enum)]
+    pub tunnels: Option<TunnelsArg>,
     /// Source CIDR never limited (repeatable).
     #[arg(long, env = "LIMITER_ALLOW", value_delimiter = ',')]
     #[serde(default, skip_serializing_if = "Vec::is_empty")]

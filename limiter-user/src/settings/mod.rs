@@ -20,7 +20,7 @@ use std::{
 pub use broker::{ActionFlags, AdminPeers, BrokerLayer, BrokerSettings, ClientLimits, ServeConfig};
 pub use cluster::ClusterLayer;
 pub use file::FileConfig;
-pub use flags::{Layer, RefusalArg, XdpModeArg};
+pub use flags::{Layer, RefusalArg, TunnelsArg, XdpModeArg};
 pub use resolve::{parse_cidr, parse_cidrs};
 
 pub use crate::errors::ConfigError;
@@ -386,6 +386,25 @@ mod tests {
         assert_eq!(mapped.deny[0].to_string(), "10.9.0.0/16");
     }
 
+    #[test]
+    fn tunnels_are_dropped_unless_passed_by_flag_or_file() {
+        assert_eq!(policy(&[]).unwrap().config().tunnels_pass, 0);
+        assert_eq!(
+            policy(&["--tunnels", "pass"])
+                .unwrap()
+                .config()
+                .tunnels_pass,
+            1
+        );
+        let file = with_file("tunnels = \"pass\"\n", &[]).unwrap();
+        assert_eq!(file.policy.config().tunnels_pass, 1);
+        let flag_wins = with_file("tunnels = \"pass\"\n", &["--tunnels", "drop"]).unwrap();
+        assert_eq!(flag_wins.policy.config().tunnels_pass, 0);
+        let mut argv = vec!["limiter", "--tunnels", "decapsulate"];
+        let error = Wrapper::try_parse_from(argv.drain(..)).err().unwrap();
+        assert!(error.to_string().contains("--tunnels"), "{error}");
+    }
+
     fn with_file(text: &str, flags: &[&str]) -> Result<Settings, ConfigError> {
         let mut file = tempfile::NamedTempFile::new().unwrap();
         file.write_all(text.as_bytes()).unwrap();
@@ -558,6 +577,7 @@ mod tests {
             ("ipv4-prefix = 300\n", "300"),
             ("idle-timeout = \"soon\"\n", "soon"),
             ("reject-conn = \"maybe\"\n", "maybe"),
+            ("tunnels = \"decapsulate\"\n", "tunnels"),
             ("max-conn-total = \n", "config"),
             ("[broker]\nsockett = \"/x\"\n", "sockett"),
         ] {

@@ -9,7 +9,7 @@ use limiter_common::{Config, Refusal};
 use super::{
     BrokerLayer, BrokerSettings, CheckAccess, ClientLimits, ConfigError, RestartOnly, Settings,
     SweepSettings, defaults,
-    flags::{Layer, RefusalArg, SynCookiesArg, XdpModeArg},
+    flags::{Layer, RefusalArg, SynCookiesArg, TunnelsArg, XdpModeArg},
 };
 use crate::{
     datapath::{CookieMode, Policy},
@@ -171,6 +171,7 @@ impl Layer {
             reject_deny: refusal(self.reject_deny, RefusalArg::Drop),
             fail_closed: self.fail_closed.unwrap_or(false).into(),
             rst_xdp_tx: self.rst_xdp_tx.unwrap_or(false).into(),
+            tunnels_pass: (self.tunnels.unwrap_or(TunnelsArg::Drop) == TunnelsArg::Pass).into(),
             ..Config::UNCONFIGURED
         };
         Ok(Policy {
