@@ -18,7 +18,7 @@ pub mod sockets;
 mod tc_legacy;
 mod walk;
 
-pub use enforcer::{EnforceError, Enforcer};
+pub use enforcer::{EnforceError, Enforcer, Lists};
 pub use helpers::Adoption;
 pub use loader::{
     Attachment, Datapath, EBPF_OBJECT, KernelLogger, LoadError, LoadOptions, TcPath, XdpAttachMode,
