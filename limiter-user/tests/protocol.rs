@@ -12,8 +12,8 @@ use std::{
 
 use limiter::{
     buckets::{
-        ActionConfig, BanError, Banner, EscalationConfig, Limiter, LimiterConfig, ManualClock,
-        resolve_actions,
+        ActionConfig, BanError, BanIncrement, Banner, EscalationConfig, Limiter, LimiterConfig,
+        ManualClock, resolve_actions,
     },
     protocol::Server,
     settings::{AdminPeers, ServeConfig},
@@ -168,6 +168,7 @@ async fn every_request_round_trips() {
             after: 1,
             window: Duration::from_secs(60),
             ban: Duration::from_secs(600),
+            increment: BanIncrement::OFF,
             max_addresses: 10,
         }),
     )

@@ -14,7 +14,8 @@ use std::{
 use limiter::{
     api::ListKind,
     buckets::{
-        ActionConfig, ActionKind, EscalationConfig, KeyKind, LimiterConfig, Window, resolve_actions,
+        ActionConfig, ActionKind, BanIncrement, EscalationConfig, KeyKind, LimiterConfig, Window,
+        resolve_actions,
     },
     ops::{self, AdminConnect, Connect, Fallback},
     services::{
@@ -79,6 +80,7 @@ fn limiter_config() -> LimiterConfig {
             after: 1,
             window: Duration::from_secs(60),
             ban: Duration::from_secs(600),
+            increment: BanIncrement::OFF,
             max_addresses: 100,
         }),
     }

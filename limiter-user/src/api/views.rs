@@ -210,7 +210,13 @@ pub struct EscalationView {
     /// Failures tolerated within the window; one more bans.
     pub after: u32,
     pub window_ms: u64,
+    /// The first ban's length.
     pub ban_ms: u64,
+    /// Each repeat ban within `memory_ms` of the last one's end lasts this many times longer,
+    /// up to `max_ban_ms`; 1: every ban lasts `ban_ms`.
+    pub ban_factor: u32,
+    pub max_ban_ms: u64,
+    pub memory_ms: u64,
     pub tracked_addresses: usize,
     pub bans: u64,
     pub ban_failures: u64,

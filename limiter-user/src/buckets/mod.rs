@@ -19,7 +19,7 @@ pub use actions::{
 };
 pub use ban::{BanError, Banner, NoBans, SharedBanStats};
 pub use clock::{Clock, ManualClock, MonotonicClock};
-pub use escalation::{EscalationConfig, EscalationStats};
+pub use escalation::{BanIncrement, EscalationConfig, EscalationStats};
 pub use shared::{Pending, SharedBuckets, SharedCheck, SharedFuture, SharedLimit};
 pub use stats::ActionStats;
 pub use store::{ActionId, BYTES_PER_KEY, CheckError, Limiter, LimiterConfig, Submit};

@@ -183,6 +183,7 @@ fn a_flood_of_fresh_keys_never_refuses_or_bans_an_innocent_key() {
             after: 1,
             window: Duration::from_secs(60),
             ban: Duration::from_secs(600),
+            increment: BanIncrement::OFF,
             max_addresses: 1000,
         }),
     );
@@ -282,6 +283,7 @@ fn auth_refusals_and_reported_failures_escalate_to_one_ban() {
         after: 3,
         window: Duration::from_secs(60),
         ban: Duration::from_secs(900),
+        increment: BanIncrement::OFF,
         max_addresses: 100,
     };
     let (_, banner, limiter) = limiter_with("[actions.auth]\nlimit = 2\n", Some(escalation));
@@ -430,6 +432,7 @@ fn a_reload_turns_escalation_on_changes_it_and_turns_it_off() {
         after,
         window: Duration::from_secs(60),
         ban: Duration::from_secs(120),
+        increment: BanIncrement::OFF,
         max_addresses: 100,
     };
     limiter.reconfigure(config_of("[actions.auth]\n", Some(escalation(3))));

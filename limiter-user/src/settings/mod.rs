@@ -55,6 +55,8 @@ pub mod defaults {
     pub const SWEEP_BATCH: u32 = 65_536;
     pub const ESCALATE_WINDOW: Duration = Duration::from_secs(60);
     pub const ESCALATE_BAN: Duration = Duration::from_secs(600);
+    pub const ESCALATE_MAX_BAN: Duration = Duration::from_secs(86_400);
+    pub const ESCALATE_MEMORY: Duration = Duration::from_secs(86_400);
     pub const MAX_CLIENTS: u32 = 512;
     pub const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
     pub const CLIENT_IDLE_TIMEOUT: Duration = Duration::from_secs(300);
@@ -344,6 +346,22 @@ mod tests {
             (&["--deny-file", "/nonexistent/deny"][..], "deny-file"),
             (&["--syn-timeout", "0s"][..], "syn-timeout"),
             (&["--escalate-after", "0"][..], "escalate-after"),
+            (
+                &["--escalate-after", "3", "--escalate-factor", "0"][..],
+                "escalate-factor",
+            ),
+            (
+                &["--escalate-after", "3", "--escalate-max-ban", "5m"][..],
+                "escalate-max-ban",
+            ),
+            (
+                &["--escalate-after", "3", "--escalate-max-ban", "400d"][..],
+                "escalate-max-ban",
+            ),
+            (
+                &["--escalate-after", "3", "--escalate-memory", "0s"][..],
+                "escalate-memory",
+            ),
             (&["--broker-admin-token", " "][..], "broker.admin-token"),
             (&["--check-token", " "][..], "check-token"),
             (&["--check-token", "t", "--check-open"][..], "check-open"),
@@ -426,6 +444,18 @@ mod tests {
         assert_eq!(
             (escalation.after, escalation.window, escalation.ban),
             (9, Duration::from_secs(120), defaults::ESCALATE_BAN)
+        );
+        assert_eq!(escalation.increment.factor, 1, "off unless set");
+        let incremented = with_file(
+            "[broker]\nescalate-after = 4\nescalate-factor = 3\nescalate-max-ban = \"2h\"\n\
+             escalate-memory = \"12h\"\n",
+            &[],
+        )
+        .unwrap();
+        let increment = incremented.broker.limiter.escalation.unwrap().increment;
+        assert_eq!(
+            (increment.factor, increment.max_ban, increment.memory),
+            (3, Duration::from_secs(7200), Duration::from_secs(43_200))
         );
         let actions = &s.broker.limiter.actions;
         assert!(actions.iter().any(|a| a.name == "login"));
