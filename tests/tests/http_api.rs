@@ -64,6 +64,10 @@ fn limiter_config() -> LimiterConfig {
             limit: Some(2),
             window: Some(Window(Duration::from_secs(60))),
             key: Some(KeyKind::User),
+            overrides: Some(BTreeMap::from([
+                ("premium".to_owned(), 4),
+                ("scraper".to_owned(), 1),
+            ])),
             ..ActionConfig::default()
         },
     );
@@ -573,6 +577,33 @@ fn rate_limits_show_limits_refusals_bans_and_broker_actions() {
         json!([{"source": "192.0.2.30", "blocked": 2}])
     );
     h.get("/rate_limits?limit=-3").assert_problem(400, "limit");
+}
+
+#[test]
+fn a_keys_override_raises_or_lowers_its_limit_over_http() {
+    let h = Harness::new(&[]);
+    let admitted = |key: &str| {
+        (0..10)
+            .take_while(|_| h.check(json!({"action": "export", "key": key})).status == 200)
+            .count()
+    };
+    assert_eq!(admitted("premium"), 4);
+    assert_eq!(admitted("scraper"), 1);
+    assert_eq!(admitted("gina"), 2);
+    let answer = h.check(json!({"action": "premium", "key": "x"}));
+    answer.assert_problem(404, "action");
+    let answer = h.check(json!({"action": "export", "key": "premium"}));
+    answer.assert_problem(429, "export");
+    assert_eq!(answer.header("x-ratelimit-limit"), Some("4"));
+    let actions = h.get("/rate_limits").json();
+    let export = actions["broker"]["actions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["name"] == "export")
+        .unwrap()
+        .clone();
+    assert_eq!(export["overrides"], 2, "{export}");
 }
 
 #[test]

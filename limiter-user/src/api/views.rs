@@ -172,6 +172,9 @@ pub struct ActionView {
     /// security action: everything refused).
     pub mode: String,
     pub limit: u32,
+    /// Keys with a limit of their own (their names are not shown: a session key is a secret).
+    #[serde(default)]
+    pub overrides: usize,
     /// A rate's window, or a quota's period.
     pub window_ms: u64,
     /// A rate's bucket capacity; for a quota, its limit.

@@ -43,7 +43,7 @@ use limiter_client::{Escalation, NEVER_MS, Outcome, Verdict};
 use crate::api::{ActionCounts, BlockedKey};
 
 use super::{
-    actions::{ActionSpec, KeyKind, Mode},
+    actions::{ActionKind, ActionSpec, KeyKind, Mode},
     ban::{BanError, Banner, SharedBanStats},
     cell::{Algorithm, Cell, Evaluation},
     clock::{Clock, ns_to_ms_ceil},
@@ -114,17 +114,62 @@ impl ActionId {
     }
 }
 
+/// What a key is judged by: the action's limits, or a key override's.
+#[derive(Clone, Copy, Debug)]
+struct Limits {
+    /// The limit itself: this agent's, or the fleet's for a shared action.
+    mode: Mode,
+    /// What this agent decides by itself: `mode`, or for a shared action its fallback share.
+    local: Mode,
+    /// The limit `mode` enforces, reported in the fleet's verdicts.
+    limit: u32,
+    /// The limit `local` enforces, reported in its verdicts.
+    local_limit: u32,
+}
+
+impl Limits {
+    /// `spec`'s limits; with `replicas`, a shared action's fallback share beside them.
+    fn of(spec: &ActionSpec, replicas: Option<u32>) -> Self {
+        let mode = spec.mode();
+        let (mut local, mut local_limit) = (mode, spec.limit);
+        if let Some(replicas) = replicas.filter(|_| spec.shared) {
+            let share = (spec.limit / replicas.max(1)).max(1);
+            match mode {
+                Mode::Limited(_) => {
+                    if let Some(rate) = Rate::share(spec.limit, spec.window, spec.burst, replicas) {
+                        local = Mode::Limited(rate);
+                        local_limit = share;
+                    }
+                }
+                Mode::Quota(_) => {
+                    if let Some(quota) = Quota::new(share, spec.window) {
+                        local = Mode::Quota(quota);
+                        local_limit = share;
+                    }
+                }
+                Mode::Unlimited | Mode::Closed => {}
+            }
+        }
+        Self {
+            mode,
+            local,
+            limit: spec.limit,
+            local_limit,
+        }
+    }
+}
+
 /// One configuration of an action: its settings, fixed, and its state, shared with the
 /// configurations before and after it.
 struct Action {
     spec: ActionSpec,
     name: Arc<str>,
-    /// The action's own rate: this agent's, or the fleet's for a shared action.
-    mode: Mode,
-    /// What this agent decides by itself: `mode`, or for a shared action its fallback share.
-    local: Mode,
-    /// The limit `local` enforces, reported in its verdicts.
-    local_limit: u32,
+    /// Every key's limits but the overridden ones'.
+    base: Limits,
+    /// The keys with limits of their own, by their stored form (so `::ffff:10.0.0.1` finds
+    /// the override written `10.0.0.1`, and a session's by its digest). Empty for most
+    /// actions, which then never hash a key for it.
+    overrides: std::collections::HashMap<StoredKey, Limits>,
     shared: bool,
     table: Arc<KeyTable>,
     counters: Arc<ActionCounters>,
@@ -181,38 +226,34 @@ impl Action {
         counters: Arc<ActionCounters>,
         replicas: Option<u32>,
     ) -> Arc<Self> {
-        let mode = spec.mode();
-        let (mut local, mut local_limit, mut shared) = (mode, spec.limit, false);
-        if let Some(replicas) = replicas.filter(|_| spec.shared) {
-            shared = true;
-            let share = (spec.limit / replicas.max(1)).max(1);
-            match mode {
-                Mode::Limited(_) => {
-                    if let Some(rate) = Rate::share(spec.limit, spec.window, spec.burst, replicas) {
-                        local = Mode::Limited(rate);
-                        local_limit = share;
-                    }
-                }
-                Mode::Quota(_) => {
-                    if let Some(quota) = Quota::new(share, spec.window) {
-                        local = Mode::Quota(quota);
-                        local_limit = share;
-                    }
-                }
-                Mode::Unlimited | Mode::Closed => {}
-            }
-        }
+        let overrides = spec
+            .overrides
+            .iter()
+            .filter_map(|(key, &limit)| {
+                // Checked by the resolve; a key that does not store is no key a check has.
+                let stored = keys::store(spec.key, key.as_bytes()).ok()?;
+                Some((stored, Limits::of(&spec.overridden(limit), replicas)))
+            })
+            .collect();
         Arc::new(Self {
             name: Arc::from(spec.name.as_str()),
-            mode,
-            local,
-            local_limit,
-            shared,
+            base: Limits::of(&spec, replicas),
+            overrides,
+            shared: replicas.is_some() && spec.shared,
             spec,
             table,
             counters,
             next: OnceLock::new(),
         })
+    }
+
+    /// The limits `key` is judged by.
+    #[inline(always)]
+    fn limits(&self, key: &StoredKey) -> &Limits {
+        if self.overrides.is_empty() {
+            return &self.base;
+        }
+        self.overrides.get(key).unwrap_or(&self.base)
     }
 }
 
@@ -340,7 +381,8 @@ impl Limiter {
         }
         let action = id.current()?;
         let stored = action.store(key)?;
-        let (limit, store) = match (action.mode, self.shared.as_ref()) {
+        let limits = *action.limits(&stored);
+        let (limit, store) = match (limits.mode, self.shared.as_ref()) {
             (Mode::Limited(rate), Some(store)) if action.shared => (SharedLimit::Rate(rate), store),
             (Mode::Quota(quota), Some(store)) if action.shared => {
                 (SharedLimit::Quota(quota), store)
@@ -363,7 +405,7 @@ impl Limiter {
         Ok(Pending::Waiting(Box::pin(async move {
             let action = &*action;
             let flags = (consume, escalate);
-            let fleet = action.spec.limit;
+            let fleet = limits.limit;
             match (answer.await, limit) {
                 (Some(evaluation), SharedLimit::Rate(rate)) => limiter.conclude(
                     action,
@@ -584,11 +626,13 @@ impl Limiter {
         escalate: bool,
     ) -> Verdict {
         let flags = (consume, escalate);
-        let verdict = match action.local {
+        let limits = action.limits(stored);
+        let limit = limits.local_limit;
+        let verdict = match limits.local {
             Mode::Unlimited => Verdict::new(Outcome::Unlimited, 0, u32::MAX, 0, 0),
             Mode::Closed => Verdict::new(Outcome::Closed, 0, 0, NEVER_MS, NEVER_MS),
-            Mode::Limited(rate) => return self.settle(action, &rate, stored, cost, flags),
-            Mode::Quota(quota) => return self.settle(action, &quota, stored, cost, flags),
+            Mode::Limited(rate) => return self.settle(action, (&rate, limit), stored, cost, flags),
+            Mode::Quota(quota) => return self.settle(action, (&quota, limit), stored, cost, flags),
         };
         self.count(action, stored, verdict, (consume, escalate), true);
         verdict
@@ -655,21 +699,14 @@ impl Limiter {
     fn settle<A: Algorithm>(
         &self,
         action: &Action,
-        algorithm: &A,
+        (algorithm, limit): (&A, u32),
         stored: &StoredKey,
         cost: u32,
         flags: (bool, bool),
     ) -> Verdict {
         let now = action.now(&*self.clock);
         let settled = Self::evaluate(action, algorithm, stored, now, cost, flags.0);
-        self.conclude(
-            action,
-            stored,
-            (algorithm, action.local_limit),
-            cost,
-            flags,
-            settled,
-        )
+        self.conclude(action, stored, (algorithm, limit), cost, flags, settled)
     }
 
     /// Settles `key`'s cell, creating it under the key cap when `consume` is set.
@@ -728,15 +765,17 @@ impl Action {
     /// The time the action's algorithm counts in: a rate the monotonic clock, a quota the
     /// calendar.
     fn now(&self, clock: &dyn Clock) -> u64 {
-        match self.local {
-            Mode::Quota(_) => clock.unix_ns(),
-            Mode::Limited(_) | Mode::Unlimited | Mode::Closed => clock.now_ns(),
+        // By the kind, not the limits: an overridden key of a quota off by default (limit 0)
+        // counts its quota on the calendar too.
+        match self.spec.kind {
+            ActionKind::Quota => clock.unix_ns(),
+            ActionKind::Rate => clock.now_ns(),
         }
     }
 
-    /// Whether a key in `state` holds nothing a fresh key would not.
-    fn is_idle(&self, state: u64, now: u64) -> bool {
-        match &self.local {
+    /// Whether `key`, in `state`, holds nothing a fresh key would not.
+    fn is_idle(&self, key: &StoredKey, state: u64, now: u64) -> bool {
+        match &self.limits(key).local {
             Mode::Limited(rate) => rate.is_idle(state, now),
             Mode::Quota(quota) => quota.is_idle(state, now),
             Mode::Unlimited | Mode::Closed => true,
@@ -776,8 +815,8 @@ impl Action {
     fn evict_idle(&self, now: u64) -> usize {
         let table = &self.table;
         let mut gone = 0;
-        table.buckets.retain(|_, bucket| {
-            let keep = !self.is_idle(bucket.cell.state(), now);
+        table.buckets.retain(|key, bucket| {
+            let keep = !self.is_idle(key, bucket.cell.state(), now);
             gone += usize::from(!keep);
             keep
         });

@@ -607,3 +607,72 @@ fn two_hundred_concurrent_checks_of_cost_three_fit_a_quota_of_fifty_exactly() {
         Outcome::Limited
     );
 }
+
+/// Checks of cost 1 on `key` admitted back to back, up to 100.
+fn admitted(limiter: &Limiter, action: &str, key: &str) -> usize {
+    (0..100)
+        .take_while(|_| limiter.check(action, key.as_bytes(), 1).unwrap().allowed)
+        .count()
+}
+
+const PUBLISH_OVERRIDES: &str = "[actions.publish]\nlimit = 10\nwindow = \"1s\"\n\
+    [actions.publish.overrides]\n\"premium\" = 50\n\"scraper\" = 1\n\"muted\" = 0\n\
+    [actions.auth.overrides]\n\"10.0.0.1\" = 3\n";
+
+#[test]
+fn an_override_raises_one_keys_limit_and_another_lowers_one() {
+    let (clock, _, limiter) = limiter_with(PUBLISH_OVERRIDES, None);
+    assert_eq!(admitted(&limiter, "publish", "premium"), 50);
+    assert_eq!(admitted(&limiter, "publish", "scraper"), 1);
+    assert_eq!(admitted(&limiter, "publish", "alice"), 10);
+    // 0 on an ordinary action: that key is not limited.
+    assert_eq!(admitted(&limiter, "publish", "muted"), 100);
+    let verdict = limiter.check("publish", b"premium", 1).unwrap();
+    assert_eq!((verdict.allowed, verdict.limit), (false, 50));
+    // Refilled at its own rate: 50 per second is one every 20 ms.
+    clock.advance(Duration::from_millis(20));
+    assert_eq!(admitted(&limiter, "publish", "premium"), 1);
+    // An address override is found however the address is written.
+    assert_eq!(admitted(&limiter, "auth", "::ffff:10.0.0.1"), 3);
+    assert_eq!(admitted(&limiter, "auth", "10.0.0.1"), 0);
+    assert_eq!(admitted(&limiter, "auth", "10.0.0.2"), 10);
+}
+
+#[test]
+fn a_full_override_key_is_swept_by_its_own_rate_and_a_reload_changes_it_live() {
+    let (clock, _, limiter) = limiter_with(PUBLISH_OVERRIDES, None);
+    assert_eq!(admitted(&limiter, "publish", "premium"), 50);
+    // After 100 ms the default rate would be full again, not premium's (2.5 of 50 back).
+    clock.advance(Duration::from_millis(100));
+    limiter.sweep();
+    assert_eq!(stats_of(&limiter, "publish").counts.tracked_keys, 1);
+    clock.advance(Duration::from_secs(1));
+    limiter.sweep();
+    assert_eq!(stats_of(&limiter, "publish").counts.tracked_keys, 0);
+    // A reload lowers premium: its next checks meet the new limit.
+    let changes = limiter.reconfigure(config_of(
+        "[actions.publish]\nlimit = 10\nwindow = \"1s\"\n\
+         [actions.publish.overrides]\n\"premium\" = 2\n",
+        None,
+    ));
+    assert!(
+        changes.changed.contains(&"publish".to_owned()),
+        "{changes:?}"
+    );
+    assert_eq!(admitted(&limiter, "publish", "premium"), 2);
+    assert_eq!(admitted(&limiter, "publish", "scraper"), 10);
+}
+
+#[test]
+fn a_quota_off_by_default_holds_an_overridden_key_to_its_own_quota() {
+    let (clock, _, limiter) = limiter_with(
+        "[actions.sends]\nkind = \"quota\"\nlimit = 0\nkey = \"user\"\n\
+         [actions.sends.overrides]\n\"trial\" = 3\n",
+        None,
+    );
+    clock.set_ns(10 * 86_400 * 1_000_000_000 + 1);
+    assert_eq!(admitted(&limiter, "sends", "trial"), 3);
+    assert_eq!(admitted(&limiter, "sends", "anyone"), 100);
+    clock.set_ns(11 * 86_400 * 1_000_000_000);
+    assert_eq!(admitted(&limiter, "sends", "trial"), 3);
+}

@@ -161,6 +161,7 @@ pub fn broker_rate_limits(limiter: &Limiter, limit: usize) -> BrokerRateLimits {
                 }
                 .to_owned(),
                 limit: spec.limit,
+                overrides: spec.overrides.len(),
                 window_ms: millis(spec.window),
                 burst: spec.burst,
                 key: spec.key.as_str().to_owned(),
