@@ -175,6 +175,10 @@ pub struct ActionView {
     /// Keys with a limit of their own (their names are not shown: a session key is a secret).
     #[serde(default)]
     pub overrides: usize,
+    /// `enforce`, or `monitor` (refusals counted as `would_refuse` and answered as
+    /// allowances).
+    #[serde(default)]
+    pub enforcement: String,
     /// A rate's window, or a quota's period.
     pub window_ms: u64,
     /// A rate's bucket capacity; for a quota, its limit.
@@ -206,6 +210,9 @@ pub struct ActionCounts {
     /// Checks for new keys made while the action was at its key cap with every bucket still
     /// spending (the degraded mode): answered as a fresh bucket, untracked.
     pub overflow_checks: u64,
+    /// Refusals monitor mode answered as allowances (counted in `blocked` too, as judged).
+    #[serde(default)]
+    pub would_refuse: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -33,6 +33,28 @@ impl ActionKind {
     }
 }
 
+/// Whether refusals are carried out (`enforce`) or only judged and counted (`monitor`, a dry
+/// run: Envoy's shadow mode, nginx's `limit_req_dry_run`): every check is judged and counted as
+/// it would be, buckets spent alike, but nothing is refused, and no refusal escalates to a ban.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum Enforcement {
+    #[default]
+    Enforce,
+    Monitor,
+}
+
+impl Enforcement {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Enforcement::Enforce => "enforce",
+            Enforcement::Monitor => "monitor",
+        }
+    }
+}
+
 /// What an action's keys identify. It decides how a key is checked and stored: addresses are
 /// parsed and stored in canonical form (so `::ffff:10.0.0.1` and `10.0.0.1` share a bucket),
 /// session tokens are stored and shown only as a SHA-256 digest, anything else as given.
@@ -88,6 +110,8 @@ pub struct ActionConfig {
     /// Limits of their own for named keys (`"premium" = 5000`), per the action's window or
     /// period; each key's burst is its limit. Replaces the overrides set before it whole.
     pub overrides: Option<BTreeMap<String, u32>>,
+    /// `enforce` or `monitor`; default: the top-level `mode`.
+    pub mode: Option<Enforcement>,
 }
 
 /// A window length read from TOML as either a humantime string or milliseconds.
@@ -142,6 +166,8 @@ pub struct ActionSpec {
     /// key is a secret, and the status shows only how many there are.
     #[serde(skip)]
     pub overrides: BTreeMap<String, u32>,
+    /// The action's own mode; `None` follows the top-level `mode`.
+    pub mode: Option<Enforcement>,
 }
 
 fn as_millis<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
@@ -198,6 +224,7 @@ pub fn builtin_actions() -> Vec<ActionSpec> {
         security,
         shared: false,
         overrides: BTreeMap::new(),
+        mode: None,
     };
     vec![
         spec("auth", 10, 60, KeyKind::Ip, true),
@@ -284,6 +311,7 @@ fn apply(
                 security: false,
                 shared: fleet,
                 overrides: BTreeMap::new(),
+                mode: None,
             });
             specs.len() - 1
         }
@@ -433,6 +461,9 @@ fn apply_common(
     }
     if let Some(escalate) = config.escalate {
         spec.escalate = escalate;
+    }
+    if let Some(mode) = config.mode {
+        spec.mode = Some(mode);
     }
     if spec.escalate && spec.key != KeyKind::Ip {
         return Err(ConfigError::new(

@@ -13,7 +13,7 @@ use std::{
     net::IpAddr,
     sync::{
         Arc, RwLock,
-        atomic::{AtomicU64, AtomicUsize, Ordering},
+        atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering},
     },
     time::Duration,
 };
@@ -99,6 +99,8 @@ pub struct EscalationStats {
     pub bans: u64,
     pub ban_failures: u64,
     pub untracked: u64,
+    /// Bans monitor mode did not place.
+    pub would_ban: u64,
 }
 
 pub struct Escalator {
@@ -111,6 +113,9 @@ pub struct Escalator {
     bans: AtomicU64,
     ban_failures: AtomicU64,
     untracked: AtomicU64,
+    /// Monitor mode: a ban escalation would place is counted in `would_ban`, not placed.
+    monitor: AtomicBool,
+    would_ban: AtomicU64,
 }
 
 impl Escalator {
@@ -128,7 +133,14 @@ impl Escalator {
             bans: AtomicU64::new(0),
             ban_failures: AtomicU64::new(0),
             untracked: AtomicU64::new(0),
+            monitor: AtomicBool::new(false),
+            would_ban: AtomicU64::new(0),
         }
+    }
+
+    /// Monitor mode on or off (the top-level `mode`, live on reload).
+    pub fn set_monitor(&self, monitor: bool) {
+        self.monitor.store(monitor, Ordering::Relaxed);
     }
 
     pub fn config(&self) -> Option<EscalationConfig> {
@@ -194,6 +206,18 @@ impl Escalator {
             record.banned_until = Some(now.saturating_add(duration_ns(ttl)));
             (before, ttl)
         };
+        if self.monitor.load(Ordering::Relaxed) {
+            // Judged and counted, not placed: the address stays unbanned and its run as it
+            // was, so the figures read as enforcement's would.
+            self.would_ban.fetch_add(1, Ordering::Relaxed);
+            if let Some(mut record) = self.records.get_mut(&addr) {
+                (record.banned_until, record.run) = before;
+            }
+            tracing::info!(%addr, ?ttl, "monitor mode: would have escalated to a ban");
+            return Escalation::Counted {
+                failures: config.after.saturating_add(1),
+            };
+        }
         // The ban runs outside the map's lock: it is a syscall in the agent.
         match self.banner.ban(addr, ttl) {
             Ok(()) => {
@@ -257,6 +281,7 @@ impl Escalator {
             bans: self.bans.load(Ordering::Relaxed),
             ban_failures: self.ban_failures.load(Ordering::Relaxed),
             untracked: self.untracked.load(Ordering::Relaxed),
+            would_ban: self.would_ban.load(Ordering::Relaxed),
         }
     }
 }

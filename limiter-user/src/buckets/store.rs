@@ -43,7 +43,7 @@ use limiter_client::{Escalation, NEVER_MS, Outcome, Verdict};
 use crate::api::{ActionCounts, BlockedKey};
 
 use super::{
-    actions::{ActionKind, ActionSpec, KeyKind, Mode},
+    actions::{ActionKind, ActionSpec, Enforcement, KeyKind, Mode},
     ban::{BanError, Banner, SharedBanStats},
     cell::{Algorithm, Cell, Evaluation},
     clock::{Clock, ns_to_ms_ceil},
@@ -60,6 +60,38 @@ use super::{
 pub struct LimiterConfig {
     pub actions: Vec<ActionSpec>,
     pub escalation: Option<EscalationConfig>,
+    /// The top-level `mode`: every action's that sets none, and escalation's.
+    pub mode: Enforcement,
+}
+
+/// A check's verdict as judged, and whether the action is in monitor mode: then a refusal is
+/// counted as one but answered as an allowance ([`Judged::enforced`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Judged {
+    pub verdict: Verdict,
+    pub monitored: bool,
+}
+
+impl Judged {
+    /// What the caller acts on: the verdict, or in monitor mode an allowance with the
+    /// bucket's numbers.
+    pub fn enforced(&self) -> Verdict {
+        match self.would_refuse() {
+            Some(_) => Verdict::new(
+                Outcome::Allowed,
+                self.verdict.limit,
+                self.verdict.remaining,
+                0,
+                self.verdict.reset_after_ms,
+            ),
+            None => self.verdict,
+        }
+    }
+
+    /// The refusal enforcement would have answered, in monitor mode.
+    pub fn would_refuse(&self) -> Option<Outcome> {
+        (self.monitored && !self.verdict.allowed).then_some(self.verdict.outcome)
+    }
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -75,6 +107,14 @@ pub enum CheckError {
     #[error("a cost must be at least 1")]
     ZeroCost,
 }
+
+/// The outcomes that refuse.
+const REFUSALS: [Outcome; 4] = [
+    Outcome::Limited,
+    Outcome::CostExceedsBurst,
+    Outcome::CostExceedsLimit,
+    Outcome::Closed,
+];
 
 /// The least time between two cap sweeps of one action: a flood of new keys into a full
 /// action of hot buckets costs one pass over the map per interval, not one per check.
@@ -171,6 +211,8 @@ struct Action {
     /// actions, which then never hash a key for it.
     overrides: std::collections::HashMap<StoredKey, Limits>,
     shared: bool,
+    /// Monitor mode: refusals are counted, answered as allowances and never escalate.
+    monitor: bool,
     table: Arc<KeyTable>,
     counters: Arc<ActionCounters>,
     /// Set by the reload that replaced this configuration: its successor, or `None` when the
@@ -193,6 +235,8 @@ struct KeyTable {
 #[derive(Default)]
 struct ActionCounters {
     outcomes: OutcomeCounters,
+    /// Refusals monitor mode answered as allowances, by the refusal's outcome.
+    would_refuse: OutcomeCounters,
     overflow_checks: AtomicU64,
 }
 
@@ -225,6 +269,7 @@ impl Action {
         table: Arc<KeyTable>,
         counters: Arc<ActionCounters>,
         replicas: Option<u32>,
+        mode: Enforcement,
     ) -> Arc<Self> {
         let overrides = spec
             .overrides
@@ -240,6 +285,7 @@ impl Action {
             base: Limits::of(&spec, replicas),
             overrides,
             shared: replicas.is_some() && spec.shared,
+            monitor: spec.mode.unwrap_or(mode) == Enforcement::Monitor,
             spec,
             table,
             counters,
@@ -265,6 +311,8 @@ pub struct Limiter {
     escalator: Escalator,
     banner: Arc<dyn Banner>,
     shared: Option<Arc<dyn SharedBuckets>>,
+    /// The top-level mode in force, for actions rebuilt by `shared_by`.
+    mode: RwLock<Enforcement>,
 }
 
 /// How a check submitted with [`Limiter::submit`] is made.
@@ -283,15 +331,17 @@ impl Limiter {
         let actions = config
             .actions
             .into_iter()
-            .map(|spec| Action::new(spec, Arc::default(), Arc::default(), None))
+            .map(|spec| Action::new(spec, Arc::default(), Arc::default(), None, config.mode))
             .collect();
         let escalator = Escalator::new(config.escalation, clock.clone(), banner.clone());
+        escalator.set_monitor(config.mode == Enforcement::Monitor);
         Self {
             clock,
             actions: RwLock::new(actions),
             escalator,
             banner,
             shared: None,
+            mode: RwLock::new(config.mode),
         }
     }
 
@@ -299,12 +349,14 @@ impl Limiter {
     /// at its share of the limit (limit / expected replicas) whenever the store cannot answer.
     pub fn shared_by(mut self, store: Arc<dyn SharedBuckets>) -> Self {
         let replicas = Some(store.expected_replicas());
+        let mode = *self.mode.get_mut().expect("mode lock");
         for action in self.actions.get_mut().expect("actions lock").iter_mut() {
             *action = Action::new(
                 action.spec.clone(),
                 Arc::clone(&action.table),
                 Arc::clone(&action.counters),
                 replicas,
+                mode,
             );
         }
         self.shared = Some(store);
@@ -319,6 +371,8 @@ impl Limiter {
     /// forgotten).
     pub fn reconfigure(&self, config: LimiterConfig) -> ActionChanges {
         let replicas = self.shared.as_ref().map(|s| s.expected_replicas());
+        let mode = config.mode;
+        *self.mode.write().expect("mode lock") = mode;
         let mut actions = self.actions.write().expect("actions lock");
         let mut changes = ActionChanges::default();
         let mut next = Vec::with_capacity(config.actions.len());
@@ -327,9 +381,14 @@ impl Limiter {
             let action = match old {
                 None => {
                     changes.added.push(spec.name.clone());
-                    Action::new(spec, Arc::default(), Arc::default(), replicas)
+                    Action::new(spec, Arc::default(), Arc::default(), replicas, mode)
                 }
-                Some(old) if old.spec == spec => Arc::clone(old),
+                Some(old)
+                    if old.spec == spec
+                        && old.monitor == (spec.mode.unwrap_or(mode) == Enforcement::Monitor) =>
+                {
+                    Arc::clone(old)
+                }
                 Some(old) => {
                     // A new kind of state (rate or quota) or key means nothing to the old table.
                     let table = if old.spec.key == spec.key && old.spec.kind == spec.kind {
@@ -339,7 +398,8 @@ impl Limiter {
                         changes.rekeyed.push(spec.name.clone());
                         Arc::default()
                     };
-                    let action = Action::new(spec, table, Arc::clone(&old.counters), replicas);
+                    let action =
+                        Action::new(spec, table, Arc::clone(&old.counters), replicas, mode);
                     let _ = old.next.set(Some(Arc::clone(&action)));
                     action
                 }
@@ -354,6 +414,7 @@ impl Limiter {
         }
         *actions = next;
         self.escalator.reconfigure(config.escalation);
+        self.escalator.set_monitor(mode == Enforcement::Monitor);
         changes
     }
 
@@ -370,7 +431,7 @@ impl Limiter {
         key: &[u8],
         cost: u32,
         how: Submit,
-    ) -> Result<Pending<Verdict>, CheckError> {
+    ) -> Result<Pending<Judged>, CheckError> {
         let (consume, escalate) = match how {
             Submit::Check => (true, true),
             Submit::CheckUnescalated => (true, false),
@@ -466,6 +527,7 @@ impl Limiter {
     /// Spends `cost` tokens of `key`'s bucket if it holds them; a refusal spends nothing.
     pub fn check(&self, action: &str, key: &[u8], cost: u32) -> Result<Verdict, CheckError> {
         self.decide(&*self.action(action)?, key, cost, true, true)
+            .map(|j| j.enforced())
     }
 
     /// `check` for an action resolved with [`Limiter::action_id`].
@@ -476,6 +538,7 @@ impl Limiter {
         cost: u32,
     ) -> Result<Verdict, CheckError> {
         self.decide(action.current()?, key, cost, true, true)
+            .map(|j| j.enforced())
     }
 
     /// `check` for callers outside the broker's trust boundary (the HTTP endpoint, which any
@@ -488,11 +551,13 @@ impl Limiter {
         cost: u32,
     ) -> Result<Verdict, CheckError> {
         self.decide(&*self.action(action)?, key, cost, true, false)
+            .map(|j| j.enforced())
     }
 
     /// What `check` would answer, spending nothing and counting nothing.
     pub fn peek(&self, action: &str, key: &[u8], cost: u32) -> Result<Verdict, CheckError> {
         self.decide(&*self.action(action)?, key, cost, false, false)
+            .map(|j| j.enforced())
     }
 
     /// Forgets a key's bucket, so its next check finds it full. `Ok(false)` if it had none.
@@ -552,7 +617,20 @@ impl Limiter {
                             + count(Outcome::Closed),
                         tracked_keys: a.table.tracked.load(Ordering::Acquire),
                         overflow_checks: a.counters.overflow_checks.load(Ordering::Relaxed),
+                        would_refuse: REFUSALS
+                            .iter()
+                            .map(|&o| a.counters.would_refuse.get(o))
+                            .sum(),
                     },
+                    mode: if a.monitor {
+                        Enforcement::Monitor
+                    } else {
+                        Enforcement::Enforce
+                    },
+                    would_refuse: REFUSALS
+                        .iter()
+                        .map(|&o| (o, a.counters.would_refuse.get(o)))
+                        .collect(),
                     // `capacity` counts usable slots, 7 of every 8.
                     key_memory_bytes: a.table.buckets.capacity() * SLOT_BYTES * 8 / 7,
                 }
@@ -563,6 +641,11 @@ impl Limiter {
     /// What the banner shared with the fleet (zero without one).
     pub fn shared_ban_stats(&self) -> SharedBanStats {
         self.banner.shared_stats()
+    }
+
+    /// The top-level mode in force.
+    pub fn mode(&self) -> Enforcement {
+        *self.mode.read().expect("mode lock")
     }
 
     /// `None` while escalation is off.
@@ -608,7 +691,7 @@ impl Limiter {
         cost: u32,
         consume: bool,
         escalate: bool,
-    ) -> Result<Verdict, CheckError> {
+    ) -> Result<Judged, CheckError> {
         if cost == 0 {
             return Err(CheckError::ZeroCost);
         }
@@ -624,7 +707,7 @@ impl Limiter {
         cost: u32,
         consume: bool,
         escalate: bool,
-    ) -> Verdict {
+    ) -> Judged {
         let flags = (consume, escalate);
         let limits = action.limits(stored);
         let limit = limits.local_limit;
@@ -634,8 +717,7 @@ impl Limiter {
             Mode::Limited(rate) => return self.settle(action, (&rate, limit), stored, cost, flags),
             Mode::Quota(quota) => return self.settle(action, (&quota, limit), stored, cost, flags),
         };
-        self.count(action, stored, verdict, (consume, escalate), true);
-        verdict
+        self.count(action, stored, verdict, (consume, escalate), true)
     }
 
     /// Turns a bucket's evaluation (this agent's or the fleet's) into the verdict, and counts
@@ -648,7 +730,7 @@ impl Limiter {
         cost: u32,
         (consume, escalate): (bool, bool),
         (evaluation, tracked): (Evaluation, bool),
-    ) -> Verdict {
+    ) -> Judged {
         let outcome = if evaluation.allowed {
             Outcome::Allowed
         } else if cost > algorithm.capacity() {
@@ -667,11 +749,11 @@ impl Limiter {
             },
             ns_to_ms_ceil(evaluation.reset_after_ns),
         );
-        self.count(action, stored, verdict, (consume, escalate), tracked);
-        verdict
+        self.count(action, stored, verdict, (consume, escalate), tracked)
     }
 
-    /// Counts a spending verdict, and feeds a refusal of a tracked key to escalation.
+    /// Counts a spending verdict, and feeds a refusal of a tracked key to escalation, unless
+    /// the action is in monitor mode, where the refusal is counted as one that was not made.
     fn count(
         &self,
         action: &Action,
@@ -679,11 +761,19 @@ impl Limiter {
         verdict: Verdict,
         (consume, escalate): (bool, bool),
         tracked: bool,
-    ) {
+    ) -> Judged {
+        let judged = Judged {
+            verdict,
+            monitored: action.monitor,
+        };
         if !consume {
-            return;
+            return judged;
         }
         action.counters.outcomes.add(verdict.outcome);
+        if let Some(outcome) = judged.would_refuse() {
+            action.counters.would_refuse.add(outcome);
+            return judged;
+        }
         if !verdict.allowed
             && escalate
             && tracked
@@ -693,6 +783,7 @@ impl Limiter {
         {
             self.escalator.record_failure(addr);
         }
+        judged
     }
 
     /// The verdict of this agent's own cell for `key` under `algorithm`.
@@ -703,7 +794,7 @@ impl Limiter {
         stored: &StoredKey,
         cost: u32,
         flags: (bool, bool),
-    ) -> Verdict {
+    ) -> Judged {
         let now = action.now(&*self.clock);
         let settled = Self::evaluate(action, algorithm, stored, now, cost, flags.0);
         self.conclude(action, stored, (algorithm, limit), cost, flags, settled)

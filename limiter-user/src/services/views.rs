@@ -162,6 +162,7 @@ pub fn broker_rate_limits(limiter: &Limiter, limit: usize) -> BrokerRateLimits {
                 .to_owned(),
                 limit: spec.limit,
                 overrides: spec.overrides.len(),
+                enforcement: spec.mode.unwrap_or(limiter.mode()).as_str().to_owned(),
                 window_ms: millis(spec.window),
                 burst: spec.burst,
                 key: spec.key.as_str().to_owned(),

@@ -14,8 +14,8 @@ use serde::{Deserialize, Serialize};
 
 use super::{defaults, flags::text_duration};
 use crate::buckets::{
-    ActionConfig, BanIncrement, ConfigError, EscalationConfig, LimiterConfig, Window, escalation,
-    resolve_actions,
+    ActionConfig, BanIncrement, ConfigError, Enforcement, EscalationConfig, LimiterConfig, Window,
+    escalation, resolve_actions,
 };
 
 /// The broker protocol's flags, and the file's `[broker]` table under them.
@@ -278,6 +278,8 @@ impl BrokerLayer {
             limiter: LimiterConfig {
                 actions: resolve_actions(actions, overrides, fleet)?,
                 escalation,
+                // The top level's, which `Layer::resolve` sets.
+                mode: Enforcement::Enforce,
             },
         })
     }

@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use limiter_common::Refusal;
 
-use crate::datapath::XdpAttachMode;
+use crate::{buckets::Enforcement, datapath::XdpAttachMode};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -109,6 +109,11 @@ pub struct Layer {
     #[arg(long, env = "LIMITER_DENY", value_delimiter = ',')]
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub deny: Vec<String>,
+    /// `enforce`, or `monitor`: the broker's actions (those that set no `mode` of their own)
+    /// and escalation judge and count every check as they would, but refuse and ban
+    /// nothing. The kernel keeps enforcing. [default: enforce]
+    #[arg(long, env = "LIMITER_MODE", value_enum)]
+    pub mode: Option<Enforcement>,
     /// File of source CIDRs never limited, one a line (`#` comments); watched, and applied as
     /// it changes. Its entries join `allow`.
     #[arg(long, env = "LIMITER_ALLOW_FILE")]

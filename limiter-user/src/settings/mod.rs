@@ -570,6 +570,44 @@ mod tests {
     }
 
     #[test]
+    fn mode_is_read_at_the_top_and_per_action() {
+        use crate::buckets::Enforcement;
+        let s = with_file(
+            "mode = \"monitor\"\n[actions.publish]\nlimit = 5\nwindow = \"1s\"\nmode = \"enforce\"\n",
+            &[],
+        )
+        .unwrap();
+        assert_eq!(s.broker.limiter.mode, Enforcement::Monitor);
+        let publish = s
+            .broker
+            .limiter
+            .actions
+            .iter()
+            .find(|a| a.name == "publish");
+        assert_eq!(publish.unwrap().mode, Some(Enforcement::Enforce));
+        assert_eq!(
+            args(&["--mode", "monitor"])
+                .resolve()
+                .unwrap()
+                .broker
+                .limiter
+                .mode,
+            Enforcement::Monitor
+        );
+        assert_eq!(
+            args(&[]).resolve().unwrap().broker.limiter.mode,
+            Enforcement::Enforce
+        );
+        for text in [
+            "mode = \"dry-run\"\n",
+            "[actions.publish]\nmode = \"off\"\n",
+        ] {
+            let error = with_file(text, &[]).unwrap_err();
+            assert!(error.to_string().contains("enforce"), "{text}: {error}");
+        }
+    }
+
+    #[test]
     fn list_and_state_files_are_checked_by_the_resolve() {
         let error = with_file("state-file = \"\"\n", &[]).unwrap_err();
         assert_eq!(error.setting, "state-file", "{error}");

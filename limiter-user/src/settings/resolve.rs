@@ -18,7 +18,7 @@ impl Layer {
     /// restart-only settings of the `[broker]` and `[cluster]` tables.
     pub fn resolve(
         &self,
-        broker: BrokerSettings,
+        mut broker: BrokerSettings,
         broker_layer: &BrokerLayer,
         fleet: Option<FleetConfig>,
     ) -> Result<Settings, ConfigError> {
@@ -63,6 +63,7 @@ impl Layer {
             (None, false) => CheckAccess::Closed,
         };
         let policy = self.policy()?;
+        broker.limiter.mode = self.mode.unwrap_or_default();
         if self
             .state_file
             .as_ref()
