@@ -36,8 +36,12 @@ pub struct MapDef {
     pub default_entries: u32,
 }
 
-/// Size of the allow / deny tries and the ban table.
+/// Size of the ban table.
 const LIST_ENTRIES: u32 = 16_384;
+
+/// Size of each allow / deny trie: room for an operator's list files (100,000 CIDRs that do not
+/// merge) twice over. An LPM trie allocates per entry, so the room costs nothing until used.
+const TRIE_ENTRIES: u32 = 1 << 18;
 
 /// The live [`crate::Config`], one entry.
 pub const CONFIG: MapDef = MapDef {
@@ -140,7 +144,7 @@ pub const ALLOW_V4: MapDef = MapDef {
     kind: MapKind::LpmTrie,
     key: "Key<Ipv4Bits>",
     value: "u8",
-    default_entries: LIST_ENTRIES,
+    default_entries: TRIE_ENTRIES,
 };
 
 /// IPv6 prefixes that bypass every limit.
@@ -149,7 +153,7 @@ pub const ALLOW_V6: MapDef = MapDef {
     kind: MapKind::LpmTrie,
     key: "Key<Ipv6Bits>",
     value: "u8",
-    default_entries: LIST_ENTRIES,
+    default_entries: TRIE_ENTRIES,
 };
 
 /// IPv4 prefixes whose packets to protected ports are always refused.
@@ -158,7 +162,7 @@ pub const DENY_V4: MapDef = MapDef {
     kind: MapKind::LpmTrie,
     key: "Key<Ipv4Bits>",
     value: "u8",
-    default_entries: LIST_ENTRIES,
+    default_entries: TRIE_ENTRIES,
 };
 
 /// IPv6 prefixes whose packets to protected ports are always refused.
@@ -167,7 +171,7 @@ pub const DENY_V6: MapDef = MapDef {
     kind: MapKind::LpmTrie,
     key: "Key<Ipv6Bits>",
     value: "u8",
-    default_entries: LIST_ENTRIES,
+    default_entries: TRIE_ENTRIES,
 };
 
 /// Packets by (direction, verdict, reason): per CPU, so counting is a plain add.

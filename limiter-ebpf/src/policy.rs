@@ -434,8 +434,7 @@ fn syn(seg: &Segment, config: &Config) -> Action {
 #[inline(always)]
 fn proven(source: &SourceKey, bucket: *mut SynBucket) -> bool {
     // SAFETY: pointer from a successful lookup.
-    atomics::load(unsafe { &(*bucket).holders }) != 0
-        && source_counts::current(source) != 0
+    atomics::load(unsafe { &(*bucket).holders }) != 0 && source_counts::current(source) != 0
 }
 
 /// Counts a SYN [`Action::Cookie`] answered (with the cookie `isn`) or had to pass on to the

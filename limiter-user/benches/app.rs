@@ -48,6 +48,7 @@ fn limiter() -> Arc<Limiter> {
         LimiterConfig {
             actions: resolve_actions(&table, &[], false).unwrap(),
             escalation: None,
+            mode: limiter::buckets::Enforcement::Enforce,
         },
         Arc::new(MonotonicClock::new()),
         Arc::new(NoBans),

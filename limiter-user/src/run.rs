@@ -24,6 +24,8 @@ use crate::{
     services::{
         fleet_bans::FleetBanning,
         http::HttpServer,
+        list_watch::{self, ListPaths},
+        saved_state,
         sweeper::{self, SweepStats, SweepTargets},
         syn_cookies,
     },
@@ -96,6 +98,8 @@ struct Agent {
     limiter: Arc<Limiter>,
     protocol: ServeControl,
     http_slots: Arc<Admission>,
+    /// The list files the watcher watches.
+    list_paths: tokio::sync::watch::Sender<ListPaths>,
 }
 
 impl Agent {
@@ -121,6 +125,8 @@ impl Agent {
         self.enforcer
             .set_policy(new.policy.clone())
             .map_err(ReloadError::Policy)?;
+        list_watch::apply(&self.enforcer, &new.lists).map_err(ReloadError::Policy)?;
+        self.list_paths.send_replace(ListPaths::of(&new.lists));
         let changes = self.limiter.reconfigure(new.broker.limiter.clone());
         if !changes.is_empty() {
             tracing::info!(
@@ -328,6 +334,7 @@ async fn start(
     let sweep = SweepStats::new();
     let listeners = listeners(&settings, &enforcer, &limiter, &sweep, leftovers).await?;
     let follower = attach(&enforcer, &ifaces, &restart, fleet_bans, leftovers).await?;
+    let (list_paths, _) = tokio::sync::watch::channel(settings.read(|s| ListPaths::of(&s.lists)));
     let agent = Agent {
         args,
         settings,
@@ -335,12 +342,14 @@ async fn start(
         limiter,
         protocol: listeners.protocol.control(),
         http_slots: listeners.http.slots(),
+        list_paths,
     };
     Ok(serve(agent, signals, listeners, sweep, ifaces, follower).await)
 }
 
 /// Phase 1: the kernel programs loaded (or the pinned ones adopted), attached nowhere yet,
-/// with the settings' policy in their maps.
+/// with the settings' policy, the list files and the state file's bans and entries in their
+/// maps.
 fn load(settings: &Settings) -> anyhow::Result<Arc<Enforcer>> {
     let mut datapath = Datapath::load(LoadOptions {
         flow_table_size: settings.restart.flow_table_size,
@@ -356,6 +365,19 @@ fn load(settings: &Settings) -> anyhow::Result<Arc<Enforcer>> {
     enforcer
         .set_policy(settings.policy.clone())
         .context("writing the settings to the kernel maps")?;
+    list_watch::apply(&enforcer, &settings.lists)
+        .context("writing allow-file and deny-file to the kernel maps")?;
+    let state_file = &settings.restart.state_file;
+    if let Some(state) = saved_state::load(state_file) {
+        let restored = saved_state::restore(&enforcer, &state, std::time::SystemTime::now());
+        tracing::info!(
+            path = %state_file.display(),
+            bans = restored.bans,
+            expired = restored.expired,
+            entries = restored.entries,
+            "state restored"
+        );
+    }
     Ok(enforcer)
 }
 
@@ -510,6 +532,16 @@ async fn serve(
         stop.clone().cancelled_owned(),
     ));
     tasks.spawn(listeners.protocol.run(stop.clone().cancelled_owned()));
+    tasks.spawn(saved_state::run(
+        Arc::clone(&agent.enforcer),
+        agent.settings.read(|s| s.restart.state_file.clone()),
+        stop.clone(),
+    ));
+    tasks.spawn(list_watch::run(
+        Arc::clone(&agent.enforcer),
+        agent.list_paths.subscribe(),
+        stop.clone(),
+    ));
     if let Some(follower) = follower {
         tasks.spawn(
             follower

@@ -43,6 +43,7 @@ fn exit_status_is_the_verdict() {
         LimiterConfig {
             actions: resolve_actions(&quota_table(), &[], false).unwrap(),
             escalation: None,
+            mode: limiter::buckets::Enforcement::Enforce,
         },
         Arc::new(MonotonicClock::new()),
         Arc::new(NoBans),

@@ -12,8 +12,8 @@ use std::{
 
 use limiter::{
     buckets::{
-        ActionConfig, BanError, Banner, EscalationConfig, Limiter, LimiterConfig, ManualClock,
-        resolve_actions,
+        ActionConfig, BanError, BanIncrement, Banner, EscalationConfig, Limiter, LimiterConfig,
+        ManualClock, resolve_actions,
     },
     protocol::Server,
     settings::{AdminPeers, ServeConfig},
@@ -95,6 +95,19 @@ async fn start_configured(
     escalation: Option<EscalationConfig>,
     configure: impl FnOnce(&mut ServeConfig),
 ) -> Running {
+    start_in(
+        limiter::buckets::Enforcement::Enforce,
+        escalation,
+        configure,
+    )
+    .await
+}
+
+async fn start_in(
+    mode: limiter::buckets::Enforcement,
+    escalation: Option<EscalationConfig>,
+    configure: impl FnOnce(&mut ServeConfig),
+) -> Running {
     #[derive(serde::Deserialize)]
     struct File {
         actions: BTreeMap<String, ActionConfig>,
@@ -106,6 +119,7 @@ async fn start_configured(
         LimiterConfig {
             actions: resolve_actions(&file.actions, &[], false).unwrap(),
             escalation,
+            mode,
         },
         clock,
         banner.clone(),
@@ -133,6 +147,35 @@ async fn start_configured(
 
 async fn start() -> Running {
     start_with(false, None).await
+}
+
+/// Until the binary reply carries a monitor flag, a monitored refusal reaches the broker as
+/// the allowance it is enforced as, with the bucket's numbers; and monitored auth refusals
+/// ban nobody.
+#[tokio::test]
+async fn in_monitor_mode_the_broker_is_answered_allowed_and_nobody_is_banned() {
+    let escalation = EscalationConfig {
+        after: 1,
+        window: Duration::from_secs(60),
+        ban: Duration::from_secs(600),
+        increment: BanIncrement::OFF,
+        max_addresses: 10,
+    };
+    let server = start_in(
+        limiter::buckets::Enforcement::Monitor,
+        Some(escalation),
+        |_| {},
+    )
+    .await;
+    let client = Client::connect_unix(&server.socket).await.unwrap();
+    for n in 0..6u32 {
+        let v = client.check("sends", "tenant", 1).await.unwrap();
+        assert_eq!(v.outcome, Outcome::Allowed, "check {n}");
+        assert_eq!(v.remaining, 4u32.saturating_sub(n));
+        let auth = client.check("auth", "192.0.2.7", 1).await.unwrap();
+        assert!(auth.allowed, "auth {n}");
+    }
+    assert!(server.banner.calls.lock().unwrap().is_empty());
 }
 
 #[tokio::test]
@@ -168,6 +211,7 @@ async fn every_request_round_trips() {
             after: 1,
             window: Duration::from_secs(60),
             ban: Duration::from_secs(600),
+            increment: BanIncrement::OFF,
             max_addresses: 10,
         }),
     )
@@ -514,6 +558,7 @@ async fn the_socket_is_0660_a_live_one_is_not_stolen_and_it_is_removed_at_shutdo
         LimiterConfig {
             actions: resolve_actions(&BTreeMap::new(), &[], false).unwrap(),
             escalation: None,
+            mode: limiter::buckets::Enforcement::Enforce,
         },
         Arc::new(ManualClock::new()),
         Arc::new(RecordingBanner::default()),

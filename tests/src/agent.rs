@@ -135,6 +135,10 @@ pub struct AgentProcess {
     lines: Receiver<String>,
     log: Arc<Mutex<Vec<String>>>,
     reader: Option<std::thread::JoinHandle<()>>,
+    /// Holds the agent's own state file (`LIMITER_STATE_FILE`), so no agent of a test reads
+    /// the bans another test left, nor the host's; a test that restarts an agent on the same
+    /// state passes `--state-file`, which wins.
+    _state: tempfile::TempDir,
 }
 
 impl AgentProcess {
@@ -167,10 +171,12 @@ impl AgentProcess {
                 Ok(())
             });
         }
+        let state = tempfile::tempdir().context("a directory for the agent's state file")?;
         let mut child = command
             .arg("run")
             .args(args)
             .env("LIMITER_LOG", "info,limiter=debug")
+            .env("LIMITER_STATE_FILE", state.path().join("state.json"))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -192,6 +198,7 @@ impl AgentProcess {
             lines,
             log,
             reader: Some(reader),
+            _state: state,
         })
     }
 

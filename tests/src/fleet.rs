@@ -59,6 +59,7 @@ impl FleetAgent {
                 LimiterConfig {
                     actions: resolve_actions(&file.actions, &[], true)?,
                     escalation: None,
+                    mode: limiter::buckets::Enforcement::Enforce,
                 },
                 Arc::new(MonotonicClock::new()),
                 Arc::new(NoBans),

@@ -161,6 +161,31 @@ async fn four_agents_on_one_redis_admit_exactly_the_limit() {
     assert_eq!(keys, ["limiter:login:{alice}"]);
 }
 
+/// A key's override holds across the fleet as the action's own limit does: 200 checks at
+/// once through four agents admit exactly the key's limit, raised for one key and lowered
+/// for another, with the fleet's bucket of that key in Redis.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_keys_override_holds_across_the_fleet() {
+    let server = RedisServer::start().unwrap();
+    let actions = format!("{LOGIN_50}[actions.login.overrides]\n\"vip\" = 120\n\"bot\" = 5\n");
+    let mut agents = Vec::new();
+    for _ in 0..4 {
+        agents.push(
+            FleetAgent::start(&server.url(), &actions, PATIENT, 4)
+                .await
+                .unwrap(),
+        );
+    }
+    for (key, limit) in [("vip", 120), ("bot", 5), ("carol", 50)] {
+        let verdicts = two_hundred_at_once(&agents, key).await;
+        assert_exactly(&verdicts, limit);
+        assert!(verdicts.iter().all(|v| v.limit == limit), "{key}");
+    }
+    for agent in &agents {
+        assert_eq!(agent.limiter.shared_status().unwrap().fallback_checks, 0);
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn four_agents_on_a_three_master_cluster_admit_exactly_the_limit() {
     let cluster = RedisCluster::start(3).unwrap();

@@ -14,7 +14,8 @@ use std::{
 use limiter::{
     api::ListKind,
     buckets::{
-        ActionConfig, ActionKind, EscalationConfig, KeyKind, LimiterConfig, Window, resolve_actions,
+        ActionConfig, ActionKind, BanIncrement, Enforcement, EscalationConfig, KeyKind,
+        LimiterConfig, Window, resolve_actions,
     },
     ops::{self, AdminConnect, Connect, Fallback},
     services::{
@@ -63,6 +64,10 @@ fn limiter_config() -> LimiterConfig {
             limit: Some(2),
             window: Some(Window(Duration::from_secs(60))),
             key: Some(KeyKind::User),
+            overrides: Some(BTreeMap::from([
+                ("premium".to_owned(), 4),
+                ("scraper".to_owned(), 1),
+            ])),
             ..ActionConfig::default()
         },
     );
@@ -79,8 +84,10 @@ fn limiter_config() -> LimiterConfig {
             after: 1,
             window: Duration::from_secs(60),
             ban: Duration::from_secs(600),
+            increment: BanIncrement::OFF,
             max_addresses: 100,
         }),
+        mode: Enforcement::Enforce,
     }
 }
 
@@ -571,6 +578,80 @@ fn rate_limits_show_limits_refusals_bans_and_broker_actions() {
         json!([{"source": "192.0.2.30", "blocked": 2}])
     );
     h.get("/rate_limits?limit=-3").assert_problem(400, "limit");
+}
+
+#[test]
+fn a_keys_override_raises_or_lowers_its_limit_over_http() {
+    let h = Harness::new(&[]);
+    let admitted = |key: &str| {
+        (0..10)
+            .take_while(|_| h.check(json!({"action": "export", "key": key})).status == 200)
+            .count()
+    };
+    assert_eq!(admitted("premium"), 4);
+    assert_eq!(admitted("scraper"), 1);
+    assert_eq!(admitted("gina"), 2);
+    let answer = h.check(json!({"action": "premium", "key": "x"}));
+    answer.assert_problem(404, "action");
+    let answer = h.check(json!({"action": "export", "key": "premium"}));
+    answer.assert_problem(429, "export");
+    assert_eq!(answer.header("x-ratelimit-limit"), Some("4"));
+    let actions = h.get("/rate_limits").json();
+    let export = actions["broker"]["actions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["name"] == "export")
+        .unwrap()
+        .clone();
+    assert_eq!(export["overrides"], 2, "{export}");
+}
+
+#[test]
+fn in_monitor_mode_check_allows_says_what_enforcement_would_have_answered_and_counts_it() {
+    let config = LimiterConfig {
+        mode: Enforcement::Monitor,
+        ..limiter_config()
+    };
+    let h = Harness::start(&["--check-token", CHECK_TOKEN], config, None, true);
+    for _ in 0..2 {
+        let answer = h.check(json!({"action": "export", "key": "hank"}));
+        assert_eq!(answer.status, 200, "{}", answer.body);
+        assert_eq!(answer.json()["mode"], "monitor");
+        assert_eq!(answer.json()["would_refuse"], Value::Null);
+    }
+    for _ in 0..3 {
+        let answer = h.check(json!({"action": "export", "key": "hank"}));
+        assert_eq!(answer.status, 200, "{}", answer.body);
+        let body = answer.json();
+        assert_eq!(
+            (body["allowed"].clone(), body["outcome"].clone()),
+            (json!(true), json!("allowed"))
+        );
+        assert_eq!(body["would_refuse"], "limited");
+        assert_eq!(answer.header("retry-after"), None);
+    }
+    // The closed auth action too: judged closed, answered allowed.
+    let answer = h.check(json!({"action": "auth", "key": "192.0.2.1"}));
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    assert_eq!(answer.json()["would_refuse"], "closed");
+    let metrics = h.get("/metrics").body;
+    for series in [
+        r#"limiter_would_refuse_total{profile="action:export",reason="limited"} 3"#,
+        r#"limiter_would_refuse_total{profile="action:auth",reason="closed"} 1"#,
+        r#"limiter_rate_limit_blocked_total{action="export"} 3"#,
+    ] {
+        assert!(metrics.contains(series), "{series} in:\n{metrics}");
+    }
+    let actions = h.get("/rate_limits").json();
+    let export = actions["broker"]["actions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["name"] == "export")
+        .unwrap()
+        .clone();
+    assert_eq!(export["enforcement"], "monitor", "{export}");
 }
 
 #[test]

@@ -35,6 +35,7 @@ fn start(flags: &[&str]) -> TestAgent {
     let config = LimiterConfig {
         actions: builtin_actions(),
         escalation: None,
+        mode: limiter::buckets::Enforcement::Enforce,
     };
     agent(flags, config, None)
 }

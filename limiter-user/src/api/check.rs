@@ -14,6 +14,12 @@ pub struct CheckRequest {
 #[derive(Debug, Serialize, Deserialize)]
 pub struct CheckAnswer {
     pub action: String,
+    /// The action's mode: `enforce`, or `monitor` (refusals answered as allowances).
+    pub mode: String,
+    /// In monitor mode, the refusal enforcement would have answered (`limited`, `closed`,
+    /// `cost_exceeds_burst`, `cost_exceeds_limit`); absent when it would have allowed too.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub would_refuse: Option<String>,
     pub allowed: bool,
     pub outcome: String,
     pub limit: u32,

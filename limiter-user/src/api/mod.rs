@@ -7,7 +7,8 @@ mod check;
 mod views;
 
 pub use admin::{
-    BanAnswer, BanRequest, BanTtlError, ListAnswer, ListKind, ListRequest, ban_ttl, parse_ban_ttl,
+    BanAnswer, BanRequest, BanTtlError, ListAnswer, ListKind, ListRequest, MAX_BAN_TTL,
+    MIN_BAN_TTL, ban_ttl, parse_ban_ttl,
 };
 pub use check::{CheckAnswer, CheckRequest};
 pub use views::{

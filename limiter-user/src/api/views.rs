@@ -193,6 +193,13 @@ pub struct ActionView {
     /// security action: everything refused).
     pub mode: String,
     pub limit: u32,
+    /// Keys with a limit of their own (their names are not shown: a session key is a secret).
+    #[serde(default)]
+    pub overrides: usize,
+    /// `enforce`, or `monitor` (refusals counted as `would_refuse` and answered as
+    /// allowances).
+    #[serde(default)]
+    pub enforcement: String,
     /// A rate's window, or a quota's period.
     pub window_ms: u64,
     /// A rate's bucket capacity; for a quota, its limit.
@@ -224,6 +231,9 @@ pub struct ActionCounts {
     /// Checks for new keys made while the action was at its key cap with every bucket still
     /// spending (the degraded mode): answered as a fresh bucket, untracked.
     pub overflow_checks: u64,
+    /// Refusals monitor mode answered as allowances (counted in `blocked` too, as judged).
+    #[serde(default)]
+    pub would_refuse: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -231,7 +241,13 @@ pub struct EscalationView {
     /// Failures tolerated within the window; one more bans.
     pub after: u32,
     pub window_ms: u64,
+    /// The first ban's length.
     pub ban_ms: u64,
+    /// Each repeat ban within `memory_ms` of the last one's end lasts this many times longer,
+    /// up to `max_ban_ms`; 1: every ban lasts `ban_ms`.
+    pub ban_factor: u32,
+    pub max_ban_ms: u64,
+    pub memory_ms: u64,
     pub tracked_addresses: usize,
     pub bans: u64,
     pub ban_failures: u64,

@@ -33,6 +33,28 @@ impl ActionKind {
     }
 }
 
+/// Whether refusals are carried out (`enforce`) or only judged and counted (`monitor`, a dry
+/// run: Envoy's shadow mode, nginx's `limit_req_dry_run`): every check is judged and counted as
+/// it would be, buckets spent alike, but nothing is refused, and no refusal escalates to a ban.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum Enforcement {
+    #[default]
+    Enforce,
+    Monitor,
+}
+
+impl Enforcement {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Enforcement::Enforce => "enforce",
+            Enforcement::Monitor => "monitor",
+        }
+    }
+}
+
 /// What an action's keys identify. It decides how a key is checked and stored: addresses are
 /// parsed and stored in canonical form (so `::ffff:10.0.0.1` and `10.0.0.1` share a bucket),
 /// session tokens are stored and shown only as a SHA-256 digest, anything else as given.
@@ -85,6 +107,11 @@ pub struct ActionConfig {
     /// Whether the action's buckets live in the fleet's Redis, one limit for every agent.
     /// Default: true when a Redis is configured.
     pub shared: Option<bool>,
+    /// Limits of their own for named keys (`"premium" = 5000`), per the action's window or
+    /// period; each key's burst is its limit. Replaces the overrides set before it whole.
+    pub overrides: Option<BTreeMap<String, u32>>,
+    /// `enforce` or `monitor`; default: the top-level `mode`.
+    pub mode: Option<Enforcement>,
 }
 
 /// A window length read from TOML as either a humantime string or milliseconds.
@@ -135,6 +162,12 @@ pub struct ActionSpec {
     pub security: bool,
     /// Checked against the fleet's buckets in Redis rather than this agent's.
     pub shared: bool,
+    /// Keys with a limit of their own, as the operator wrote them. Not serialized: a session
+    /// key is a secret, and the status shows only how many there are.
+    #[serde(skip)]
+    pub overrides: BTreeMap<String, u32>,
+    /// The action's own mode; `None` follows the top-level `mode`.
+    pub mode: Option<Enforcement>,
 }
 
 fn as_millis<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
@@ -153,6 +186,17 @@ pub enum Mode {
 }
 
 impl ActionSpec {
+    /// This action as it applies to a key overridden with `limit`: the same kind, window and
+    /// key, `limit` as its limit and its burst.
+    pub fn overridden(&self, limit: u32) -> ActionSpec {
+        ActionSpec {
+            limit,
+            burst: limit,
+            overrides: BTreeMap::new(),
+            ..self.clone()
+        }
+    }
+
     pub fn mode(&self) -> Mode {
         let limited = match self.kind {
             ActionKind::Rate => Rate::new(self.limit, self.window, self.burst).map(Mode::Limited),
@@ -179,6 +223,8 @@ pub fn builtin_actions() -> Vec<ActionSpec> {
         escalate: name == "auth",
         security,
         shared: false,
+        overrides: BTreeMap::new(),
+        mode: None,
     };
     vec![
         spec("auth", 10, 60, KeyKind::Ip, true),
@@ -206,7 +252,12 @@ pub fn resolve_actions(
         spec.shared = fleet;
     }
     for (name, config) in table {
-        apply(&mut specs, name, config, &format!("actions.{name}"), fleet)?;
+        let origin = format!("actions.{name}");
+        apply(&mut specs, name, config, &origin, fleet)?;
+        if let Some(overrides) = &config.overrides {
+            let spec = specs.iter_mut().find(|s| s.name == *name);
+            apply_overrides(spec.expect("applied above"), overrides, &origin)?;
+        }
     }
     for (name, config) in overrides {
         apply(
@@ -259,6 +310,8 @@ fn apply(
                 escalate: false,
                 security: false,
                 shared: fleet,
+                overrides: BTreeMap::new(),
+                mode: None,
             });
             specs.len() - 1
         }
@@ -341,6 +394,52 @@ fn apply(
     Ok(())
 }
 
+/// A key's own limits, each checked as the action's own limit would be, and each key as a
+/// check's key would be (an `ip` action's keys must be addresses).
+fn apply_overrides(
+    spec: &mut ActionSpec,
+    overrides: &BTreeMap<String, u32>,
+    origin: &str,
+) -> Result<(), ConfigError> {
+    for (key, &limit) in overrides {
+        let setting = || format!("{origin}.overrides.{key:?}");
+        super::keys::store(spec.key, key.as_bytes()).map_err(|e| {
+            ConfigError::new(setting(), format!("not a {} key: {e}", spec.key.as_str()))
+        })?;
+        if limit == 0 {
+            continue;
+        }
+        let fine = match spec.kind {
+            ActionKind::Rate => spec.window.as_nanos() / u128::from(limit) >= 1,
+            ActionKind::Quota => true,
+        };
+        if !fine {
+            return Err(ConfigError::new(
+                setting(),
+                format!(
+                    "{limit} per {:?} is finer than one per nanosecond",
+                    spec.window
+                ),
+            ));
+        }
+        if spec.shared
+            && spec.kind == ActionKind::Rate
+            && spec.window.as_nanos() / u128::from(limit) < 1_000
+        {
+            return Err(ConfigError::new(
+                setting(),
+                format!(
+                    "{limit} per {:?} is finer than one per microsecond, which a shared bucket \
+                     cannot express",
+                    spec.window
+                ),
+            ));
+        }
+    }
+    spec.overrides = overrides.clone();
+    Ok(())
+}
+
 /// The settings both kinds share: the key, the key cap, escalation, sharing.
 fn apply_common(
     spec: &mut ActionSpec,
@@ -362,6 +461,9 @@ fn apply_common(
     }
     if let Some(escalate) = config.escalate {
         spec.escalate = escalate;
+    }
+    if let Some(mode) = config.mode {
+        spec.mode = Some(mode);
     }
     if spec.escalate && spec.key != KeyKind::Ip {
         return Err(ConfigError::new(
@@ -435,6 +537,49 @@ mod tests {
 
     fn find<'a>(specs: &'a [ActionSpec], name: &str) -> &'a ActionSpec {
         specs.iter().find(|s| s.name == name).unwrap()
+    }
+
+    #[test]
+    fn overrides_are_checked_as_the_action_checks_its_keys_and_limits() {
+        let specs = resolve_actions(
+            &table(
+                "[actions.publish]\nlimit = 100\nwindow = \"1s\"\n\
+                 [actions.publish.overrides]\n\"premium\" = 5000\n\"muted\" = 0\n\
+                 [actions.auth.overrides]\n\"10.0.0.1\" = 1\n\"::ffff:10.0.0.2\" = 50\n",
+            ),
+            &[],
+            false,
+        )
+        .unwrap();
+        let publish = find(&specs, "publish");
+        assert_eq!(publish.overrides.len(), 2);
+        let premium = publish.overridden(publish.overrides["premium"]);
+        assert_eq!((premium.limit, premium.burst), (5000, 5000));
+        assert_eq!(premium.window, publish.window);
+        assert_eq!(publish.overridden(0).mode(), Mode::Unlimited);
+        // A security action's key overridden to 0 is closed, as the action would be.
+        assert_eq!(find(&specs, "auth").overridden(0).mode(), Mode::Closed);
+        for (text, setting) in [
+            (
+                "[actions.auth.overrides]\n\"premium\" = 5\n",
+                "actions.auth.overrides.\"premium\"",
+            ),
+            (
+                "[actions.publish]\nlimit = 1\nwindow = \"1ms\"\n\
+                 [actions.publish.overrides]\n\"fast\" = 2000000\n",
+                "actions.publish.overrides.\"fast\"",
+            ),
+        ] {
+            let error = resolve_actions(&table(text), &[], false).unwrap_err();
+            assert_eq!(error.setting, setting, "{text}: {error}");
+        }
+        let shared = resolve_actions(
+            &table("[actions.publish]\nlimit = 1\nwindow = \"1s\"\n[actions.publish.overrides]\n\"a\" = 2000000\n"),
+            &[],
+            true,
+        )
+        .unwrap_err();
+        assert!(shared.message.contains("microsecond"), "{shared}");
     }
 
     #[test]

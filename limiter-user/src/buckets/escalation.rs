@@ -1,15 +1,19 @@
 //! Escalation: an address that fails authentication more than K times within W is banned for
-//! T, once, so a brute-forcing client stops reaching the broker at all.
+//! T, once, so a brute-forcing client stops reaching the broker at all. An address banned again
+//! within a memory window of its last ban's end is banned longer (fail2ban's
+//! `bantime.increment`): T times the factor for each ban before it in the run, up to a ceiling,
+//! so a patient attacker who waits out each ban gains less with each round.
 //!
 //! Each address keeps the times of its last K+1 failures, which is exactly what "more than K
-//! within W" needs and bounds the memory per address; the number of addresses is capped too.
+//! within W" needs and bounds the memory per address, and its run of bans; the number of
+//! addresses is capped too.
 
 use std::{
     collections::VecDeque,
     net::IpAddr,
     sync::{
         Arc, RwLock,
-        atomic::{AtomicU64, AtomicUsize, Ordering},
+        atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering},
     },
     time::Duration,
 };
@@ -32,15 +36,61 @@ pub struct EscalationConfig {
     pub after: u32,
     /// W.
     pub window: Duration,
-    /// T.
+    /// T: the first ban's length.
     pub ban: Duration,
+    /// How a repeat offender's bans grow.
+    pub increment: BanIncrement,
     pub max_addresses: usize,
+}
+
+/// Repeat offenders' longer bans.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BanIncrement {
+    /// Each ban in a run lasts this many times the one before; 1 keeps every ban at T.
+    pub factor: u32,
+    /// The longest a ban grows to.
+    pub max_ban: Duration,
+    /// A ban that begins within this long of the previous one's end continues the run; later,
+    /// the run starts over at T.
+    pub memory: Duration,
+}
+
+impl BanIncrement {
+    /// Every ban lasts T.
+    pub const OFF: Self = Self {
+        factor: 1,
+        max_ban: Duration::ZERO,
+        memory: Duration::ZERO,
+    };
+
+    fn on(&self) -> bool {
+        self.factor > 1
+    }
+}
+
+impl EscalationConfig {
+    /// The length of the `nth` ban of a run (the first is 1): T × factor^(n−1), at most the
+    /// ceiling. A pure function of the settings, so a test needs no clock.
+    pub fn ban_for(&self, nth: u32) -> Duration {
+        if !self.increment.on() || nth <= 1 {
+            return self.ban;
+        }
+        let ceiling = self.increment.max_ban.max(self.ban);
+        self.increment
+            .factor
+            .checked_pow(nth - 1)
+            .and_then(|times| self.ban.checked_mul(times))
+            .map_or(ceiling, |ttl| ttl.min(ceiling))
+    }
 }
 
 #[derive(Debug, Default)]
 struct Record {
     failures: VecDeque<u64>,
+    /// The end of the last ban (in force while it is ahead of the clock).
     banned_until: Option<u64>,
+    /// Bans in the current run.
+    run: u32,
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
@@ -49,6 +99,8 @@ pub struct EscalationStats {
     pub bans: u64,
     pub ban_failures: u64,
     pub untracked: u64,
+    /// Bans monitor mode did not place.
+    pub would_ban: u64,
 }
 
 pub struct Escalator {
@@ -61,6 +113,9 @@ pub struct Escalator {
     bans: AtomicU64,
     ban_failures: AtomicU64,
     untracked: AtomicU64,
+    /// Monitor mode: a ban escalation would place is counted in `would_ban`, not placed.
+    monitor: AtomicBool,
+    would_ban: AtomicU64,
 }
 
 impl Escalator {
@@ -78,7 +133,14 @@ impl Escalator {
             bans: AtomicU64::new(0),
             ban_failures: AtomicU64::new(0),
             untracked: AtomicU64::new(0),
+            monitor: AtomicBool::new(false),
+            would_ban: AtomicU64::new(0),
         }
+    }
+
+    /// Monitor mode on or off (the top-level `mode`, live on reload).
+    pub fn set_monitor(&self, monitor: bool) {
+        self.monitor.store(monitor, Ordering::Relaxed);
     }
 
     pub fn config(&self) -> Option<EscalationConfig> {
@@ -103,7 +165,7 @@ impl Escalator {
         self.banner.failure(addr);
         let now = self.clock.now_ns();
         let window = duration_ns(config.window);
-        {
+        let (before, ttl) = {
             let mut record = match self.records.entry(addr) {
                 Entry::Occupied(occupied) => occupied.into_ref(),
                 Entry::Vacant(vacant) => {
@@ -115,10 +177,8 @@ impl Escalator {
                     vacant.insert(Record::default())
                 }
             };
-            match record.banned_until {
-                Some(until) if until > now => return Escalation::AlreadyBanned,
-                Some(_) => record.banned_until = None,
-                None => {}
+            if record.banned_until.is_some_and(|until| until > now) {
+                return Escalation::AlreadyBanned;
             }
             while record
                 .failures
@@ -129,28 +189,49 @@ impl Escalator {
             }
             record.failures.push_back(now);
             let count = record.failures.len();
-            if count > config.after as usize {
-                record.failures.clear();
-                record.banned_until = Some(now.saturating_add(duration_ns(config.ban)));
-            } else {
+            if count <= config.after as usize {
                 return Escalation::Counted {
                     failures: count as u32,
                 };
             }
+            record.failures.clear();
+            let before = (record.banned_until, record.run);
+            record.run = match record.banned_until {
+                Some(end) if now.saturating_sub(end) < duration_ns(config.increment.memory) => {
+                    record.run.saturating_add(1)
+                }
+                _ => 1,
+            };
+            let ttl = config.ban_for(record.run);
+            record.banned_until = Some(now.saturating_add(duration_ns(ttl)));
+            (before, ttl)
+        };
+        if self.monitor.load(Ordering::Relaxed) {
+            // Judged and counted, not placed: the address stays unbanned and its run as it
+            // was, so the figures read as enforcement's would.
+            self.would_ban.fetch_add(1, Ordering::Relaxed);
+            if let Some(mut record) = self.records.get_mut(&addr) {
+                (record.banned_until, record.run) = before;
+            }
+            tracing::info!(%addr, ?ttl, "monitor mode: would have escalated to a ban");
+            return Escalation::Counted {
+                failures: config.after.saturating_add(1),
+            };
         }
         // The ban runs outside the map's lock: it is a syscall in the agent.
-        match self.banner.ban(addr, config.ban) {
+        match self.banner.ban(addr, ttl) {
             Ok(()) => {
                 self.bans.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(%addr, ttl = ?config.ban, "escalated to a ban");
+                tracing::warn!(%addr, ?ttl, "escalated to a ban");
                 Escalation::Banned
             }
             Err(error) => {
                 self.ban_failures.fetch_add(1, Ordering::Relaxed);
                 let error = crate::errors::error_chain(&error);
                 tracing::error!(%addr, %error, "escalation could not ban");
+                // Not banned: the run is as it was.
                 if let Some(mut record) = self.records.get_mut(&addr) {
-                    record.banned_until = None;
+                    (record.banned_until, record.run) = before;
                 }
                 Escalation::BanFailed
             }
@@ -171,14 +252,22 @@ impl Escalator {
         };
         let now = self.clock.now_ns();
         let window = duration_ns(config.window);
+        // A ban's end is remembered as long as a next ban would continue its run.
+        let memory = if config.increment.on() {
+            duration_ns(config.increment.memory)
+        } else {
+            0
+        };
         let mut removed = 0;
         self.records.retain(|_, record| {
-            let banned = record.banned_until.is_some_and(|until| until > now);
+            let remembered = record
+                .banned_until
+                .is_some_and(|until| until > now || now - until < memory);
             let recent = record
                 .failures
                 .back()
                 .is_some_and(|&at| now.saturating_sub(at) < window);
-            let keep = banned || recent;
+            let keep = remembered || recent;
             removed += usize::from(!keep);
             keep
         });
@@ -192,6 +281,7 @@ impl Escalator {
             bans: self.bans.load(Ordering::Relaxed),
             ban_failures: self.ban_failures.load(Ordering::Relaxed),
             untracked: self.untracked.load(Ordering::Relaxed),
+            would_ban: self.would_ban.load(Ordering::Relaxed),
         }
     }
 }
@@ -236,6 +326,7 @@ pub(crate) mod tests {
             after,
             window: Duration::from_secs(60),
             ban: Duration::from_secs(600),
+            increment: BanIncrement::OFF,
             max_addresses: max,
         };
         let escalator = Escalator::new(Some(config), clock.clone(), banner.clone());
@@ -262,6 +353,108 @@ pub(crate) mod tests {
         // After the ban lapses counting starts again from zero.
         clock.advance(Duration::from_secs(601));
         assert_eq!(esc.record_failure(A), Escalation::Counted { failures: 1 });
+    }
+
+    /// Escalation after 1 failure, bans of 10m doubling up to 30m, a run kept 1h past a ban.
+    fn incrementing() -> (Arc<ManualClock>, Arc<RecordingBanner>, Escalator) {
+        let clock = Arc::new(ManualClock::new());
+        let banner = Arc::new(RecordingBanner::default());
+        let config = EscalationConfig {
+            after: 1,
+            window: Duration::from_secs(60),
+            ban: Duration::from_secs(600),
+            increment: BanIncrement {
+                factor: 2,
+                max_ban: Duration::from_secs(1800),
+                memory: Duration::from_secs(3600),
+            },
+            max_addresses: 10,
+        };
+        let escalator = Escalator::new(Some(config), clock.clone(), banner.clone());
+        (clock, banner, escalator)
+    }
+
+    /// Fails twice: past the threshold of one.
+    fn offend(esc: &Escalator) -> Escalation {
+        esc.record_failure(A);
+        esc.record_failure(A)
+    }
+
+    fn bans(banner: &RecordingBanner) -> Vec<u64> {
+        let calls = banner.calls.lock().unwrap();
+        calls
+            .iter()
+            .filter_map(|(_, ttl)| ttl.map(|t| t.as_secs()))
+            .collect()
+    }
+
+    #[test]
+    fn a_repeat_offender_is_banned_longer_up_to_the_ceiling() {
+        let (clock, banner, esc) = incrementing();
+        let mut lengths = Vec::new();
+        for _ in 0..4 {
+            assert_eq!(offend(&esc), Escalation::Banned);
+            let ttl = *bans(&banner).last().unwrap();
+            lengths.push(ttl);
+            // Banned for all of it, not a second less...
+            clock.advance(Duration::from_secs(ttl - 1));
+            assert_eq!(esc.record_failure(A), Escalation::AlreadyBanned);
+            // ...and back 10 minutes after it ended: within the memory.
+            clock.advance(Duration::from_secs(1 + 600));
+            esc.sweep();
+        }
+        assert_eq!(lengths, [600, 1200, 1800, 1800]);
+    }
+
+    #[test]
+    fn a_run_starts_over_once_the_memory_has_passed() {
+        let (clock, banner, esc) = incrementing();
+        assert_eq!(offend(&esc), Escalation::Banned);
+        clock.advance(Duration::from_secs(600 + 3600));
+        // The sweep forgets the address, as it would the run itself.
+        assert_eq!(esc.sweep(), 1);
+        assert_eq!(offend(&esc), Escalation::Banned);
+        clock.advance(Duration::from_secs(600 + 3599));
+        assert_eq!(esc.sweep(), 0, "still remembered within the memory");
+        assert_eq!(offend(&esc), Escalation::Banned);
+        assert_eq!(bans(&banner), [600, 600, 1200]);
+    }
+
+    #[test]
+    fn an_unban_forgets_the_run_and_a_failed_ban_does_not_lengthen_it() {
+        let (clock, banner, esc) = incrementing();
+        assert_eq!(offend(&esc), Escalation::Banned);
+        clock.advance(Duration::from_secs(700));
+        banner.fail.store(true, Ordering::SeqCst);
+        assert_eq!(offend(&esc), Escalation::BanFailed);
+        banner.fail.store(false, Ordering::SeqCst);
+        assert_eq!(offend(&esc), Escalation::Banned);
+        esc.forget(A);
+        assert_eq!(offend(&esc), Escalation::Banned);
+        assert_eq!(bans(&banner), [600, 1200, 600]);
+    }
+
+    #[test]
+    fn ban_lengths_grow_by_the_factor_and_never_overflow() {
+        let config = EscalationConfig {
+            after: 1,
+            window: Duration::from_secs(60),
+            ban: Duration::from_secs(60),
+            increment: BanIncrement {
+                factor: 3,
+                max_ban: Duration::from_secs(366 * 86_400),
+                memory: Duration::from_secs(86_400),
+            },
+            max_addresses: 1,
+        };
+        let secs = |n| config.ban_for(n).as_secs();
+        assert_eq!([secs(0), secs(1), secs(2), secs(3)], [60, 60, 180, 540]);
+        assert_eq!(secs(u32::MAX), 366 * 86_400);
+        let off = EscalationConfig {
+            increment: BanIncrement::OFF,
+            ..config
+        };
+        assert_eq!(off.ban_for(9), Duration::from_secs(60));
     }
 
     #[test]

@@ -15,14 +15,15 @@ pub mod stats;
 pub mod store;
 
 pub use actions::{
-    ActionConfig, ActionKind, ActionSpec, ConfigError, KeyKind, Window, resolve_actions,
+    ActionConfig, ActionKind, ActionSpec, ConfigError, Enforcement, KeyKind, Window,
+    resolve_actions,
 };
 pub use ban::{BanError, Banner, NoBans, SharedBanStats};
 pub use clock::{Clock, ManualClock, MonotonicClock};
-pub use escalation::{EscalationConfig, EscalationStats};
+pub use escalation::{BanIncrement, EscalationConfig, EscalationStats};
 pub use shared::{Pending, SharedBuckets, SharedCheck, SharedFuture, SharedLimit};
 pub use stats::ActionStats;
-pub use store::{ActionId, BYTES_PER_KEY, CheckError, Limiter, LimiterConfig, Submit};
+pub use store::{ActionId, BYTES_PER_KEY, CheckError, Judged, Limiter, LimiterConfig, Submit};
 
 #[cfg(test)]
 mod tests;

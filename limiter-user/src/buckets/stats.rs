@@ -83,6 +83,12 @@ pub struct ActionStats {
     pub action: String,
     #[serde(flatten)]
     pub counts: ActionCounts,
+    /// `enforce` or `monitor`, as in force.
+    pub mode: super::Enforcement,
+    /// Refusals monitor mode answered as allowances, by the refusal's outcome (the metrics'
+    /// `limiter_would_refuse_total`).
+    #[serde(skip)]
+    pub would_refuse: Vec<(Outcome, u64)>,
     /// Memory the action's key table holds (entries and the table's slack).
     pub key_memory_bytes: usize,
 }

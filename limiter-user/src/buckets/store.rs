@@ -43,7 +43,7 @@ use limiter_client::{Escalation, NEVER_MS, Outcome, Verdict};
 use crate::api::{ActionCounts, BlockedKey};
 
 use super::{
-    actions::{ActionSpec, KeyKind, Mode},
+    actions::{ActionKind, ActionSpec, Enforcement, KeyKind, Mode},
     ban::{BanError, Banner, SharedBanStats},
     cell::{Algorithm, Cell, Evaluation},
     clock::{Clock, ns_to_ms_ceil},
@@ -60,6 +60,38 @@ use super::{
 pub struct LimiterConfig {
     pub actions: Vec<ActionSpec>,
     pub escalation: Option<EscalationConfig>,
+    /// The top-level `mode`: every action's that sets none, and escalation's.
+    pub mode: Enforcement,
+}
+
+/// A check's verdict as judged, and whether the action is in monitor mode: then a refusal is
+/// counted as one but answered as an allowance ([`Judged::enforced`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Judged {
+    pub verdict: Verdict,
+    pub monitored: bool,
+}
+
+impl Judged {
+    /// What the caller acts on: the verdict, or in monitor mode an allowance with the
+    /// bucket's numbers.
+    pub fn enforced(&self) -> Verdict {
+        match self.would_refuse() {
+            Some(_) => Verdict::new(
+                Outcome::Allowed,
+                self.verdict.limit,
+                self.verdict.remaining,
+                0,
+                self.verdict.reset_after_ms,
+            ),
+            None => self.verdict,
+        }
+    }
+
+    /// The refusal enforcement would have answered, in monitor mode.
+    pub fn would_refuse(&self) -> Option<Outcome> {
+        (self.monitored && !self.verdict.allowed).then_some(self.verdict.outcome)
+    }
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -75,6 +107,14 @@ pub enum CheckError {
     #[error("a cost must be at least 1")]
     ZeroCost,
 }
+
+/// The outcomes that refuse.
+const REFUSALS: [Outcome; 4] = [
+    Outcome::Limited,
+    Outcome::CostExceedsBurst,
+    Outcome::CostExceedsLimit,
+    Outcome::Closed,
+];
 
 /// The least time between two cap sweeps of one action: a flood of new keys into a full
 /// action of hot buckets costs one pass over the map per interval, not one per check.
@@ -114,18 +154,65 @@ impl ActionId {
     }
 }
 
+/// What a key is judged by: the action's limits, or a key override's.
+#[derive(Clone, Copy, Debug)]
+struct Limits {
+    /// The limit itself: this agent's, or the fleet's for a shared action.
+    mode: Mode,
+    /// What this agent decides by itself: `mode`, or for a shared action its fallback share.
+    local: Mode,
+    /// The limit `mode` enforces, reported in the fleet's verdicts.
+    limit: u32,
+    /// The limit `local` enforces, reported in its verdicts.
+    local_limit: u32,
+}
+
+impl Limits {
+    /// `spec`'s limits; with `replicas`, a shared action's fallback share beside them.
+    fn of(spec: &ActionSpec, replicas: Option<u32>) -> Self {
+        let mode = spec.mode();
+        let (mut local, mut local_limit) = (mode, spec.limit);
+        if let Some(replicas) = replicas.filter(|_| spec.shared) {
+            let share = (spec.limit / replicas.max(1)).max(1);
+            match mode {
+                Mode::Limited(_) => {
+                    if let Some(rate) = Rate::share(spec.limit, spec.window, spec.burst, replicas) {
+                        local = Mode::Limited(rate);
+                        local_limit = share;
+                    }
+                }
+                Mode::Quota(_) => {
+                    if let Some(quota) = Quota::new(share, spec.window) {
+                        local = Mode::Quota(quota);
+                        local_limit = share;
+                    }
+                }
+                Mode::Unlimited | Mode::Closed => {}
+            }
+        }
+        Self {
+            mode,
+            local,
+            limit: spec.limit,
+            local_limit,
+        }
+    }
+}
+
 /// One configuration of an action: its settings, fixed, and its state, shared with the
 /// configurations before and after it.
 struct Action {
     spec: ActionSpec,
     name: Arc<str>,
-    /// The action's own rate: this agent's, or the fleet's for a shared action.
-    mode: Mode,
-    /// What this agent decides by itself: `mode`, or for a shared action its fallback share.
-    local: Mode,
-    /// The limit `local` enforces, reported in its verdicts.
-    local_limit: u32,
+    /// Every key's limits but the overridden ones'.
+    base: Limits,
+    /// The keys with limits of their own, by their stored form (so `::ffff:10.0.0.1` finds
+    /// the override written `10.0.0.1`, and a session's by its digest). Empty for most
+    /// actions, which then never hash a key for it.
+    overrides: std::collections::HashMap<StoredKey, Limits>,
     shared: bool,
+    /// Monitor mode: refusals are counted, answered as allowances and never escalate.
+    monitor: bool,
     table: Arc<KeyTable>,
     counters: Arc<ActionCounters>,
     /// Set by the reload that replaced this configuration: its successor, or `None` when the
@@ -148,6 +235,8 @@ struct KeyTable {
 #[derive(Default)]
 struct ActionCounters {
     outcomes: OutcomeCounters,
+    /// Refusals monitor mode answered as allowances, by the refusal's outcome.
+    would_refuse: OutcomeCounters,
     overflow_checks: AtomicU64,
 }
 
@@ -180,39 +269,37 @@ impl Action {
         table: Arc<KeyTable>,
         counters: Arc<ActionCounters>,
         replicas: Option<u32>,
+        mode: Enforcement,
     ) -> Arc<Self> {
-        let mode = spec.mode();
-        let (mut local, mut local_limit, mut shared) = (mode, spec.limit, false);
-        if let Some(replicas) = replicas.filter(|_| spec.shared) {
-            shared = true;
-            let share = (spec.limit / replicas.max(1)).max(1);
-            match mode {
-                Mode::Limited(_) => {
-                    if let Some(rate) = Rate::share(spec.limit, spec.window, spec.burst, replicas) {
-                        local = Mode::Limited(rate);
-                        local_limit = share;
-                    }
-                }
-                Mode::Quota(_) => {
-                    if let Some(quota) = Quota::new(share, spec.window) {
-                        local = Mode::Quota(quota);
-                        local_limit = share;
-                    }
-                }
-                Mode::Unlimited | Mode::Closed => {}
-            }
-        }
+        let overrides = spec
+            .overrides
+            .iter()
+            .filter_map(|(key, &limit)| {
+                // Checked by the resolve; a key that does not store is no key a check has.
+                let stored = keys::store(spec.key, key.as_bytes()).ok()?;
+                Some((stored, Limits::of(&spec.overridden(limit), replicas)))
+            })
+            .collect();
         Arc::new(Self {
             name: Arc::from(spec.name.as_str()),
-            mode,
-            local,
-            local_limit,
-            shared,
+            base: Limits::of(&spec, replicas),
+            overrides,
+            shared: replicas.is_some() && spec.shared,
+            monitor: spec.mode.unwrap_or(mode) == Enforcement::Monitor,
             spec,
             table,
             counters,
             next: OnceLock::new(),
         })
+    }
+
+    /// The limits `key` is judged by.
+    #[inline(always)]
+    fn limits(&self, key: &StoredKey) -> &Limits {
+        if self.overrides.is_empty() {
+            return &self.base;
+        }
+        self.overrides.get(key).unwrap_or(&self.base)
     }
 }
 
@@ -224,6 +311,8 @@ pub struct Limiter {
     escalator: Escalator,
     banner: Arc<dyn Banner>,
     shared: Option<Arc<dyn SharedBuckets>>,
+    /// The top-level mode in force, for actions rebuilt by `shared_by`.
+    mode: RwLock<Enforcement>,
 }
 
 /// How a check submitted with [`Limiter::submit`] is made.
@@ -242,15 +331,17 @@ impl Limiter {
         let actions = config
             .actions
             .into_iter()
-            .map(|spec| Action::new(spec, Arc::default(), Arc::default(), None))
+            .map(|spec| Action::new(spec, Arc::default(), Arc::default(), None, config.mode))
             .collect();
         let escalator = Escalator::new(config.escalation, clock.clone(), banner.clone());
+        escalator.set_monitor(config.mode == Enforcement::Monitor);
         Self {
             clock,
             actions: RwLock::new(actions),
             escalator,
             banner,
             shared: None,
+            mode: RwLock::new(config.mode),
         }
     }
 
@@ -258,12 +349,14 @@ impl Limiter {
     /// at its share of the limit (limit / expected replicas) whenever the store cannot answer.
     pub fn shared_by(mut self, store: Arc<dyn SharedBuckets>) -> Self {
         let replicas = Some(store.expected_replicas());
+        let mode = *self.mode.get_mut().expect("mode lock");
         for action in self.actions.get_mut().expect("actions lock").iter_mut() {
             *action = Action::new(
                 action.spec.clone(),
                 Arc::clone(&action.table),
                 Arc::clone(&action.counters),
                 replicas,
+                mode,
             );
         }
         self.shared = Some(store);
@@ -278,6 +371,8 @@ impl Limiter {
     /// forgotten).
     pub fn reconfigure(&self, config: LimiterConfig) -> ActionChanges {
         let replicas = self.shared.as_ref().map(|s| s.expected_replicas());
+        let mode = config.mode;
+        *self.mode.write().expect("mode lock") = mode;
         let mut actions = self.actions.write().expect("actions lock");
         let mut changes = ActionChanges::default();
         let mut next = Vec::with_capacity(config.actions.len());
@@ -286,9 +381,14 @@ impl Limiter {
             let action = match old {
                 None => {
                     changes.added.push(spec.name.clone());
-                    Action::new(spec, Arc::default(), Arc::default(), replicas)
+                    Action::new(spec, Arc::default(), Arc::default(), replicas, mode)
                 }
-                Some(old) if old.spec == spec => Arc::clone(old),
+                Some(old)
+                    if old.spec == spec
+                        && old.monitor == (spec.mode.unwrap_or(mode) == Enforcement::Monitor) =>
+                {
+                    Arc::clone(old)
+                }
                 Some(old) => {
                     // A new kind of state (rate or quota) or key means nothing to the old table.
                     let table = if old.spec.key == spec.key && old.spec.kind == spec.kind {
@@ -298,7 +398,8 @@ impl Limiter {
                         changes.rekeyed.push(spec.name.clone());
                         Arc::default()
                     };
-                    let action = Action::new(spec, table, Arc::clone(&old.counters), replicas);
+                    let action =
+                        Action::new(spec, table, Arc::clone(&old.counters), replicas, mode);
                     let _ = old.next.set(Some(Arc::clone(&action)));
                     action
                 }
@@ -313,6 +414,7 @@ impl Limiter {
         }
         *actions = next;
         self.escalator.reconfigure(config.escalation);
+        self.escalator.set_monitor(mode == Enforcement::Monitor);
         changes
     }
 
@@ -329,7 +431,7 @@ impl Limiter {
         key: &[u8],
         cost: u32,
         how: Submit,
-    ) -> Result<Pending<Verdict>, CheckError> {
+    ) -> Result<Pending<Judged>, CheckError> {
         let (consume, escalate) = match how {
             Submit::Check => (true, true),
             Submit::CheckUnescalated => (true, false),
@@ -340,7 +442,8 @@ impl Limiter {
         }
         let action = id.current()?;
         let stored = action.store(key)?;
-        let (limit, store) = match (action.mode, self.shared.as_ref()) {
+        let limits = *action.limits(&stored);
+        let (limit, store) = match (limits.mode, self.shared.as_ref()) {
             (Mode::Limited(rate), Some(store)) if action.shared => (SharedLimit::Rate(rate), store),
             (Mode::Quota(quota), Some(store)) if action.shared => {
                 (SharedLimit::Quota(quota), store)
@@ -363,7 +466,7 @@ impl Limiter {
         Ok(Pending::Waiting(Box::pin(async move {
             let action = &*action;
             let flags = (consume, escalate);
-            let fleet = action.spec.limit;
+            let fleet = limits.limit;
             match (answer.await, limit) {
                 (Some(evaluation), SharedLimit::Rate(rate)) => limiter.conclude(
                     action,
@@ -424,6 +527,7 @@ impl Limiter {
     /// Spends `cost` tokens of `key`'s bucket if it holds them; a refusal spends nothing.
     pub fn check(&self, action: &str, key: &[u8], cost: u32) -> Result<Verdict, CheckError> {
         self.decide(&*self.action(action)?, key, cost, true, true)
+            .map(|j| j.enforced())
     }
 
     /// `check` for an action resolved with [`Limiter::action_id`].
@@ -434,6 +538,7 @@ impl Limiter {
         cost: u32,
     ) -> Result<Verdict, CheckError> {
         self.decide(action.current()?, key, cost, true, true)
+            .map(|j| j.enforced())
     }
 
     /// `check` for callers outside the broker's trust boundary (the HTTP endpoint, which any
@@ -446,11 +551,13 @@ impl Limiter {
         cost: u32,
     ) -> Result<Verdict, CheckError> {
         self.decide(&*self.action(action)?, key, cost, true, false)
+            .map(|j| j.enforced())
     }
 
     /// What `check` would answer, spending nothing and counting nothing.
     pub fn peek(&self, action: &str, key: &[u8], cost: u32) -> Result<Verdict, CheckError> {
         self.decide(&*self.action(action)?, key, cost, false, false)
+            .map(|j| j.enforced())
     }
 
     /// Forgets a key's bucket, so its next check finds it full. `Ok(false)` if it had none.
@@ -510,7 +617,20 @@ impl Limiter {
                             + count(Outcome::Closed),
                         tracked_keys: a.table.tracked.load(Ordering::Acquire),
                         overflow_checks: a.counters.overflow_checks.load(Ordering::Relaxed),
+                        would_refuse: REFUSALS
+                            .iter()
+                            .map(|&o| a.counters.would_refuse.get(o))
+                            .sum(),
                     },
+                    mode: if a.monitor {
+                        Enforcement::Monitor
+                    } else {
+                        Enforcement::Enforce
+                    },
+                    would_refuse: REFUSALS
+                        .iter()
+                        .map(|&o| (o, a.counters.would_refuse.get(o)))
+                        .collect(),
                     // `capacity` counts usable slots, 7 of every 8.
                     key_memory_bytes: a.table.buckets.capacity() * SLOT_BYTES * 8 / 7,
                 }
@@ -521,6 +641,11 @@ impl Limiter {
     /// What the banner shared with the fleet (zero without one).
     pub fn shared_ban_stats(&self) -> SharedBanStats {
         self.banner.shared_stats()
+    }
+
+    /// The top-level mode in force.
+    pub fn mode(&self) -> Enforcement {
+        *self.mode.read().expect("mode lock")
     }
 
     /// `None` while escalation is off.
@@ -566,7 +691,7 @@ impl Limiter {
         cost: u32,
         consume: bool,
         escalate: bool,
-    ) -> Result<Verdict, CheckError> {
+    ) -> Result<Judged, CheckError> {
         if cost == 0 {
             return Err(CheckError::ZeroCost);
         }
@@ -582,16 +707,17 @@ impl Limiter {
         cost: u32,
         consume: bool,
         escalate: bool,
-    ) -> Verdict {
+    ) -> Judged {
         let flags = (consume, escalate);
-        let verdict = match action.local {
+        let limits = action.limits(stored);
+        let limit = limits.local_limit;
+        let verdict = match limits.local {
             Mode::Unlimited => Verdict::new(Outcome::Unlimited, 0, u32::MAX, 0, 0),
             Mode::Closed => Verdict::new(Outcome::Closed, 0, 0, NEVER_MS, NEVER_MS),
-            Mode::Limited(rate) => return self.settle(action, &rate, stored, cost, flags),
-            Mode::Quota(quota) => return self.settle(action, &quota, stored, cost, flags),
+            Mode::Limited(rate) => return self.settle(action, (&rate, limit), stored, cost, flags),
+            Mode::Quota(quota) => return self.settle(action, (&quota, limit), stored, cost, flags),
         };
-        self.count(action, stored, verdict, (consume, escalate), true);
-        verdict
+        self.count(action, stored, verdict, (consume, escalate), true)
     }
 
     /// Turns a bucket's evaluation (this agent's or the fleet's) into the verdict, and counts
@@ -604,7 +730,7 @@ impl Limiter {
         cost: u32,
         (consume, escalate): (bool, bool),
         (evaluation, tracked): (Evaluation, bool),
-    ) -> Verdict {
+    ) -> Judged {
         let outcome = if evaluation.allowed {
             Outcome::Allowed
         } else if cost > algorithm.capacity() {
@@ -623,11 +749,11 @@ impl Limiter {
             },
             ns_to_ms_ceil(evaluation.reset_after_ns),
         );
-        self.count(action, stored, verdict, (consume, escalate), tracked);
-        verdict
+        self.count(action, stored, verdict, (consume, escalate), tracked)
     }
 
-    /// Counts a spending verdict, and feeds a refusal of a tracked key to escalation.
+    /// Counts a spending verdict, and feeds a refusal of a tracked key to escalation, unless
+    /// the action is in monitor mode, where the refusal is counted as one that was not made.
     fn count(
         &self,
         action: &Action,
@@ -635,11 +761,19 @@ impl Limiter {
         verdict: Verdict,
         (consume, escalate): (bool, bool),
         tracked: bool,
-    ) {
+    ) -> Judged {
+        let judged = Judged {
+            verdict,
+            monitored: action.monitor,
+        };
         if !consume {
-            return;
+            return judged;
         }
         action.counters.outcomes.add(verdict.outcome);
+        if let Some(outcome) = judged.would_refuse() {
+            action.counters.would_refuse.add(outcome);
+            return judged;
+        }
         if !verdict.allowed
             && escalate
             && tracked
@@ -649,27 +783,21 @@ impl Limiter {
         {
             self.escalator.record_failure(addr);
         }
+        judged
     }
 
     /// The verdict of this agent's own cell for `key` under `algorithm`.
     fn settle<A: Algorithm>(
         &self,
         action: &Action,
-        algorithm: &A,
+        (algorithm, limit): (&A, u32),
         stored: &StoredKey,
         cost: u32,
         flags: (bool, bool),
-    ) -> Verdict {
+    ) -> Judged {
         let now = action.now(&*self.clock);
         let settled = Self::evaluate(action, algorithm, stored, now, cost, flags.0);
-        self.conclude(
-            action,
-            stored,
-            (algorithm, action.local_limit),
-            cost,
-            flags,
-            settled,
-        )
+        self.conclude(action, stored, (algorithm, limit), cost, flags, settled)
     }
 
     /// Settles `key`'s cell, creating it under the key cap when `consume` is set.
@@ -728,15 +856,17 @@ impl Action {
     /// The time the action's algorithm counts in: a rate the monotonic clock, a quota the
     /// calendar.
     fn now(&self, clock: &dyn Clock) -> u64 {
-        match self.local {
-            Mode::Quota(_) => clock.unix_ns(),
-            Mode::Limited(_) | Mode::Unlimited | Mode::Closed => clock.now_ns(),
+        // By the kind, not the limits: an overridden key of a quota off by default (limit 0)
+        // counts its quota on the calendar too.
+        match self.spec.kind {
+            ActionKind::Quota => clock.unix_ns(),
+            ActionKind::Rate => clock.now_ns(),
         }
     }
 
-    /// Whether a key in `state` holds nothing a fresh key would not.
-    fn is_idle(&self, state: u64, now: u64) -> bool {
-        match &self.local {
+    /// Whether `key`, in `state`, holds nothing a fresh key would not.
+    fn is_idle(&self, key: &StoredKey, state: u64, now: u64) -> bool {
+        match &self.limits(key).local {
             Mode::Limited(rate) => rate.is_idle(state, now),
             Mode::Quota(quota) => quota.is_idle(state, now),
             Mode::Unlimited | Mode::Closed => true,
@@ -776,8 +906,8 @@ impl Action {
     fn evict_idle(&self, now: u64) -> usize {
         let table = &self.table;
         let mut gone = 0;
-        table.buckets.retain(|_, bucket| {
-            let keep = !self.is_idle(bucket.cell.state(), now);
+        table.buckets.retain(|key, bucket| {
+            let keep = !self.is_idle(key, bucket.cell.state(), now);
             gone += usize::from(!keep);
             keep
         });

@@ -183,6 +183,7 @@ fn a_flood_of_fresh_keys_never_refuses_or_bans_an_innocent_key() {
             after: 1,
             window: Duration::from_secs(60),
             ban: Duration::from_secs(600),
+            increment: BanIncrement::OFF,
             max_addresses: 1000,
         }),
     );
@@ -282,6 +283,7 @@ fn auth_refusals_and_reported_failures_escalate_to_one_ban() {
         after: 3,
         window: Duration::from_secs(60),
         ban: Duration::from_secs(900),
+        increment: BanIncrement::OFF,
         max_addresses: 100,
     };
     let (_, banner, limiter) = limiter_with("[actions.auth]\nlimit = 2\n", Some(escalation));
@@ -333,6 +335,7 @@ fn config_of(toml_actions: &str, escalation: Option<EscalationConfig>) -> Limite
     LimiterConfig {
         actions: resolve_actions(&file.actions, &[], false).unwrap(),
         escalation,
+        mode: Enforcement::Enforce,
     }
 }
 
@@ -430,6 +433,7 @@ fn a_reload_turns_escalation_on_changes_it_and_turns_it_off() {
         after,
         window: Duration::from_secs(60),
         ban: Duration::from_secs(120),
+        increment: BanIncrement::OFF,
         max_addresses: 100,
     };
     limiter.reconfigure(config_of("[actions.auth]\n", Some(escalation(3))));
@@ -603,4 +607,200 @@ fn two_hundred_concurrent_checks_of_cost_three_fit_a_quota_of_fifty_exactly() {
         limiter.peek("sends", b"tenant", 3).unwrap().outcome,
         Outcome::Limited
     );
+}
+
+/// Checks of cost 1 on `key` admitted back to back, up to 100.
+fn admitted(limiter: &Limiter, action: &str, key: &str) -> usize {
+    (0..100)
+        .take_while(|_| limiter.check(action, key.as_bytes(), 1).unwrap().allowed)
+        .count()
+}
+
+const PUBLISH_OVERRIDES: &str = "[actions.publish]\nlimit = 10\nwindow = \"1s\"\n\
+    [actions.publish.overrides]\n\"premium\" = 50\n\"scraper\" = 1\n\"muted\" = 0\n\
+    [actions.auth.overrides]\n\"10.0.0.1\" = 3\n";
+
+#[test]
+fn an_override_raises_one_keys_limit_and_another_lowers_one() {
+    let (clock, _, limiter) = limiter_with(PUBLISH_OVERRIDES, None);
+    assert_eq!(admitted(&limiter, "publish", "premium"), 50);
+    assert_eq!(admitted(&limiter, "publish", "scraper"), 1);
+    assert_eq!(admitted(&limiter, "publish", "alice"), 10);
+    // 0 on an ordinary action: that key is not limited.
+    assert_eq!(admitted(&limiter, "publish", "muted"), 100);
+    let verdict = limiter.check("publish", b"premium", 1).unwrap();
+    assert_eq!((verdict.allowed, verdict.limit), (false, 50));
+    // Refilled at its own rate: 50 per second is one every 20 ms.
+    clock.advance(Duration::from_millis(20));
+    assert_eq!(admitted(&limiter, "publish", "premium"), 1);
+    // An address override is found however the address is written.
+    assert_eq!(admitted(&limiter, "auth", "::ffff:10.0.0.1"), 3);
+    assert_eq!(admitted(&limiter, "auth", "10.0.0.1"), 0);
+    assert_eq!(admitted(&limiter, "auth", "10.0.0.2"), 10);
+}
+
+#[test]
+fn a_full_override_key_is_swept_by_its_own_rate_and_a_reload_changes_it_live() {
+    let (clock, _, limiter) = limiter_with(PUBLISH_OVERRIDES, None);
+    assert_eq!(admitted(&limiter, "publish", "premium"), 50);
+    // After 100 ms the default rate would be full again, not premium's (2.5 of 50 back).
+    clock.advance(Duration::from_millis(100));
+    limiter.sweep();
+    assert_eq!(stats_of(&limiter, "publish").counts.tracked_keys, 1);
+    clock.advance(Duration::from_secs(1));
+    limiter.sweep();
+    assert_eq!(stats_of(&limiter, "publish").counts.tracked_keys, 0);
+    // A reload lowers premium: its next checks meet the new limit.
+    let changes = limiter.reconfigure(config_of(
+        "[actions.publish]\nlimit = 10\nwindow = \"1s\"\n\
+         [actions.publish.overrides]\n\"premium\" = 2\n",
+        None,
+    ));
+    assert!(
+        changes.changed.contains(&"publish".to_owned()),
+        "{changes:?}"
+    );
+    assert_eq!(admitted(&limiter, "publish", "premium"), 2);
+    assert_eq!(admitted(&limiter, "publish", "scraper"), 10);
+}
+
+#[test]
+fn a_quota_off_by_default_holds_an_overridden_key_to_its_own_quota() {
+    let (clock, _, limiter) = limiter_with(
+        "[actions.sends]\nkind = \"quota\"\nlimit = 0\nkey = \"user\"\n\
+         [actions.sends.overrides]\n\"trial\" = 3\n",
+        None,
+    );
+    clock.set_ns(10 * 86_400 * 1_000_000_000 + 1);
+    assert_eq!(admitted(&limiter, "sends", "trial"), 3);
+    assert_eq!(admitted(&limiter, "sends", "anyone"), 100);
+    clock.set_ns(11 * 86_400 * 1_000_000_000);
+    assert_eq!(admitted(&limiter, "sends", "trial"), 3);
+}
+
+fn with_mode(toml_actions: &str, mode: Enforcement) -> (Arc<ManualClock>, Limiter) {
+    let clock = Arc::new(ManualClock::new());
+    clock.set_ns(1_000_000_000);
+    let config = LimiterConfig {
+        mode,
+        ..config_of(
+            toml_actions,
+            Some(EscalationConfig {
+                after: 2,
+                window: Duration::from_secs(60),
+                ban: Duration::from_secs(600),
+                increment: BanIncrement::OFF,
+                max_addresses: 100,
+            }),
+        )
+    };
+    let banner = Arc::new(RecordingBanner::default());
+    (clock.clone(), Limiter::new(config, clock, banner))
+}
+
+/// The same traffic through `limiter`: three keys over a minute and a half, some batches too
+/// big for the burst; returns how many checks were refused.
+fn traffic(clock: &ManualClock, limiter: &Limiter) -> usize {
+    let mut refused = 0;
+    for step in 0..90 {
+        for (key, cost) in [("alice", 1), ("bob", 2), ("carol", 7)] {
+            refused += usize::from(
+                !limiter
+                    .check("publish", key.as_bytes(), cost)
+                    .unwrap()
+                    .allowed,
+            );
+        }
+        clock.advance(Duration::from_millis(if step % 3 == 0 {
+            1_000
+        } else {
+            100
+        }));
+    }
+    refused
+}
+
+const PUBLISH_5: &str = "[actions.publish]\nlimit = 5\nwindow = \"1s\"\n";
+
+#[test]
+fn monitor_mode_refuses_nothing_and_counts_exactly_what_enforce_refuses() {
+    let (clock, enforcing) = with_mode(PUBLISH_5, Enforcement::Enforce);
+    let refused = traffic(&clock, &enforcing);
+    assert!(refused > 50, "{refused}");
+    let (clock, monitoring) = with_mode(PUBLISH_5, Enforcement::Monitor);
+    assert_eq!(
+        traffic(&clock, &monitoring),
+        0,
+        "monitor mode refuses nothing"
+    );
+    let (enforced, monitored) = (
+        stats_of(&enforcing, "publish"),
+        stats_of(&monitoring, "publish"),
+    );
+    // Judged alike: the same outcomes, the same buckets spent...
+    assert_eq!(monitored.counts.limited, enforced.counts.limited);
+    assert_eq!(monitored.counts.allowed, enforced.counts.allowed);
+    assert_eq!(monitored.counts.blocked, refused as u64);
+    // ...and every refusal enforcement made counted as one monitor mode did not.
+    assert_eq!(monitored.counts.would_refuse, refused as u64);
+    assert_eq!(enforced.counts.would_refuse, 0);
+    let by_reason: u64 = monitored.would_refuse.iter().map(|(_, n)| n).sum();
+    assert_eq!(by_reason, refused as u64);
+    assert!(
+        monitored
+            .would_refuse
+            .iter()
+            .any(|&(o, n)| o == Outcome::CostExceedsBurst && n == 90)
+    );
+}
+
+#[test]
+fn monitor_mode_bans_nobody_and_counts_the_bans_it_did_not_place() {
+    let auth = "[actions.auth]\nlimit = 1\nwindow = \"60s\"\n";
+    let addr: IpAddr = "192.0.2.9".parse().unwrap();
+    let (_, limiter) = with_mode(auth, Enforcement::Monitor);
+    for _ in 0..10 {
+        assert!(limiter.check("auth", b"192.0.2.9", 1).unwrap().allowed);
+        assert!(!matches!(
+            limiter.report_auth_failure(addr),
+            Escalation::Banned
+        ));
+    }
+    let stats = limiter.escalation_stats().unwrap();
+    assert_eq!(stats.bans, 0);
+    assert!(stats.would_ban >= 1, "{stats:?}");
+    // In enforce mode the same failures ban.
+    let (_, limiter) = with_mode(auth, Enforcement::Enforce);
+    let results: Vec<_> = (0..3).map(|_| limiter.report_auth_failure(addr)).collect();
+    assert_eq!(results[2], Escalation::Banned);
+}
+
+#[test]
+fn the_mode_switches_live_and_an_actions_own_mode_wins() {
+    let (clock, limiter) = with_mode(PUBLISH_5, Enforcement::Enforce);
+    let refused = |limiter: &Limiter| {
+        (0..10)
+            .filter(|_| !limiter.check("publish", b"dave", 1).unwrap().allowed)
+            .count()
+    };
+    assert_eq!(refused(&limiter), 5);
+    let mut config = config_of(PUBLISH_5, None);
+    config.mode = Enforcement::Monitor;
+    limiter.reconfigure(config);
+    assert_eq!(refused(&limiter), 0, "monitor from the next check on");
+    assert_eq!(stats_of(&limiter, "publish").counts.would_refuse, 10);
+    // An action's own mode wins over the top level's, either way.
+    let mut config = config_of(
+        "[actions.publish]\nlimit = 5\nwindow = \"1s\"\nmode = \"enforce\"\n",
+        None,
+    );
+    config.mode = Enforcement::Monitor;
+    limiter.reconfigure(config);
+    clock.advance(Duration::from_secs(1));
+    assert_eq!(refused(&limiter), 5);
+    limiter.reconfigure(config_of(
+        "[actions.publish]\nlimit = 5\nwindow = \"1s\"\nmode = \"monitor\"\n",
+        None,
+    ));
+    assert_eq!(refused(&limiter), 0);
 }

@@ -1,7 +1,7 @@
 //! Typed access to the kernel programs' maps: writing the policy, lists and bans, and reading
 //! counters, flows and per-source state. Keys and values are `limiter-common`'s types.
 
-use std::{net::IpAddr, path::Path, time::Duration};
+use std::{collections::HashSet, net::IpAddr, path::Path, time::Duration};
 
 use aya::{
     Ebpf,
@@ -35,6 +35,12 @@ pub enum MapsError {
     Clock(#[source] std::io::Error),
     #[error("drawing the SYN buckets' hash seed from the kernel's random source")]
     Random(#[source] std::io::Error),
+    #[error("map {name} holds at most {capacity} entries, not the {wanted} the lists need")]
+    Full {
+        name: &'static str,
+        wanted: usize,
+        capacity: u32,
+    },
     #[error("mapping map {name} into memory")]
     Mapping {
         name: &'static str,
@@ -64,7 +70,8 @@ pub(super) struct Trie {
 }
 
 impl Trie {
-    /// Makes the tries hold exactly `nets`: stale entries out, missing ones in.
+    /// Makes the tries hold exactly `nets`: stale entries out, missing ones in. A list larger
+    /// than a trie is refused before either is touched, so what is enforced stays whole.
     fn sync(&mut self, nets: &[IpNet]) -> Result<(), MapsError> {
         let mut want4 = Vec::new();
         let mut want6 = Vec::new();
@@ -72,6 +79,19 @@ impl Trie {
             match net {
                 IpNet::V4(n) => want4.push((u32::from(n.prefix_len()), n.network().octets())),
                 IpNet::V6(n) => want6.push((u32::from(n.prefix_len()), n.network().octets())),
+            }
+        }
+        for (wanted, map, name) in [
+            (want4.len(), self.v4.map(), self.names.0),
+            (want6.len(), self.v6.map(), self.names.1),
+        ] {
+            let capacity = map.info().map_err(map_error(name))?.max_entries();
+            if wanted > capacity as usize {
+                return Err(MapsError::Full {
+                    name,
+                    wanted,
+                    capacity,
+                });
             }
         }
         sync_trie(&mut self.v4, &want4, self.names.0)?;
@@ -87,17 +107,19 @@ fn sync_trie<const N: usize>(
 where
     [u8; N]: aya::Pod,
 {
-    // Collect first: deleting while walking GET_NEXT_KEY restarts the walk.
-    let have: Vec<Key<[u8; N]>> = trie
+    // Collect first: deleting while walking GET_NEXT_KEY restarts the walk. Sets, so a list
+    // of 100,000 entries is compared in linear time and only the difference is written.
+    let have: HashSet<(u32, [u8; N])> = trie
         .keys()
+        .map(|key| key.map(|k| (k.prefix_len(), k.data())))
         .collect::<Result<_, _>>()
         .map_err(map_error(name))?;
-    for key in have {
-        if !want.contains(&(key.prefix_len(), key.data())) {
-            trie.remove(&key).map_err(map_error(name))?;
-        }
+    let want: HashSet<(u32, [u8; N])> = want.iter().copied().collect();
+    for (len, data) in have.difference(&want) {
+        trie.remove(&Key::new(*len, *data))
+            .map_err(map_error(name))?;
     }
-    for (len, data) in want {
+    for (len, data) in want.difference(&have) {
         trie.insert(&Key::new(*len, *data), 1, 0)
             .map_err(map_error(name))?;
     }
@@ -466,6 +488,24 @@ impl Maps {
                 source,
             }
         })
+    }
+
+    /// Entries one source list's tries hold, IPv4 and IPv6 together.
+    pub fn list_entries(&self, kind: crate::api::ListKind) -> Result<usize, MapsError> {
+        let trie = match kind {
+            crate::api::ListKind::Allow => &self.allow,
+            crate::api::ListKind::Deny => &self.deny,
+        };
+        let mut n = 0;
+        for key in trie.v4.keys() {
+            key.map_err(map_error(trie.names.0))?;
+            n += 1;
+        }
+        for key in trie.v6.keys() {
+            key.map_err(map_error(trie.names.1))?;
+            n += 1;
+        }
+        Ok(n)
     }
 
     /// Slots the flow table was created with (an adopted table keeps its original size).

@@ -19,7 +19,7 @@ pub mod sockets;
 mod tc_legacy;
 mod walk;
 
-pub use enforcer::{CookieStatus, EnforceError, Enforcer};
+pub use enforcer::{CookieStatus, EnforceError, Enforcer, Lists};
 pub use helpers::Adoption;
 pub use host_tcp::{CookieTerms, HostTcp, HostTcpError};
 pub use loader::{

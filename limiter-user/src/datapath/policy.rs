@@ -3,6 +3,8 @@
 use ipnet::IpNet;
 use limiter_common::Config;
 
+use super::Lists;
+
 /// The policy in force: limits and refusal modes, protected ports and source lists.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Policy {
@@ -44,15 +46,24 @@ impl Policy {
         config
     }
 
-    /// This policy with extra list entries (the admin API's) added to its own.
-    pub fn with_lists(&self, allow: &[IpNet], deny: &[IpNet]) -> Policy {
+    /// This policy with the entries of `layers` (the list files', the admin API's) added, each
+    /// list merged (`ipnet`'s aggregate: duplicates, covered prefixes and adjacent halves
+    /// joined), so the tries hold as few entries as match the same sources.
+    pub fn merged(&self, layers: &[&Lists]) -> Policy {
         let mut out = self.clone();
-        for (list, extra) in [(&mut out.allow, allow), (&mut out.deny, deny)] {
-            for net in extra {
-                if !list.contains(net) {
-                    list.push(*net);
-                }
-            }
+        for (list, extra) in [
+            (
+                &mut out.allow,
+                layers.iter().map(|l| &l.allow).collect::<Vec<_>>(),
+            ),
+            (&mut out.deny, layers.iter().map(|l| &l.deny).collect()),
+        ] {
+            let all: Vec<IpNet> = list
+                .iter()
+                .chain(extra.into_iter().flatten())
+                .copied()
+                .collect();
+            *list = IpNet::aggregate(&all);
         }
         out
     }
@@ -81,11 +92,49 @@ mod tests {
             (1, 0, 0)
         );
         policy.ports.push(5672);
-        let with = policy.with_lists(&[], &["10.0.0.0/8".parse().unwrap()]);
+        let with = policy.merged(&[&Lists {
+            allow: Vec::new(),
+            deny: vec!["10.0.0.0/8".parse().unwrap()],
+        }]);
         let config = with.config();
         assert_eq!(
             (config.all_ports, config.has_allow, config.has_deny),
             (0, 0, 1)
+        );
+    }
+
+    #[test]
+    fn lists_are_merged_before_they_reach_the_tries() {
+        let nets = |list: &[&str]| {
+            list.iter()
+                .map(|n| n.parse().unwrap())
+                .collect::<Vec<IpNet>>()
+        };
+        let policy = Policy {
+            limits: Config::UNCONFIGURED,
+            cookies: CookieMode::Off,
+            ports: Vec::new(),
+            allow: nets(&["10.0.0.0/25"]),
+            deny: nets(&["192.0.2.1/32"]),
+        };
+        let files = Lists {
+            allow: nets(&[
+                "10.0.0.128/25",
+                "10.0.0.7/32",
+                "2001:db8::/33",
+                "2001:db8:8000::/33",
+            ]),
+            deny: nets(&["192.0.2.1/32", "198.51.100.0/24"]),
+        };
+        let admin = Lists {
+            allow: Vec::new(),
+            deny: nets(&["198.51.100.9/32", "203.0.113.5/32"]),
+        };
+        let merged = policy.merged(&[&files, &admin]);
+        assert_eq!(merged.allow, nets(&["10.0.0.0/24", "2001:db8::/32"]));
+        assert_eq!(
+            merged.deny,
+            nets(&["192.0.2.1/32", "198.51.100.0/24", "203.0.113.5/32"])
         );
     }
 

@@ -588,7 +588,9 @@ fn verdict(
         .action_id(action)
         .and_then(|action| limiter.submit(&action, key, cost, how))
     {
-        Ok(verdict) => later(id, verdict, Response::Verdict),
+        // The binary reply has no monitor flag (yet): a monitored refusal goes out as the
+        // allowance it is enforced as.
+        Ok(judged) => later(id, judged, |j| Response::Verdict(j.enforced())),
         Err(e) => Pending::ready((id, check_error(e))),
     }
 }

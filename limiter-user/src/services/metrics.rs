@@ -19,7 +19,7 @@ use thiserror::Error;
 
 use super::sweeper::SweepStats;
 use crate::{
-    buckets::Limiter,
+    buckets::{Enforcement, Limiter},
     datapath::{Enforcer, MapsError},
 };
 
@@ -322,6 +322,7 @@ struct Broker {
     fallbacks: IntCounter,
     switches: IntCounterVec,
     fleet_bans: IntCounterVec,
+    would_refuse: IntCounterVec,
 }
 
 /// Reads the broker limiter's counters at scrape time.
@@ -396,6 +397,14 @@ impl BrokerMetrics {
                 &["change"],
             )
             .map_err(r)?,
+            would_refuse: IntCounterVec::new(
+                Opts::new(
+                    "limiter_would_refuse_total",
+                    "Refusals monitor mode counted and did not make, by reason and profile: for an action, profile=\"action:NAME\" and the refusal's outcome; for escalation, profile=\"escalation\", reason=\"ban\".",
+                ),
+                &["reason", "profile"],
+            )
+            .map_err(r)?,
             redis_up: IntGauge::new(
                 "limiter_fleet_redis_up",
                 "1 while shared checks go to the fleet's Redis, 0 while they are decided locally.",
@@ -429,6 +438,8 @@ impl Scraped for BrokerMetrics {
             &b.overflow,
             &b.key_memory,
             &b.escalation_bans,
+            // Before the fleet's four, which a lone agent leaves out.
+            &b.would_refuse,
             &b.redis_up,
             &b.fallbacks,
             &b.switches,
@@ -445,6 +456,7 @@ impl Scraped for BrokerMetrics {
         b.key_memory.reset();
         b.escalation_bans.reset();
         b.fleet_bans.reset();
+        b.would_refuse.reset();
         let shared = self.limiter.shared_ban_stats();
         for (change, n) in [
             ("sent", shared.sent),
@@ -455,6 +467,16 @@ impl Scraped for BrokerMetrics {
         }
         for stats in self.limiter.stats() {
             let action = stats.action.as_str();
+            // A series only once the action has been monitored, so an enforcing host's
+            // exposition does not grow by four series per action.
+            if stats.mode == Enforcement::Monitor || stats.counts.would_refuse > 0 {
+                let profile = format!("action:{action}");
+                for (outcome, n) in &stats.would_refuse {
+                    b.would_refuse
+                        .with_label_values(&[outcome.as_str(), profile.as_str()])
+                        .inc_by(*n);
+                }
+            }
             let counts = &stats.counts;
             for outcome in OUTCOMES {
                 let n = match outcome {
@@ -484,6 +506,11 @@ impl Scraped for BrokerMetrics {
         }
         if let Some(escalation) = self.limiter.escalation_stats() {
             b.escalation_bans.inc_by(escalation.bans);
+            if self.limiter.mode() == Enforcement::Monitor || escalation.would_ban > 0 {
+                b.would_refuse
+                    .with_label_values(&["ban", "escalation"])
+                    .inc_by(escalation.would_ban);
+            }
         }
         let mut families = self.families();
         match self.limiter.shared_status() {
@@ -580,6 +607,7 @@ mod tests {
             LimiterConfig {
                 actions: resolve_actions(&table, &[], false).unwrap(),
                 escalation: None,
+                mode: Enforcement::Enforce,
             },
             Arc::new(ManualClock::new()),
             Arc::new(NoBans),

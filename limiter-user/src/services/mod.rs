@@ -1,10 +1,12 @@
 //! The agent's services, each taking only the handles it uses: the HTTP listener, the
-//! Prometheus metrics, the sweeper, `syn-cookies = auto`, the views they serve, and the
-//! fleet's shared bans.
+//! Prometheus metrics, the sweeper, `syn-cookies = auto`, the views they serve, the fleet's
+//! shared bans, the state file and the list files' watcher.
 
 pub mod fleet_bans;
 pub mod http;
+pub mod list_watch;
 pub mod metrics;
+pub mod saved_state;
 mod sweep_rules;
 pub mod sweeper;
 pub mod syn_cookies;

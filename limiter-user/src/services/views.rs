@@ -162,6 +162,8 @@ pub fn broker_rate_limits(limiter: &Limiter, limit: usize) -> BrokerRateLimits {
                 }
                 .to_owned(),
                 limit: spec.limit,
+                overrides: spec.overrides.len(),
+                enforcement: spec.mode.unwrap_or(limiter.mode()).as_str().to_owned(),
                 window_ms: millis(spec.window),
                 burst: spec.burst,
                 key: spec.key.as_str().to_owned(),
@@ -179,6 +181,9 @@ pub fn broker_rate_limits(limiter: &Limiter, limit: usize) -> BrokerRateLimits {
             after: config.after,
             window_ms: millis(config.window),
             ban_ms: millis(config.ban),
+            ban_factor: config.increment.factor,
+            max_ban_ms: millis(config.increment.max_ban),
+            memory_ms: millis(config.increment.memory),
             tracked_addresses: stats.tracked_addresses,
             bans: stats.bans,
             ban_failures: stats.ban_failures,

@@ -14,7 +14,8 @@ use serde::{Deserialize, Serialize};
 
 use super::{defaults, flags::text_duration};
 use crate::buckets::{
-    ActionConfig, ConfigError, EscalationConfig, LimiterConfig, Window, escalation, resolve_actions,
+    ActionConfig, BanIncrement, ConfigError, Enforcement, EscalationConfig, LimiterConfig, Window,
+    escalation, resolve_actions,
 };
 
 /// The broker protocol's flags, and the file's `[broker]` table under them.
@@ -40,6 +41,19 @@ pub struct BrokerLayer {
     #[arg(long, env = "LIMITER_ESCALATE_BAN", value_parser = humantime::parse_duration)]
     #[serde(default, with = "text_duration")]
     pub escalate_ban: Option<Duration>,
+    /// A source banned again within `escalate-memory` of its last ban's end is banned this
+    /// many times longer than the last time, up to `escalate-max-ban`; 1 keeps every ban at
+    /// `escalate-ban`. [default: 1]
+    #[arg(long, env = "LIMITER_ESCALATE_FACTOR")]
+    pub escalate_factor: Option<u32>,
+    /// The longest an escalated ban grows to. [default: 1d]
+    #[arg(long, env = "LIMITER_ESCALATE_MAX_BAN", value_parser = humantime::parse_duration)]
+    #[serde(default, with = "text_duration")]
+    pub escalate_max_ban: Option<Duration>,
+    /// How long after a ban's end a next ban still counts as a repeat. [default: 1d]
+    #[arg(long, env = "LIMITER_ESCALATE_MEMORY", value_parser = humantime::parse_duration)]
+    #[serde(default, with = "text_duration")]
+    pub escalate_memory: Option<Duration>,
     /// Users whose processes may send ban, unban and reset over the Unix socket.
     /// [default: 0 (root)]
     #[arg(long, env = "LIMITER_ADMIN_UIDS", value_delimiter = ',')]
@@ -246,6 +260,7 @@ impl BrokerLayer {
                     after,
                     window,
                     ban,
+                    increment: self.increment(ban)?,
                     max_addresses: escalation::DEFAULT_MAX_ADDRESSES,
                 })
             }
@@ -263,7 +278,47 @@ impl BrokerLayer {
             limiter: LimiterConfig {
                 actions: resolve_actions(actions, overrides, fleet)?,
                 escalation,
+                // The top level's, which `Layer::resolve` sets.
+                mode: Enforcement::Enforce,
             },
+        })
+    }
+}
+
+impl BrokerLayer {
+    /// `escalate-factor`, `escalate-max-ban` and `escalate-memory`, checked against the first
+    /// ban's length `ban`.
+    fn increment(&self, ban: Duration) -> Result<BanIncrement, ConfigError> {
+        let factor = self.escalate_factor.unwrap_or(1);
+        let max_ban = self.escalate_max_ban.unwrap_or(defaults::ESCALATE_MAX_BAN);
+        let memory = self.escalate_memory.unwrap_or(defaults::ESCALATE_MEMORY);
+        if factor == 0 {
+            return Err(ConfigError::new(
+                "escalate-factor",
+                "must be at least 1 (1 keeps every ban at escalate-ban)",
+            ));
+        }
+        crate::api::ban_ttl(max_ban).map_err(|e| ConfigError::new("escalate-max-ban", e))?;
+        if max_ban < ban {
+            return Err(ConfigError::new(
+                "escalate-max-ban",
+                format!(
+                    "{} is shorter than escalate-ban ({})",
+                    humantime::format_duration(max_ban),
+                    humantime::format_duration(ban)
+                ),
+            ));
+        }
+        if memory.is_zero() {
+            return Err(ConfigError::new(
+                "escalate-memory",
+                "must be longer than zero",
+            ));
+        }
+        Ok(BanIncrement {
+            factor,
+            max_ban,
+            memory,
         })
     }
 }

@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use limiter_common::Refusal;
 
-use crate::datapath::XdpAttachMode;
+use crate::{buckets::Enforcement, datapath::XdpAttachMode};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -147,6 +147,24 @@ pub struct Layer {
     #[arg(long, env = "LIMITER_DENY", value_delimiter = ',')]
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub deny: Vec<String>,
+    /// `enforce`, or `monitor`: the broker's actions (those that set no `mode` of their own)
+    /// and escalation judge and count every check as they would, but refuse and ban
+    /// nothing. The kernel keeps enforcing. [default: enforce]
+    #[arg(long, env = "LIMITER_MODE", value_enum)]
+    pub mode: Option<Enforcement>,
+    /// File of source CIDRs never limited, one a line (`#` comments); watched, and applied as
+    /// it changes. Its entries join `allow`.
+    #[arg(long, env = "LIMITER_ALLOW_FILE")]
+    pub allow_file: Option<PathBuf>,
+    /// File of source CIDRs refused, one a line (`#` comments); watched, and applied as it
+    /// changes. Its entries join `deny`.
+    #[arg(long, env = "LIMITER_DENY_FILE")]
+    pub deny_file: Option<PathBuf>,
+    /// Where the bans in force and the list entries added over HTTP or the CLI are kept, so
+    /// they outlive a restart and a reboot; written atomically, read at the start.
+    /// [default: /var/lib/limiter/state.json]
+    #[arg(long, env = "LIMITER_STATE_FILE")]
+    pub state_file: Option<PathBuf>,
     /// Connections the flow table can track; sizes the per-source tables too. Applies when
     /// the maps are created, not to maps adopted from a pin. [default: 131072]
     #[arg(long, env = "LIMITER_FLOW_TABLE_SIZE")]

@@ -8,6 +8,7 @@ mod broker;
 mod cluster;
 mod file;
 mod flags;
+mod list_file;
 mod resolve;
 
 use std::{
@@ -21,6 +22,7 @@ pub use broker::{ActionFlags, AdminPeers, BrokerLayer, BrokerSettings, ClientLim
 pub use cluster::ClusterLayer;
 pub use file::FileConfig;
 pub use flags::{Layer, RefusalArg, TunnelsArg, XdpModeArg};
+pub use list_file::{ListFile, ListFiles, parse_list};
 pub use resolve::{parse_cidr, parse_cidrs};
 
 pub use crate::errors::ConfigError;
@@ -39,6 +41,8 @@ pub mod defaults {
     pub const PIN_DIR: &str = "/sys/fs/bpf/limiter";
     pub const HTTP: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 9090);
     pub const SOCKET: &str = "/run/limiter/limiter.sock";
+    /// systemd's `StateDirectory=limiter`.
+    pub const STATE_FILE: &str = "/var/lib/limiter/state.json";
     pub const MAX_CONN_PER_IP: u32 = 100;
     pub const MAX_CONN_TOTAL: u32 = 10_000;
     pub const SYN_RATE: u32 = 20;
@@ -52,6 +56,8 @@ pub mod defaults {
     pub const SWEEP_BATCH: u32 = 65_536;
     pub const ESCALATE_WINDOW: Duration = Duration::from_secs(60);
     pub const ESCALATE_BAN: Duration = Duration::from_secs(600);
+    pub const ESCALATE_MAX_BAN: Duration = Duration::from_secs(86_400);
+    pub const ESCALATE_MEMORY: Duration = Duration::from_secs(86_400);
     pub const MAX_CLIENTS: u32 = 512;
     pub const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
     pub const CLIENT_IDLE_TIMEOUT: Duration = Duration::from_secs(300);
@@ -131,6 +137,8 @@ pub struct Settings {
     /// In the live settings, always the start's values: what the agent was built with.
     pub restart: RestartOnly,
     pub policy: Policy,
+    /// `allow-file` and `deny-file`, as read by this resolve.
+    pub lists: ListFiles,
     pub sweep: SweepSettings,
     pub admin_token: Option<String>,
     pub check: CheckAccess,
@@ -177,6 +185,8 @@ pub struct RestartOnly {
     pub broker_listen: Option<SocketAddr>,
     /// The fleet's Redis, when the agents share their buckets (`[cluster]`).
     pub fleet: Option<FleetConfig>,
+    /// Read once, at the start; written from then on.
+    pub state_file: PathBuf,
 }
 
 impl RestartOnly {
@@ -198,6 +208,7 @@ impl RestartOnly {
             broker_socket,
             broker_listen,
             fleet,
+            state_file,
         } = self;
         [
             ("iface", *ifaces != other.ifaces),
@@ -217,6 +228,7 @@ impl RestartOnly {
             ("broker.socket", *broker_socket != other.broker_socket),
             ("broker.listen", *broker_listen != other.broker_listen),
             ("cluster", *fleet != other.fleet),
+            ("state-file", *state_file != other.state_file),
         ]
         .into_iter()
         .filter_map(|(name, changed)| changed.then_some(name))
@@ -331,8 +343,26 @@ mod tests {
             (&["--deny", "10.0.0.1/8"][..], "deny"),
             (&["--syn-rate", "5", "--syn-burst", "0"][..], "syn-burst"),
             (&["--flow-table-size", "0"][..], "flow-table-size"),
+            (&["--allow-file", "/nonexistent/allow"][..], "allow-file"),
+            (&["--deny-file", "/nonexistent/deny"][..], "deny-file"),
             (&["--syn-timeout", "0s"][..], "syn-timeout"),
             (&["--escalate-after", "0"][..], "escalate-after"),
+            (
+                &["--escalate-after", "3", "--escalate-factor", "0"][..],
+                "escalate-factor",
+            ),
+            (
+                &["--escalate-after", "3", "--escalate-max-ban", "5m"][..],
+                "escalate-max-ban",
+            ),
+            (
+                &["--escalate-after", "3", "--escalate-max-ban", "400d"][..],
+                "escalate-max-ban",
+            ),
+            (
+                &["--escalate-after", "3", "--escalate-memory", "0s"][..],
+                "escalate-memory",
+            ),
             (&["--broker-admin-token", " "][..], "broker.admin-token"),
             (&["--check-token", " "][..], "check-token"),
             (&["--check-token", "t", "--check-open"][..], "check-open"),
@@ -435,6 +465,18 @@ mod tests {
             (escalation.after, escalation.window, escalation.ban),
             (9, Duration::from_secs(120), defaults::ESCALATE_BAN)
         );
+        assert_eq!(escalation.increment.factor, 1, "off unless set");
+        let incremented = with_file(
+            "[broker]\nescalate-after = 4\nescalate-factor = 3\nescalate-max-ban = \"2h\"\n\
+             escalate-memory = \"12h\"\n",
+            &[],
+        )
+        .unwrap();
+        let increment = incremented.broker.limiter.escalation.unwrap().increment;
+        assert_eq!(
+            (increment.factor, increment.max_ban, increment.memory),
+            (3, Duration::from_secs(7200), Duration::from_secs(43_200))
+        );
         let actions = &s.broker.limiter.actions;
         assert!(actions.iter().any(|a| a.name == "login"));
         let auth = actions.iter().find(|a| a.name == "auth").unwrap();
@@ -523,6 +565,7 @@ mod tests {
             "--socket=/x.sock",
             "--listen=7070",
             "--redis=redis://h",
+            "--state-file=/x.json",
         ])
         .resolve()
         .unwrap()
@@ -541,8 +584,63 @@ mod tests {
                 "broker.socket",
                 "broker.listen",
                 "cluster",
+                "state-file",
             ]
         );
+    }
+
+    #[test]
+    fn mode_is_read_at_the_top_and_per_action() {
+        use crate::buckets::Enforcement;
+        let s = with_file(
+            "mode = \"monitor\"\n[actions.publish]\nlimit = 5\nwindow = \"1s\"\nmode = \"enforce\"\n",
+            &[],
+        )
+        .unwrap();
+        assert_eq!(s.broker.limiter.mode, Enforcement::Monitor);
+        let publish = s
+            .broker
+            .limiter
+            .actions
+            .iter()
+            .find(|a| a.name == "publish");
+        assert_eq!(publish.unwrap().mode, Some(Enforcement::Enforce));
+        assert_eq!(
+            args(&["--mode", "monitor"])
+                .resolve()
+                .unwrap()
+                .broker
+                .limiter
+                .mode,
+            Enforcement::Monitor
+        );
+        assert_eq!(
+            args(&[]).resolve().unwrap().broker.limiter.mode,
+            Enforcement::Enforce
+        );
+        for text in [
+            "mode = \"dry-run\"\n",
+            "[actions.publish]\nmode = \"off\"\n",
+        ] {
+            let error = with_file(text, &[]).unwrap_err();
+            assert!(error.to_string().contains("enforce"), "{text}: {error}");
+        }
+    }
+
+    #[test]
+    fn list_and_state_files_are_checked_by_the_resolve() {
+        let error = with_file("state-file = \"\"\n", &[]).unwrap_err();
+        assert_eq!(error.setting, "state-file", "{error}");
+        let mut list = tempfile::NamedTempFile::new().unwrap();
+        list.write_all(b"# ok\n10.0.0.0/8\n10.0.0.0/33\n").unwrap();
+        let path = list.path().to_str().unwrap();
+        let error = with_file(&format!("deny-file = {path:?}\n"), &[]).unwrap_err();
+        assert_eq!(error.setting, "deny-file", "{error}");
+        assert!(error.message.contains(":3:"), "{error}");
+        list.as_file().set_len(0).unwrap();
+        let s = with_file(&format!("allow-file = {path:?}\n"), &[]).unwrap();
+        assert_eq!(s.lists.allow.unwrap().entries.len(), 0);
+        assert_eq!(s.restart.state_file, PathBuf::from(defaults::STATE_FILE));
     }
 
     #[test]

@@ -7,8 +7,8 @@ use ipnet::IpNet;
 use limiter_common::{Config, Refusal};
 
 use super::{
-    BrokerLayer, BrokerSettings, CheckAccess, ClientLimits, ConfigError, RestartOnly, Settings,
-    SweepSettings, defaults,
+    BrokerLayer, BrokerSettings, CheckAccess, ClientLimits, ConfigError, ListFile, ListFiles,
+    RestartOnly, Settings, SweepSettings, defaults,
     flags::{Layer, RefusalArg, SynCookiesArg, TunnelsArg, XdpModeArg},
 };
 use crate::{
@@ -21,7 +21,7 @@ impl Layer {
     /// restart-only settings of the `[broker]` and `[cluster]` tables.
     pub fn resolve(
         &self,
-        broker: BrokerSettings,
+        mut broker: BrokerSettings,
         broker_layer: &BrokerLayer,
         fleet: Option<FleetConfig>,
     ) -> Result<Settings, ConfigError> {
@@ -66,6 +66,26 @@ impl Layer {
             (None, false) => CheckAccess::Closed,
         };
         let policy = self.policy()?;
+        broker.limiter.mode = self.mode.unwrap_or_default();
+        if self
+            .state_file
+            .as_ref()
+            .is_some_and(|p| p.as_os_str().is_empty())
+        {
+            return Err(ConfigError::new("state-file", "is empty"));
+        }
+        let lists = ListFiles {
+            allow: self
+                .allow_file
+                .as_deref()
+                .map(|path| ListFile::read("allow-file", path))
+                .transpose()?,
+            deny: self
+                .deny_file
+                .as_deref()
+                .map(|path| ListFile::read("deny-file", path))
+                .transpose()?,
+        };
         Ok(Settings {
             restart: RestartOnly {
                 ifaces: self
@@ -94,8 +114,13 @@ impl Layer {
                 broker_socket: broker_layer.socket(),
                 broker_listen: broker_layer.listen,
                 fleet,
+                state_file: self
+                    .state_file
+                    .clone()
+                    .unwrap_or_else(|| PathBuf::from(defaults::STATE_FILE)),
             },
             policy,
+            lists,
             sweep,
             admin_token: self.admin_token.clone(),
             check,

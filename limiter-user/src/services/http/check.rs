@@ -58,7 +58,7 @@ pub(super) async fn check(
     let Json(request) = body.map_err(json_rejection)?;
     let cost = request.cost.unwrap_or(1);
     let limiter = &state.limiter;
-    let verdict = limiter
+    let judged = limiter
         .action_id(&request.action)
         .and_then(|id| limiter.submit(&id, request.key.as_bytes(), cost, Submit::CheckUnescalated))
         .map_err(|error| match error {
@@ -71,9 +71,18 @@ pub(super) async fn check(
             CheckError::ZeroCost => Problem::bad_request("cost", "must be at least 1"),
         })?
         .await;
+    // In monitor mode a refusal is answered as the allowance it becomes, and says so.
+    let verdict = judged.enforced();
     let never = |ms: u64| (ms != NEVER_MS).then_some(ms);
     let answer = CheckAnswer {
         action: request.action,
+        mode: if judged.monitored {
+            "monitor"
+        } else {
+            "enforce"
+        }
+        .to_owned(),
+        would_refuse: judged.would_refuse().map(|o| o.as_str().to_owned()),
         allowed: verdict.allowed,
         outcome: verdict.outcome.as_str().to_owned(),
         limit: verdict.limit,
