@@ -255,8 +255,22 @@ impl Attached {
         Self::with_peer(flags, false)
     }
 
-    fn with_peer(flags: &[&str], napi_peer: bool) -> anyhow::Result<Self> {
+    /// With a NAPI peer, `prepare` run on the namespaces before the programs load (to set the
+    /// server's sysctls, which the agent reads as it attaches).
+    pub fn prepared(
+        flags: &[&str],
+        prepare: impl FnOnce(&crate::netns::Pair) -> anyhow::Result<()>,
+    ) -> anyhow::Result<Self> {
         let pair = crate::netns::Pair::new()?;
+        prepare(&pair)?;
+        Self::on(pair, flags, true)
+    }
+
+    fn with_peer(flags: &[&str], napi_peer: bool) -> anyhow::Result<Self> {
+        Self::on(crate::netns::Pair::new()?, flags, napi_peer)
+    }
+
+    fn on(pair: crate::netns::Pair, flags: &[&str], napi_peer: bool) -> anyhow::Result<Self> {
         let settings = settings(flags);
         let dp = pair.server.run(|| {
             let mut dp = Datapath::load(LoadOptions {

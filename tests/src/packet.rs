@@ -96,3 +96,43 @@ impl AsFd for PacketSocket {
         self.0.as_fd()
     }
 }
+
+/// Sends `count` SYNs from random sources in 198.18.0.0/15 out of `ifname` through an
+/// AF_PACKET socket (run inside the client's namespace); returns how many were sent. Bounded
+/// by count and by thirty seconds.
+pub fn spoof_syns(
+    ifname: &str,
+    count: u32,
+    src_mac: [u8; 6],
+    dst_mac: [u8; 6],
+    dst: std::net::Ipv4Addr,
+    port: u16,
+) -> u32 {
+    use etherparse::PacketBuilder;
+    let socket = PacketSocket::bind(ifname).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut state = 0x2545_F491_4F6C_DD1Du64;
+    let mut sent = 0;
+    let mut frame = Vec::with_capacity(64);
+    while sent < count && Instant::now() < deadline {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        let src = std::net::Ipv4Addr::from(0xC612_0000 | (state as u32 & 0x1_FFFF));
+        let sport = 1024 + (state >> 32) as u16 % 60_000;
+        frame.clear();
+        PacketBuilder::ethernet2(src_mac, dst_mac)
+            .ipv4(src.octets(), dst.octets(), 64)
+            .tcp(sport, port, (state >> 16) as u32, 64_240)
+            .syn()
+            .write(&mut frame, &[])
+            .unwrap();
+        // A full transmit queue: let it drain.
+        if socket.send(&frame).unwrap() {
+            sent += 1;
+        } else {
+            std::thread::yield_now();
+        }
+    }
+    sent
+}
