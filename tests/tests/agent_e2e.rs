@@ -973,3 +973,66 @@ fn pins_of_another_layout_are_refused_naming_the_map_and_the_way_out() {
         .wait_for("limiter is ready", startup_deadline())
         .unwrap();
 }
+
+#[test]
+fn syn_cookies_auto_switch_on_under_a_flood_and_off_after_it() {
+    let s = Setup::new();
+    for setting in ["net.ipv4.tcp_syncookies=2", "net.ipv4.tcp_timestamps=2"] {
+        s.pair
+            .server
+            .exec(&["sysctl", "-q", "-w", setting])
+            .unwrap();
+    }
+    let agent = s.agent(&["--syn-cookies", "auto", "--syn-cookies-threshold", "500"]);
+    agent
+        .wait_for("limiter is ready", startup_deadline())
+        .unwrap();
+    let server = match s.server.addr.ip() {
+        IpAddr::V4(v4) => v4,
+        IpAddr::V6(_) => unreachable!(),
+    };
+    let flood = || {
+        s.pair
+            .client
+            .run(|| {
+                limiter_tests::packet::spoof_syns(
+                    &s.pair.client_if,
+                    20_000,
+                    CLIENT_MAC,
+                    limiter_tests::frames::SERVER_MAC,
+                    server,
+                    s.server.addr.port(),
+                )
+            })
+            .unwrap()
+    };
+    assert_eq!(flood(), 20_000);
+    agent
+        .wait_for("SYN cookies on", Duration::from_secs(10))
+        .unwrap();
+    // Now the programs answer the flood, not the host.
+    assert_eq!(flood(), 20_000);
+    let (_, text) = http(&s, reqwest::Method::GET, "/v1/status", None, None);
+    let status: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(status["syn_cookies"]["mode"], "auto", "{status}");
+    // Calm: off after ten seconds under half the threshold.
+    agent
+        .wait_for("SYN cookies off", Duration::from_secs(20))
+        .unwrap();
+    let (_, text) = http(&s, reqwest::Method::GET, "/metrics", None, None);
+    assert_eq!(sample(&text, "limiter_syn_cookies_active"), 0.0);
+    assert_eq!(
+        sample(&text, r#"limiter_syn_cookie_switches_total{to="on"}"#),
+        1.0
+    );
+    assert_eq!(
+        sample(&text, r#"limiter_syn_cookie_switches_total{to="off"}"#),
+        1.0
+    );
+    let answered = s
+        .pins
+        .maps()
+        .packets(Direction::Ingress, Verdict::Cookie, Reason::Unproven)
+        .unwrap();
+    assert!(answered > 10_000, "{answered}");
+}

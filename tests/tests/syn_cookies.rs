@@ -138,11 +138,10 @@ fn a_spoofed_flood_with_cookies_leaves_the_host_no_half_open_state() {
         sent
     });
     assert_eq!(sent, FLOOD);
-    let answered = t
-        .dp
-        .maps
-        .packets(Direction::Ingress, Verdict::Cookie, Reason::Unproven)
-        .unwrap();
+    let answered =
+        t.dp.maps
+            .packets(Direction::Ingress, Verdict::Cookie, Reason::Unproven)
+            .unwrap();
     assert!(
         answered > u64::from(FLOOD) / 2,
         "the programs answered the flood: {answered}"
@@ -155,7 +154,10 @@ fn a_spoofed_flood_with_cookies_leaves_the_host_no_half_open_state() {
     // The real client's first connection was built by the host from the programs' cookie.
     assert!(tcp_ext(&t.pair.server, "SyncookiesRecv") > received_before);
     let sources = t.dp.maps.all_source_connections().unwrap();
-    assert!(sources.len() <= 1, "only the real source holds slots: {sources:?}");
+    assert!(
+        sources.len() <= 1,
+        "only the real source holds slots: {sources:?}"
+    );
 }
 
 /// What TCP agreed for a connection (`TCP_INFO`): its options and both window scales.
@@ -206,7 +208,8 @@ fn a_cookie_connection_keeps_its_window_scale_and_sack() {
     let received = std::thread::spawn(move || {
         let (mut conn, _) = listener.accept().unwrap();
         let server = agreed(&conn);
-        conn.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        conn.set_read_timeout(Some(Duration::from_secs(20)))
+            .unwrap();
         let mut total = 0usize;
         let mut buffer = vec![0u8; 1 << 16];
         loop {
@@ -236,8 +239,14 @@ fn a_cookie_connection_keeps_its_window_scale_and_sack() {
     assert_eq!(total, BYTES);
     // The host read the client's SACK and scale back from the cookie's timestamp, and scales
     // its own windows by what the cookie's SYN-ACK announced.
-    assert!(server_side.timestamps && server_side.sack, "{server_side:?}");
-    assert!(client_side.timestamps && client_side.sack, "{client_side:?}");
+    assert!(
+        server_side.timestamps && server_side.sack,
+        "{server_side:?}"
+    );
+    assert!(
+        client_side.timestamps && client_side.sack,
+        "{client_side:?}"
+    );
     assert_eq!(server_side.rcv_wscale, client_side.snd_wscale);
     assert_eq!(server_side.snd_wscale, client_side.rcv_wscale);
     assert!(server_side.rcv_wscale > 0, "{server_side:?}");
@@ -307,7 +316,11 @@ fn only_an_ack_with_the_right_cookie_takes_a_slot() {
             let socket = PacketSocket::bind(&t.pair.client_if).unwrap();
             assert!(
                 socket
-                    .send(&frame(isn.wrapping_add(1000), cookie.0.wrapping_add(1), false))
+                    .send(&frame(
+                        isn.wrapping_add(1000),
+                        cookie.0.wrapping_add(1),
+                        false
+                    ))
                     .unwrap()
             );
         })
