@@ -40,6 +40,22 @@ pub enum AclDefault {
     Allow,
 }
 
+/// What an allowed login answers: whether the broker has a login check of its own.
+///
+/// Mosquitto 2.0 decides on `allow_anonymous` alone while no login callback is registered,
+/// but once one is and every callback defers it accepts only a login without a username. A
+/// plugin cannot see `allow_anonymous` nor whether a password file or another auth plugin
+/// exists, so the operator says so.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LoginCheck {
+    /// `MOSQ_ERR_PLUGIN_DEFER`: a password file or another plugin decides after `auth`.
+    Broker,
+    /// `MOSQ_ERR_SUCCESS`: the broker has no login check of its own (`allow_anonymous true`,
+    /// no password file, no other auth plugin), where deferring would refuse every login that
+    /// sends a username. On a broker that has one, this would skip it.
+    None,
+}
+
 /// The parsed options.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Options {
@@ -53,6 +69,8 @@ pub struct Options {
     pub timeout: Duration,
     /// `plugin_opt_acl_default`: `defer` (default) or `allow`.
     pub acl_default: AclDefault,
+    /// `plugin_opt_login_check`: `broker` (default) or `none`.
+    pub login_check: LoginCheck,
 }
 
 impl Default for Options {
@@ -67,6 +85,7 @@ impl Default for Options {
             fail: FailMode::Open,
             timeout: DEFAULT_TIMEOUT,
             acl_default: AclDefault::Defer,
+            login_check: LoginCheck::Broker,
         }
     }
 }
@@ -112,6 +131,17 @@ impl Options {
                         }
                     }
                 }
+                "login_check" => {
+                    options.login_check = match value {
+                        "broker" => LoginCheck::Broker,
+                        "none" => LoginCheck::None,
+                        _ => {
+                            return Err(format!(
+                                "plugin_opt_login_check: `{value}` is not broker or none"
+                            ));
+                        }
+                    }
+                }
                 _ => return Err(format!("unknown option plugin_opt_{key}")),
             }
         }
@@ -146,6 +176,7 @@ mod tests {
         assert_eq!(o, Options::default());
         assert!(o.actions.auth && o.actions.publish && o.actions.subscribe);
         assert_eq!(o.fail, FailMode::Open);
+        assert_eq!(o.login_check, LoginCheck::Broker);
     }
 
     #[test]
@@ -156,6 +187,7 @@ mod tests {
             ("fail", "closed"),
             ("timeout", "250"),
             ("acl_default", "allow"),
+            ("login_check", "none"),
         ])
         .unwrap();
         assert_eq!(o.socket, PathBuf::from("/tmp/x.sock"));
@@ -170,6 +202,7 @@ mod tests {
         assert_eq!(o.fail, FailMode::Closed);
         assert_eq!(o.timeout, Duration::from_millis(250));
         assert_eq!(o.acl_default, AclDefault::Allow);
+        assert_eq!(o.login_check, LoginCheck::None);
     }
 
     #[test]
@@ -180,6 +213,7 @@ mod tests {
             (vec![("timeout", "fast")], "plugin_opt_timeout"),
             (vec![("actions", "auth,pubish")], "pubish"),
             (vec![("sokcet", "/x")], "plugin_opt_sokcet"),
+            (vec![("login_check", "off")], "plugin_opt_login_check"),
         ] {
             let err = Options::parse(pairs).unwrap_err();
             assert!(err.contains(needle), "{err}");

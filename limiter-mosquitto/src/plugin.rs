@@ -27,7 +27,7 @@ use std::{
 use crate::{
     agent::Agent,
     ffi::{self, Client, EvtAclCheck, EvtBasicAuth, EvtDisconnect, Opt, PluginId},
-    options::{AclDefault, FailMode, Options},
+    options::{AclDefault, FailMode, LoginCheck, Options},
 };
 
 /// The plugin's state, owned by the broker as `userdata` between init and cleanup.
@@ -175,13 +175,14 @@ pub unsafe extern "C" fn mosquitto_plugin_init(
         log(
             ffi::MOSQ_LOG_INFO,
             &format!(
-                "limiter: asking the agent at {} (auth {}, publish {}, subscribe {}; fail {:?}, timeout {:?})",
+                "limiter: asking the agent at {} (auth {}, publish {}, subscribe {}; fail {:?}, timeout {:?}, login check {:?})",
                 o.socket.display(),
                 o.actions.auth,
                 o.actions.publish,
                 o.actions.subscribe,
                 o.fail,
-                o.timeout
+                o.timeout,
+                o.login_check
             ),
         );
         ffi::MOSQ_ERR_SUCCESS
@@ -255,11 +256,17 @@ unsafe extern "C" fn on_basic_auth(
         let plugin = unsafe { &*userdata.cast::<Plugin>() };
         // SAFETY: the broker passes its basic-auth event for this callback.
         let event = unsafe { &*data.cast::<EvtBasicAuth>() };
+        // Whatever `auth` does not refuse gets the answer the broker needs to decide as it would
+        // without the plugin.
+        let pass = match plugin.options.login_check {
+            LoginCheck::Broker => ffi::MOSQ_ERR_PLUGIN_DEFER,
+            LoginCheck::None => ffi::MOSQ_ERR_SUCCESS,
+        };
         if !plugin.options.actions.auth {
-            return ffi::MOSQ_ERR_PLUGIN_DEFER;
+            return pass;
         }
         let Some(addr) = address(event.client) else {
-            return ffi::MOSQ_ERR_PLUGIN_DEFER;
+            return pass;
         };
         match plugin.agent.check("auth", addr.to_string()) {
             Ok(true) => {}
@@ -276,17 +283,20 @@ unsafe extern "C" fn on_basic_auth(
                     &format!("auth of {addr}"),
                     &why,
                     ffi::MOSQ_ERR_AUTH,
-                    ffi::MOSQ_ERR_PLUGIN_DEFER,
+                    pass,
                 );
                 if rc == ffi::MOSQ_ERR_AUTH {
                     return rc;
                 }
             }
         }
-        if let Ok(mut deferred) = plugin.deferred.lock() {
+        // With no password check after this one there is no failed login to report.
+        if plugin.options.login_check == LoginCheck::Broker
+            && let Ok(mut deferred) = plugin.deferred.lock()
+        {
             deferred.insert(event.client as usize, addr);
         }
-        ffi::MOSQ_ERR_PLUGIN_DEFER
+        pass
     })
 }
 

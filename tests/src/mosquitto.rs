@@ -25,6 +25,33 @@ pub fn plugin() -> PathBuf {
 /// The MQTT port the broker listens on inside its namespace.
 pub const PORT: u16 = 1883;
 
+/// The broker's own login check.
+#[derive(Clone, Copy)]
+pub enum Logins<'a> {
+    /// `allow_anonymous false` and a password file with these (name, password).
+    PasswordFile(&'a [(&'a str, &'a str)]),
+    /// `allow_anonymous true`, no password file: mosquitto checks no login of its own.
+    Anonymous,
+}
+
+/// Writes `dir/passwords` with `users`; returns its path.
+fn write_passwords(dir: &Path, users: &[(&str, &str)]) -> Result<PathBuf> {
+    let passwords = dir.join("passwords");
+    std::fs::write(&passwords, "")?;
+    for (user, password) in users {
+        let out = Command::new("mosquitto_passwd")
+            .arg("-b")
+            .arg(&passwords)
+            .args([user, password])
+            .output()
+            .context("running mosquitto_passwd (Debian package mosquitto)")?;
+        if !out.status.success() {
+            bail!("mosquitto_passwd: {}", String::from_utf8_lossy(&out.stderr));
+        }
+    }
+    Ok(passwords)
+}
+
 /// A running broker; killed on drop. Its log (stderr) is collected as it comes.
 pub struct Broker {
     child: Child,
@@ -43,25 +70,29 @@ impl Broker {
         users: &[(&str, &str)],
         plugin_opts: &[(&str, &str)],
     ) -> Result<Self> {
-        let passwords = dir.join("passwords");
-        std::fs::write(&passwords, "")?;
-        for (user, password) in users {
-            let out = Command::new("mosquitto_passwd")
-                .arg("-b")
-                .arg(&passwords)
-                .args([user, password])
-                .output()
-                .context("running mosquitto_passwd (Debian package mosquitto)")?;
-            if !out.status.success() {
-                bail!("mosquitto_passwd: {}", String::from_utf8_lossy(&out.stderr));
-            }
-        }
+        Self::start_with(ns, listen, dir, Logins::PasswordFile(users), plugin_opts)
+    }
+
+    /// As [`Broker::start`], with the broker's own login check chosen by `logins`.
+    pub fn start_with(
+        ns: &Netns,
+        listen: std::net::IpAddr,
+        dir: &Path,
+        logins: Logins,
+        plugin_opts: &[(&str, &str)],
+    ) -> Result<Self> {
         let acl = dir.join("acl");
         std::fs::write(&acl, "pattern readwrite #\n")?;
+        let login_conf = match logins {
+            Logins::PasswordFile(users) => format!(
+                "allow_anonymous false\npassword_file {}\n",
+                write_passwords(dir, users)?.display()
+            ),
+            Logins::Anonymous => "allow_anonymous true\n".to_owned(),
+        };
         let mut conf = format!(
-            "listener {PORT} {listen}\nallow_anonymous false\npassword_file {}\nacl_file {}\n\
+            "listener {PORT} {listen}\n{login_conf}acl_file {}\n\
              user root\nlog_dest stderr\nlog_type all\nplugin {}\n",
-            passwords.display(),
             acl.display(),
             plugin().display()
         );

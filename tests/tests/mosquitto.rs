@@ -10,7 +10,7 @@ use std::{
 
 use limiter_tests::{
     agent::{AgentProcess, PinDir, startup_deadline},
-    mosquitto::{self, Broker},
+    mosquitto::{self, Broker, Logins},
     netns::{CLIENT_V4, Pair, SERVER_V4, connect},
 };
 use nix::sys::signal::Signal;
@@ -237,4 +237,108 @@ fn the_plugin_limits_logins_and_publishes_and_escalates_to_a_kernel_ban() {
     broker
         .wait_for("failing Closed", 1, Duration::from_secs(2))
         .unwrap();
+}
+
+/// `auth` tokens per address in the anonymous-broker test.
+const ANON_AUTH_LIMIT: usize = 4;
+
+/// On a broker with no login check of its own (`allow_anonymous true`, no password file), a
+/// login with a username: by default the plugin defers and mosquitto 2.0 refuses it; with
+/// `plugin_opt_login_check none` an allowed login is accepted as without the plugin, and
+/// `auth` still refuses past its limit.
+#[test]
+fn on_a_broker_without_its_own_login_check_login_check_none_accepts_what_auth_allows() {
+    let pair = Pair::new().expect("namespaces");
+    let pins = PinDir::new();
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("limiter.sock");
+    let auth_limit = ANON_AUTH_LIMIT.to_string();
+    let port = mosquitto::PORT.to_string();
+    let agent = AgentProcess::start(
+        &pair.server,
+        &[
+            "--iface",
+            &pair.server_if,
+            "--pin-dir",
+            pins.arg(),
+            "--socket",
+            socket.to_str().unwrap(),
+            "--ports",
+            &port,
+            "--auth-limit",
+            &auth_limit,
+            "--auth-window",
+            "60s",
+        ],
+    )
+    .unwrap();
+    agent
+        .wait_for("limiter is ready", startup_deadline())
+        .unwrap();
+    let server = IpAddr::V4(SERVER_V4);
+    let from = IpAddr::V4(CLIENT_V4);
+    let login = || {
+        let out = mosquitto::client(
+            &pair.client,
+            "mosquitto_pub",
+            from,
+            server,
+            &["-u", "u1", "-t", "t/u1", "-m", "hi"],
+            Duration::from_secs(5),
+        )
+        .unwrap();
+        (out.status.success(), text(&out))
+    };
+    let opts = |login_check: Option<&'static str>| {
+        let mut opts = vec![
+            ("socket", socket.to_str().unwrap()),
+            ("actions", "auth"),
+            ("timeout", "500"),
+        ];
+        opts.extend(login_check.map(|v| ("login_check", v)));
+        opts
+    };
+
+    // The default defers: mosquitto 2.0 then refuses a username every callback deferred.
+    let broker = Broker::start_with(
+        &pair.server,
+        server,
+        dir.path(),
+        Logins::Anonymous,
+        &opts(None),
+    )
+    .unwrap();
+    let (ok, out) = login();
+    assert!(!ok && out.contains("not authorised"), "{out}");
+    assert_eq!(broker.count("limiter: auth refused"), 0, "{}", broker.log());
+    drop(broker);
+
+    // `none`: the allowed logins are accepted, the ones past `auth` refused by the plugin.
+    let broker = Broker::start_with(
+        &pair.server,
+        server,
+        dir.path(),
+        Logins::Anonymous,
+        &opts(Some("none")),
+    )
+    .unwrap();
+    let outcomes: Vec<(bool, String)> = (0..ANON_AUTH_LIMIT + 1).map(|_| login()).collect();
+    let accepted = ANON_AUTH_LIMIT - 1;
+    assert!(
+        outcomes[..accepted].iter().all(|(ok, _)| *ok),
+        "{outcomes:#?}\n{}",
+        broker.log()
+    );
+    assert!(
+        outcomes[accepted..]
+            .iter()
+            .all(|(ok, out)| !ok && out.contains("not authorised")),
+        "{outcomes:#?}"
+    );
+    assert_eq!(
+        broker.count(&format!("limiter: auth refused for {CLIENT_V4}")),
+        2,
+        "{}",
+        broker.log()
+    );
 }
