@@ -277,6 +277,8 @@ fn documented_metrics(fleet: bool) -> Vec<String> {
     readme
         .lines()
         .filter(|l| l.contains("fleet mode only") == fleet)
+        // Series that exist only once something is monitored are not in a first scrape.
+        .filter(|l| !l.contains("monitor mode only"))
         .filter_map(|l| l.strip_prefix("| `limiter_"))
         .filter_map(|l| l.split('`').next())
         .map(str::to_owned)
