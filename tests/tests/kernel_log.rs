@@ -61,7 +61,9 @@ fn kernel_debug_log_is_forwarded_only_when_asked_for() {
     logger.flush();
     let lines = CAPTURE.0.lock().unwrap().clone();
     assert!(
-        lines.iter().any(|l| l.contains("refusing a segment from port 2")),
+        lines
+            .iter()
+            .any(|l| l.contains("refusing a segment from port 2")),
         "{lines:?}"
     );
 }

@@ -302,6 +302,15 @@ fn only_an_ack_with_the_right_cookie_takes_a_slot() {
         .unwrap()
         .expect("the cookie's SYN-ACK");
     assert_eq!(cookie.1, isn.wrapping_add(1));
+    let send = |frame: &[u8]| {
+        t.pair
+            .client
+            .run(|| {
+                let socket = PacketSocket::bind(&t.pair.client_if).unwrap();
+                assert!(socket.send(frame).unwrap());
+            })
+            .unwrap()
+    };
     let global = || t.dp.maps.global_connections().unwrap();
     let bad = || {
         t.dp.maps
@@ -310,37 +319,17 @@ fn only_an_ack_with_the_right_cookie_takes_a_slot() {
     };
     // The right acknowledgment with another sequence number: the cookie was made for the
     // SYN's, so it does not check, and nothing is charged.
-    t.pair
-        .client
-        .run(|| {
-            let socket = PacketSocket::bind(&t.pair.client_if).unwrap();
-            assert!(
-                socket
-                    .send(&frame(
-                        isn.wrapping_add(1000),
-                        cookie.0.wrapping_add(1),
-                        false
-                    ))
-                    .unwrap()
-            );
-        })
-        .unwrap();
+    send(&frame(
+        isn.wrapping_add(1000),
+        cookie.0.wrapping_add(1),
+        false,
+    ));
     assert_eq!(wait_for(1, bad), 1, "a wrong cookie is dropped and counted");
     assert_eq!(global(), 0);
     assert_eq!(server.accepted(), 0);
     // The ACK the cookie was made for: the source is proven, charged, and the host builds
     // the connection.
-    t.pair
-        .client
-        .run(|| {
-            let socket = PacketSocket::bind(&t.pair.client_if).unwrap();
-            assert!(
-                socket
-                    .send(&frame(isn.wrapping_add(1), cookie.0.wrapping_add(1), false))
-                    .unwrap()
-            );
-        })
-        .unwrap();
+    send(&frame(isn.wrapping_add(1), cookie.0.wrapping_add(1), false));
     assert_eq!(t.wait_global(1), 1);
     assert_eq!(wait_for(1, || server.accepted()), 1);
     assert_eq!(
