@@ -131,8 +131,7 @@ pub struct Config {
     /// seed would move every source to a slot that counted others' connections).
     pub bucket_seed: u64,
     /// The SYN rate's emission interval in nanoseconds (0: not limited), derived from
-    /// `syn_rate` by [`Config::derive_syn_terms`]: the programs would otherwise divide by the
-    /// rate on every SYN.
+    /// `syn_rate` by [`Config::derive_rate_terms`].
     pub syn_interval_ns: u64,
     /// The SYN rate's burst tolerance in nanoseconds (the interval times `syn_burst`), derived
     /// with the interval.
@@ -161,9 +160,20 @@ pub struct Config {
     /// ingress; zero: they are dropped as [`Reason::Tunnel`], since the SYN inside would
     /// reach the host through its tunnel device unjudged.
     pub tunnels_pass: u8,
+    /// New connections per second admitted to the protected ports from all sources together
+    /// (a reconnect storm after an outage); 0 = no limit. Charged at the proven handshake,
+    /// so spoofed SYNs spend none of it.
+    pub conn_rate: u32,
+    /// Connections admitted back to back before `conn_rate` applies.
+    pub conn_burst: u32,
+    /// The connection rate's emission interval in nanoseconds (0: not limited), derived
+    /// by [`Config::derive_rate_terms`].
+    pub conn_interval_ns: u64,
+    /// The connection rate's burst tolerance in nanoseconds, derived with the interval.
+    pub conn_tolerance_ns: u64,
 }
 
-const _: () = assert!(core::mem::size_of::<Config>() == 64);
+const _: () = assert!(core::mem::size_of::<Config>() == 88);
 
 impl Config {
     /// What the programs do before the agent writes a configuration: count, limit nothing.
@@ -194,16 +204,26 @@ impl Config {
         cookie_mss_v6: 1220,
         cookie_timestamps: 0,
         tunnels_pass: 1,
+        conn_rate: 0,
+        conn_burst: 0,
+        conn_interval_ns: 0,
+        conn_tolerance_ns: 0,
     };
 
-    /// Sets the GCRA terms the programs meter SYNs with from `syn_rate` and `syn_burst`
-    /// (at least one SYN of burst), as whoever writes a config must before writing it.
-    pub fn derive_syn_terms(&mut self) {
-        self.syn_interval_ns = 1_000_000_000u64
-            .checked_div(self.syn_rate as u64)
-            .unwrap_or(0);
-        self.syn_tolerance_ns = self.syn_interval_ns * self.syn_burst.max(1) as u64;
+    /// Sets the GCRA terms the programs meter SYNs and connections with from the rates and
+    /// bursts (at least one of burst), as whoever writes a config must before writing it:
+    /// the programs would otherwise divide by a rate on every SYN.
+    pub fn derive_rate_terms(&mut self) {
+        (self.syn_interval_ns, self.syn_tolerance_ns) = gcra_terms(self.syn_rate, self.syn_burst);
+        (self.conn_interval_ns, self.conn_tolerance_ns) =
+            gcra_terms(self.conn_rate, self.conn_burst);
     }
+}
+
+/// A rate's emission interval and burst tolerance in nanoseconds; (0, 0) for no limit.
+fn gcra_terms(rate: u32, burst: u32) -> (u64, u64) {
+    let interval = 1_000_000_000u64.checked_div(rate as u64).unwrap_or(0);
+    (interval, interval * burst.max(1) as u64)
 }
 
 /// The bits of [`Config::syn_cookies`].

@@ -116,6 +116,16 @@ pub const GLOBAL_CONNS: MapDef = MapDef {
     default_entries: 1,
 };
 
+/// The connection rate's GCRA state: the theoretical arrival time of the next connection
+/// admitted from any source, one word moved by compare-and-swap.
+pub const CONN_RATE: MapDef = MapDef {
+    name: "CONN_RATE",
+    kind: MapKind::Array,
+    key: "u32",
+    value: "u64",
+    default_entries: 1,
+};
+
 /// SYN-rate GCRA state, one cache line per slot, a source's slot a keyed hash of its key
 /// ([`crate::bucket_place`]). An array, direct-mapped: admitting a SYN must not cost a hash
 /// insert, and a source that collides with another takes the slot over with a fresh bucket,
@@ -214,7 +224,7 @@ pub const REFUSED_CONNS: MapDef = MapDef {
 };
 
 /// Every map of the kernel object.
-pub const ALL: [MapDef; 17] = [
+pub const ALL: [MapDef; 18] = [
     CONFIG,
     PORTS,
     FLOWS,
@@ -222,6 +232,7 @@ pub const ALL: [MapDef; 17] = [
     ACK_HINTS,
     SOURCE_CONNS,
     GLOBAL_CONNS,
+    CONN_RATE,
     SYN_BUCKETS,
     BANS,
     ALLOW_V4,

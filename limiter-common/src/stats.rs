@@ -42,60 +42,64 @@ pub enum Reason {
     Denylisted = 4,
     /// The flow table was full: refused when fail-closed, passed untracked when fail-open.
     FlowTableFull = 5,
+    /// The protected ports admitted their connection rate's worth of new connections from all
+    /// sources together (`conn-rate`): refused at the SYN while it is spent, or at a proven
+    /// handshake that finds it spent.
+    ConnRate = 6,
     /// An IPv4 or IPv6 fragment of TCP that could reach a protected port: its ports and flags
     /// cannot all be read in XDP, and the host would reassemble it out of sight. Refused.
-    Fragment = 6,
+    Fragment = 7,
     /// An IP or TCP header cut short (by the frame or by the IP length). Refused: the host
     /// would discard it anyway, and nothing in it can be judged.
-    Truncated = 7,
+    Truncated = 8,
     /// An IPv6 header chain longer than the parser follows. Refused: TCP may hide behind it.
-    HeaderChain = 8,
+    HeaderChain = 9,
     /// Headers that are not what their type says (IP version, header lengths, VLAN nesting).
     /// Refused on ingress, passed on egress.
-    Malformed = 9,
+    Malformed = 10,
     /// An IPv4 header whose checksum is wrong. The host discards it, so nothing it says may
     /// change limiter's state (a forged RST or SYN the host never sees): dropped on ingress.
-    Checksum = 10,
+    Checksum = 11,
     /// An IPv6 source the host refuses (IPv4-mapped, multicast): the host drops the packet,
     /// and limiter would key an IPv4-mapped one exactly like the IPv4 source it names, so it
     /// is dropped on ingress before anything is judged.
-    Martian = 11,
+    Martian = 12,
     /// An ACK that could only complete a SYN cookie's handshake, with a cookie the host's
     /// secret did not make (forged, or expired): dropped, and nothing is charged.
-    BadCookie = 12,
+    BadCookie = 13,
     /// A SYN admitted: it passes, and holds no slot and spends no token until its handshake
     /// completes.
-    HalfOpen = 13,
+    HalfOpen = 14,
     /// A SYN from a source with no connection open, answered with a SYN cookie (verdict
     /// `cookie`) while cookies are on: its source is charged only once its ACK proves it.
-    Unproven = 14,
+    Unproven = 15,
     /// A handshake-completing ACK that took its connection's slots: the connection is tracked.
-    Admitted = 15,
+    Admitted = 16,
     /// A SYN-ACK, FIN or RST of a half-open or tracked connection.
-    Tracked = 16,
+    Tracked = 17,
     /// A SYN-ACK, FIN or RST to or from a protected port that belongs to no known connection.
-    Untracked = 17,
+    Untracked = 18,
     /// A data or ACK segment, passed without a lookup (the established fast path).
-    Segment = 18,
+    Segment = 19,
     /// The source is in an allow prefix: passed without counting towards any limit.
-    Allowlisted = 19,
+    Allowlisted = 20,
     /// TCP to (or, on egress, from) a port that is not protected.
-    UnprotectedPort = 20,
+    UnprotectedPort = 21,
     /// Not TCP (non-TCP fragments included).
-    NonTcp = 21,
+    NonTcp = 22,
     /// Neither IPv4 nor IPv6.
-    NonIp = 22,
+    NonIp = 23,
     /// IP in IP (4), IPv6 in IP (41) or GRE (47), over IPv4 or IPv6: the host would take
     /// the inner packet off its tunnel device, so a SYN inside would never be judged here.
     /// Dropped on ingress unless `Config::tunnels_pass` lets tunnels through.
-    Tunnel = 23,
+    Tunnel = 24,
 }
 
 impl Reason {
     /// Number of reasons; sizes the `STATS` array.
-    pub const COUNT: usize = 24;
-    /// Reasons a source is refused for, each with a slot in [`crate::Blocked`]: the first six.
-    pub const REFUSAL_COUNT: usize = 6;
+    pub const COUNT: usize = 25;
+    /// Reasons a source is refused for, each with a slot in [`crate::Blocked`]: the first seven.
+    pub const REFUSAL_COUNT: usize = 7;
     /// Every reason in wire order, for code that reads every counter.
     pub const ALL: [Reason; Reason::COUNT] = [
         Reason::ConnPerIp,
@@ -104,6 +108,7 @@ impl Reason {
         Reason::Banned,
         Reason::Denylisted,
         Reason::FlowTableFull,
+        Reason::ConnRate,
         Reason::Fragment,
         Reason::Truncated,
         Reason::HeaderChain,
@@ -133,6 +138,7 @@ impl Reason {
             Reason::Banned => "banned",
             Reason::Denylisted => "denylisted",
             Reason::FlowTableFull => "flow_table_full",
+            Reason::ConnRate => "conn_rate",
             Reason::Fragment => "fragment",
             Reason::Truncated => "truncated",
             Reason::HeaderChain => "header_chain",

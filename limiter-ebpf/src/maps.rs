@@ -38,6 +38,9 @@ pub static SOURCE_CONNS: HashMap<SourceKey, u64> =
 pub static GLOBAL_CONNS: Array<u64> =
     Array::with_max_entries(catalogue::GLOBAL_CONNS.default_entries, 0);
 
+#[map]
+pub static CONN_RATE: Array<u64> = Array::with_max_entries(catalogue::CONN_RATE.default_entries, 0);
+
 /// Mappable only for the layout that buys: the values start page-aligned, so each 64-byte
 /// bucket is one cache line, where a plain array's values start 16 bytes into a line and
 /// every bucket straddled two, a second cold miss per new source's SYN.

@@ -32,8 +32,8 @@ use limiter_common::{
 use crate::{
     atomics,
     maps::{
-        self, ACK_HINTS, BANS, BLOCKED, EVENTS, FLOWS, GLOBAL_CONNS, HALF_OPEN, REFUSED_CONNS,
-        STATS, SYN_BUCKETS,
+        self, ACK_HINTS, BANS, BLOCKED, CONN_RATE, EVENTS, FLOWS, GLOBAL_CONNS, HALF_OPEN,
+        REFUSED_CONNS, STATS, SYN_BUCKETS,
     },
     parsing::{Common, Segment, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
     source_counts::{self, Taken},
@@ -420,6 +420,15 @@ fn syn(seg: &Segment, config: &Config) -> Action {
             config,
         );
     }
+    if conn_rate_spent(config) {
+        return refuse(
+            seg,
+            Blame::Source(&source),
+            Reason::ConnRate,
+            config.reject_rate,
+            config,
+        );
+    }
     if config.syn_cookies & syn_cookies::ANSWER != 0 && !proven(&source, bucket) {
         return Action::Cookie {
             xdp_tx: config.rst_xdp_tx != 0,
@@ -554,6 +563,15 @@ impl Gcra {
         }
     }
 
+    /// The connection rate's terms.
+    #[inline(always)]
+    fn connections(config: &Config) -> Gcra {
+        Gcra {
+            interval: config.conn_interval_ns,
+            tolerance: config.conn_tolerance_ns,
+        }
+    }
+
     #[inline(always)]
     fn limited(self) -> bool {
         self.interval != 0
@@ -611,6 +629,34 @@ impl Gcra {
         // Eight CPUs beat us to the same slot: it is being flooded.
         Err(())
     }
+
+    /// Takes a token from a TAT every source shares (the connection rate's), by
+    /// compare-and-swap so that racing CPUs each pay for their own. `Err` if it ran dry, or
+    /// if eight other CPUs won the word in turn: refusing then keeps the rate exact.
+    #[inline(always)]
+    fn take_shared(self, tat: *mut u64, now: u64) -> Result<(), ()> {
+        let mut current = atomics::load(tat);
+        for _ in 0..8 {
+            let next = self.next(current, now).ok_or(())?;
+            match atomics::compare_exchange(tat, current, next) {
+                Ok(()) => return Ok(()),
+                Err(found) => current = found,
+            }
+        }
+        Err(())
+    }
+}
+
+/// Whether the connection rate is spent right now: a precheck at the SYN, so that a
+/// reconnect storm's excess is refused before the host answers it. Only a peek; the token
+/// is taken at the proven handshake ([`admit`]).
+#[inline(always)]
+fn conn_rate_spent(config: &Config) -> bool {
+    let rate = Gcra::connections(config);
+    rate.limited()
+        && CONN_RATE
+            .get_ptr(0)
+            .is_some_and(|tat| rate.next(atomics::load(tat), rate_now()).is_none())
 }
 
 /// How long after the last SYN-ACK carrying an ISN an ACK of it is still looked for, in units
@@ -785,6 +831,17 @@ fn admit(
         atomics::decrement(global);
         source_counts::give_back(&source, per_source, 1);
         return refuse_at_ack(Blame::Bucket(bucket), Reason::SynRate);
+    }
+    // The connection rate after the source's own token: a source past its SYN rate spends
+    // nobody else's connections (and if the rate refuses it, only its own token is lost).
+    let rate = Gcra::connections(config);
+    if rate.limited()
+        && let Some(tat) = CONN_RATE.get_ptr_mut(0)
+        && rate.take_shared(tat, rate_now()).is_err()
+    {
+        atomics::decrement(global);
+        source_counts::give_back(&source, per_source, 1);
+        return refuse_at_ack(Blame::Source(&source), Reason::ConnRate);
     }
     let flow = Flow {
         first_seen_ns,

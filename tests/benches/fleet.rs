@@ -20,6 +20,7 @@ use limiter_client::Client;
 use limiter_tests::{
     fleet::{FleetAgent, two_workers},
     redis::RedisServer,
+    report::Report,
 };
 
 /// A limit no run exhausts (1000 keys, at most a thousand checks each), so every check takes
@@ -92,12 +93,10 @@ fn median(mut values: Vec<f64>) -> f64 {
     values[values.len() / 2]
 }
 
-fn main() {
+fn main() -> anyhow::Result<()> {
     // `cargo bench` passes `--bench`; there is nothing to filter.
-    println!(
-        "limiter fleet mode: shared checks per second on one redis-server (anchor in the same run)"
-    );
-    two_workers().block_on(async {
+    let mut rows = Vec::new();
+    let version = two_workers().block_on(async {
         let server = RedisServer::start().expect("starting redis-server");
         let version: String = server
             .query(redis::cmd("INFO").arg("server"))
@@ -119,7 +118,6 @@ fn main() {
             )
             .await
             .unwrap();
-        println!("redis-server {version} on loopback; {ROUNDS} rounds interleaved, medians");
         for (depth, checks) in [(1, 5_000), (64, 100_000)] {
             let (mut ours, mut theirs) = (Vec::new(), Vec::new());
             for _ in 0..ROUNDS {
@@ -127,18 +125,32 @@ fn main() {
                 ours.push(agent_rate(&client, checks, depth).await);
             }
             let (ours, theirs) = (median(ours), median(theirs));
-            println!(
-                "{:<36} agent {:>8.1} k/s   EVALSHA {:>8.1} k/s   cost ratio {:>5.2}",
+            rows.push(vec![
                 format!("shared check, pipelining depth {depth}"),
-                ours / 1e3,
-                theirs / 1e3,
-                theirs / ours
-            );
+                format!("{:.1}", ours / 1e3),
+                format!("{:.1}", theirs / 1e3),
+                format!("{:.2}", theirs / ours),
+            ]);
         }
         let status = agent.limiter.shared_status().unwrap();
         assert_eq!(
             status.fallback_checks, 0,
             "some checks were decided locally: the figures are not Redis's"
         );
+        version
     });
+    let mut report = Report::new(
+        "fleet",
+        "app",
+        "Fleet mode: shared checks per second",
+        &format!(
+            "Checks of an action shared through one `redis-server` {version} on loopback, from \
+             a fleet agent's protocol socket, beside the anchor: the same script called with \
+             `EVALSHA` straight from a Redis client, at the same pipelining depth; {ROUNDS} \
+             rounds interleaved, medians. The cost ratio is the anchor's rate over the \
+             agent's: how much the agent's path adds to Redis's own."
+        ),
+    );
+    report.table(&["check", "agent k/s", "EVALSHA k/s", "cost ratio"], &rows);
+    report.finish()
 }

@@ -1,5 +1,6 @@
-//! Harness for the privileged tests: network namespaces joined by veth pairs, code run inside
-//! a namespace, and frames built with etherparse.
+//! Harness for the privileged tests and the benchmarks: network namespaces joined by veth
+//! pairs, code run inside a namespace, frames built with etherparse, and the benchmarks'
+//! reports.
 //!
 //! Every namespace and link gets a name unique to this process and test, and is removed on drop,
 //! so a failing test leaves nothing behind.
@@ -13,3 +14,4 @@ pub mod mosquitto;
 pub mod netns;
 pub mod packet;
 pub mod redis;
+pub mod report;

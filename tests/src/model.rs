@@ -100,6 +100,8 @@ pub struct Model {
     policy: Policy,
     /// The SYN rate's clock (`CLOCK_MONOTONIC_COARSE` ns) at the next frame.
     pub rate_now: u64,
+    /// The connection rate's TAT, every source's.
+    conn_tat: u64,
     /// Handshakes whose token came from a bucket that had refused its source for the rate
     /// before.
     pub refills: u64,
@@ -178,6 +180,7 @@ impl Model {
             },
             policy: policy.clone(),
             rate_now: 0,
+            conn_tat: 0,
             refills: 0,
             repeats: 0,
             stats: HashMap::new(),
@@ -430,6 +433,13 @@ impl Model {
             let blame = Blame::Source(source);
             return self.refuse(seg, blame, Reason::ConnTotal, self.config.reject_conn);
         }
+        // The connection rate, peeked at: spent, the SYN is refused at once.
+        if let Some(rate) = Rate::connections(&self.config)
+            && rate.admit(self.conn_tat, self.rate_now).is_none()
+        {
+            let blame = Blame::Source(source);
+            return self.refuse(seg, blame, Reason::ConnRate, self.config.reject_rate);
+        }
         self.pass(Direction::Ingress, Reason::HalfOpen)
     }
 
@@ -450,10 +460,18 @@ impl Model {
             entry.refused = 0;
             entry.seen = [0; SEEN_ATTEMPTS];
         }
-        entry.tat = rate.admit(entry.tat, now).ok_or(place.slot)?;
+        entry.tat = rate.admit(entry.tat, now).ok_or(place.slot)? & !BUCKET_TAG_MASK;
         if entry.ran_dry {
             entry.ran_dry = false;
             self.refills += 1;
+        }
+        Ok(())
+    }
+
+    /// Takes the connection rate's token; `Err` if it ran dry.
+    fn take_connection(&mut self) -> Result<(), ()> {
+        if let Some(rate) = Rate::connections(&self.config) {
+            self.conn_tat = rate.admit(self.conn_tat, self.rate_now).ok_or(())?;
         }
         Ok(())
     }
@@ -478,11 +496,14 @@ impl Model {
         };
         let refused = match refused {
             Some(reason) => Some((Blame::Source(entry.source), reason)),
-            // The token last, once the slots are sure.
-            None => self
-                .take_token(entry.source)
-                .err()
-                .map(|slot| (Blame::Bucket(slot), Reason::SynRate)),
+            // The tokens last, once the slots are sure: the source's, then every source's.
+            None => match self.take_token(entry.source) {
+                Err(slot) => Some((Blame::Bucket(slot), Reason::SynRate)),
+                Ok(()) => self
+                    .take_connection()
+                    .err()
+                    .map(|()| (Blame::Source(entry.source), Reason::ConnRate)),
+            },
         };
         if let Some((blame, reason)) = refused {
             self.refused_attempt(blame, reason, None);
@@ -556,9 +577,9 @@ impl Model {
         self.event(why);
     }
 
-    /// Whether a SYN rate is set: the buckets' TATs mean something only then.
+    /// Whether a SYN or connection rate is set: the TATs mean something only then.
     pub fn rated(&self) -> bool {
-        self.config.syn_rate != 0
+        self.config.syn_rate != 0 || self.config.conn_rate != 0
     }
 
     /// The top-blocked counts as the agent reads them: `BLOCKED`, with each claimed bucket's
@@ -594,7 +615,8 @@ enum Completion {
 
 /// The SYN rate as README states it: `syn_rate` SYNs a second per source after a burst of
 /// `syn_burst`, as GCRA over the theoretical arrival time (TAT) of the source's next SYN, which
-/// the slot keeps to 256 ns, rounded down (its low bits hold the claiming source's tag).
+/// the slot keeps to 256 ns, rounded down (its low bits hold the claiming source's tag). The
+/// connection rate likewise, over all sources, its TAT kept whole.
 #[derive(Clone, Copy)]
 struct Rate {
     interval: u64,
@@ -609,11 +631,18 @@ impl Rate {
         })
     }
 
+    fn connections(config: &Config) -> Option<Rate> {
+        (config.conn_rate != 0).then(|| Rate {
+            interval: 1_000_000_000 / u64::from(config.conn_rate),
+            burst: u64::from(config.conn_burst.max(1)),
+        })
+    }
+
     /// The TAT a SYN at `now` leaves if the bucket holds a token for it: one whose TAT, one
     /// interval on, is at most the burst's worth of intervals ahead of now.
     fn admit(self, tat: u64, now: u64) -> Option<u64> {
         let next = tat.max(now) + self.interval;
-        (next - now <= self.burst * self.interval).then_some(next & !BUCKET_TAG_MASK)
+        (next - now <= self.burst * self.interval).then_some(next)
     }
 }
 

@@ -1392,10 +1392,10 @@ fn the_first_scrape_passes_promtool_and_has_every_documented_series_and_no_impos
         .keys()
         .filter(|k| k.starts_with("limiter_packets_total{"))
         .collect();
-    // 11 egress passes, 10 ingress passes (a plain segment is not counted), 14 ingress drops
+    // 11 egress passes, 10 ingress passes (a plain segment is not counted), 15 ingress drops
     // (the refusals, the unreadable, what the host would discard, bad cookies and tunnels),
-    // 6 ingress RSTs, 1 SYN answered with a cookie.
-    assert_eq!(packets.len(), 42, "{packets:?}");
+    // 7 ingress RSTs, 1 SYN answered with a cookie.
+    assert_eq!(packets.len(), 44, "{packets:?}");
     for impossible in [
         r#"direction="egress",reason="tracked",verdict="rst""#,
         r#"direction="ingress",reason="admitted",verdict="drop""#,

@@ -70,6 +70,11 @@ const RATE: &[&str] = &[
     "rst",
 ];
 
+/// A connection rate that bites, over all 200 clients: 50 handshakes a second after a burst
+/// of 5, so that the run meets it spent (SYNs refused at once, handshakes refused at their
+/// ACK) and refilled.
+const CONN_RATE: &[&str] = &["--syn-rate", "0", "--conn-rate", "50", "--conn-burst", "5"];
+
 /// The same caps with an allow list and a deny list over part of the clients, refused
 /// connections dropped rather than answered, and tunnels let through.
 const LISTS: &[&str] = &[
@@ -132,9 +137,42 @@ fn the_syn_rate_agrees_with_the_model() {
     );
 }
 
-/// Frames per test: a third of `LIMITER_FUZZ_FRAMES` (`cargo xtask fuzz`), else 25,000.
+#[test]
+fn the_connection_rate_agrees_with_the_model() {
+    let model = run(
+        &[CAPS, CONN_RATE].concat(),
+        seed(0xC044_4A7E).wrapping_add(3),
+        frames(),
+    );
+    let refused = model
+        .stats
+        .get(&stat_slot(
+            Direction::Ingress,
+            Verdict::Drop,
+            Reason::ConnRate,
+        ))
+        .copied()
+        .unwrap_or(0);
+    let admitted = model
+        .stats
+        .get(&stat_slot(
+            Direction::Ingress,
+            Verdict::Pass,
+            Reason::Admitted,
+        ))
+        .copied()
+        .unwrap_or(0);
+    println!("model: the connection rate refused {refused} SYNs; {admitted} handshakes admitted");
+    assert!(refused > 100, "the connection rate refused {refused} SYNs");
+    assert!(
+        admitted > 5,
+        "only {admitted} handshakes: the rate never refilled"
+    );
+}
+
+/// Frames per test: a quarter of `LIMITER_FUZZ_FRAMES` (`cargo xtask fuzz`), else 25,000.
 fn frames() -> usize {
-    env_u64("LIMITER_FUZZ_FRAMES").map_or(25_000, |n| (n / 3).max(1) as usize)
+    env_u64("LIMITER_FUZZ_FRAMES").map_or(25_000, |n| (n / 4).max(1) as usize)
 }
 
 fn env_u64(name: &str) -> Option<u64> {

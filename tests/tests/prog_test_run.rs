@@ -339,6 +339,52 @@ fn handshakes_racing_past_their_syns_take_exactly_the_burst() {
 }
 
 #[test]
+fn the_connection_rate_admits_exactly_its_burst_from_many_sources_at_once() {
+    // A reconnect storm: 120 sources' SYNs all pass while the rate is full, and their
+    // handshakes complete on four CPUs at once; only the burst's worth are admitted. Before
+    // that, a flood of spoofed SYNs (never completed) spends none of it.
+    let k = Kernel::new(&["--syn-rate", "0", "--conn-rate", "1", "--conn-burst", "20"]);
+    for i in 0..1000u16 {
+        let spoofed = syn(IpAddr::from([198, 18, (i >> 8) as u8, i as u8]), 5000);
+        assert_eq!(k.xdp(&spoofed.build()).action, XDP_PASS);
+    }
+    let acks: Vec<Vec<Vec<u8>>> = (0..4u8)
+        .map(|t| {
+            (0..30u8)
+                .map(|i| {
+                    let s = syn(IpAddr::from([10, 20, t, i + 1]), 1000);
+                    assert_eq!(k.xdp(&s.build()).action, XDP_PASS);
+                    let h = handshake(&s, isn(s.sport));
+                    k.tc(&h.syn_ack);
+                    h.ack
+                })
+                .collect()
+        })
+        .collect();
+    let start = std::sync::Barrier::new(acks.len());
+    std::thread::scope(|scope| {
+        for acks in &acks {
+            let (k, start) = (&k, &start);
+            scope.spawn(move || {
+                start.wait();
+                for ack in acks {
+                    k.xdp(ack);
+                }
+            });
+        }
+    });
+    assert_eq!(k.global(), 20);
+    assert_eq!(k.ingress(Verdict::Rst, Reason::ConnRate), 100);
+    // Spent, the rate refuses the next SYN at once, whoever sends it.
+    assert_eq!(
+        k.xdp(&syn(v4(77), 1000).build()).action,
+        XDP_DROP,
+        "a SYN while the rate is spent"
+    );
+    assert_eq!(k.ingress(Verdict::Drop, Reason::ConnRate), 1);
+}
+
+#[test]
 fn spoofed_syns_of_a_victims_address_spend_none_of_its_allowance() {
     // An attacker forging the victim's address never sees the SYN-ACKs, so its SYNs complete
     // no handshake: however many, the victim still connects on its first tries.

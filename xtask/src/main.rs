@@ -70,6 +70,10 @@ enum Command {
     },
     /// Benchmarks that print figures beside an anchor measured in the same run.
     Bench {
+        /// Also write the run's figures into `docs/benchmarks.md`, in place of the suite's
+        /// section there.
+        #[arg(long, global = true)]
+        write: bool,
         #[command(subcommand)]
         suite: BenchSuite,
     },
@@ -112,10 +116,14 @@ fn main() -> Result<()> {
         Command::Test => test::run(),
         Command::Fuzz { frames, seed } => test::fuzz(frames, seed),
         Command::TestKernels { arch } => kernels::run(arch),
-        Command::Bench { suite } => match suite {
-            BenchSuite::Kernel => test::bench_kernel(),
-            BenchSuite::App => test::bench_app(),
-            BenchSuite::Flood { sources } => test::bench_flood(&sources),
-        },
+        Command::Bench { write, suite } => {
+            let page = write.then(paths::benchmarks_page);
+            let page = page.as_deref();
+            match suite {
+                BenchSuite::Kernel => test::bench_kernel(page),
+                BenchSuite::App => test::bench_app(page),
+                BenchSuite::Flood { sources } => test::bench_flood(&sources, page),
+            }
+        }
     }
 }

@@ -16,6 +16,11 @@ pub fn root() -> PathBuf {
         .to_path_buf()
 }
 
+/// The page `cargo xtask bench --write` writes the figures to.
+pub fn benchmarks_page() -> PathBuf {
+    root().join("docs/benchmarks.md")
+}
+
 pub fn target() -> PathBuf {
     root().join("target")
 }

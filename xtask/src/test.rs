@@ -61,9 +61,10 @@ pub fn run() -> Result<()> {
     step("privileged tests");
     preflight()?;
     let bpffs = crate::bpffs::Restore::new();
+    // Every test binary runs even after one fails, so a failure never hides the others'.
     let counts = run_counting(
         cargo("stable")
-            .args(["test", "-p", PRIVILEGED])
+            .args(["test", "--no-fail-fast", "-p", PRIVILEGED])
             .env("LIMITER_BIN", &agent)
             .env("LIMITER_MOSQUITTO_PLUGIN", paths::mosquitto_plugin()),
     );
@@ -111,18 +112,28 @@ pub fn fuzz(frames: u64, seed: Option<u64>) -> Result<()> {
     )
 }
 
-pub fn bench_kernel() -> Result<()> {
+pub fn bench_kernel(page: Option<&Path>) -> Result<()> {
     let agent = build::all()?;
     preflight()?;
-    status(
+    status(reported(
         cargo("stable")
             .args(["bench", "-p", PRIVILEGED, "--bench", "kernel"])
             .env("LIMITER_BIN", &agent),
-    )
+        page,
+    ))
+}
+
+/// A bench that writes its report into `page` as well as printing it (see
+/// `limiter_tests::report`).
+fn reported<'a>(bench: &'a mut Command, page: Option<&Path>) -> &'a mut Command {
+    if let Some(page) = page {
+        bench.env("LIMITER_BENCH_WRITE", page);
+    }
+    bench
 }
 
 /// The firewalls it is compared with come from Debian's packages.
-pub fn bench_flood(sources: &[u32]) -> Result<()> {
+pub fn bench_flood(sources: &[u32], page: Option<&Path>) -> Result<()> {
     let agent = build::all()?;
     preflight()?;
     crate::setup::ensure_tools(&[("nft", "nftables"), ("iptables", "iptables")])?;
@@ -134,19 +145,25 @@ pub fn bench_flood(sources: &[u32]) -> Result<()> {
         let sources: Vec<String> = sources.iter().map(u32::to_string).collect();
         bench.args(["--", "--sources", &sources.join(",")]);
     }
-    status(&mut bench)
+    status(reported(&mut bench, page))
 }
 
-/// The application-layer limiter needs no privileges: it is measured from the agent's crate,
-/// and its fleet mode against a `redis-server` the bench starts (from the tests' harness).
-pub fn bench_app() -> Result<()> {
+/// The application-layer limiter needs no privileges: it is measured in process and over
+/// its socket, and its fleet mode against a `redis-server` the bench starts (from the tests' harness).
+pub fn bench_app(page: Option<&Path>) -> Result<()> {
     build::ebpf()?;
-    status(cargo("stable").args(["bench", "-p", "limiter-user", "--bench", "app"]))?;
+    status(reported(
+        cargo("stable").args(["bench", "-p", PRIVILEGED, "--bench", "app"]),
+        page,
+    ))?;
     crate::setup::ensure_tools(&[
         ("redis-server", "redis-server"),
         ("redis-cli", "redis-tools"),
     ])?;
-    status(cargo("stable").args(["bench", "-p", PRIVILEGED, "--bench", "fleet"]))
+    status(reported(
+        cargo("stable").args(["bench", "-p", PRIVILEGED, "--bench", "fleet"]),
+        page,
+    ))
 }
 
 fn step(name: &str) {

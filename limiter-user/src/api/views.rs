@@ -79,6 +79,11 @@ pub struct KernelLimits {
     pub max_conn_total: u32,
     pub syn_rate: u32,
     pub syn_burst: u32,
+    /// New connections a second from all sources together.
+    #[serde(default)]
+    pub conn_rate: u32,
+    #[serde(default)]
+    pub conn_burst: u32,
     pub ipv4_prefix: u8,
     pub ipv6_prefix: u8,
     pub fail_closed: bool,
@@ -104,6 +109,8 @@ impl KernelLimits {
             max_conn_total: config.max_conn_total,
             syn_rate: config.syn_rate,
             syn_burst: config.syn_burst,
+            conn_rate: config.conn_rate,
+            conn_burst: config.conn_burst,
             ipv4_prefix: config.ipv4_prefix,
             ipv6_prefix: config.ipv6_prefix,
             fail_closed: config.fail_closed != 0,
@@ -116,9 +123,12 @@ impl KernelLimits {
         }
     }
 
-    /// Whether the kernel limits anything: a per-source cap, a global cap or a SYN rate.
+    /// Whether the kernel limits anything: a cap or a rate.
     pub fn enabled(&self) -> bool {
-        self.max_conn_per_ip != 0 || self.max_conn_total != 0 || self.syn_rate != 0
+        self.max_conn_per_ip != 0
+            || self.max_conn_total != 0
+            || self.syn_rate != 0
+            || self.conn_rate != 0
     }
 }
 

@@ -42,7 +42,7 @@ impl Policy {
             has_deny: (!self.deny.is_empty()).into(),
             ..self.limits
         };
-        config.derive_syn_terms();
+        config.derive_rate_terms();
         config
     }
 

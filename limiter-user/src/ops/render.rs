@@ -12,20 +12,24 @@ fn limit_text(n: u32) -> String {
     }
 }
 
-fn render_limits(l: &KernelLimits) -> String {
-    let rate = if l.syn_rate == 0 {
+fn rate_text(rate: u32, burst: u32) -> String {
+    if rate == 0 {
         "no limit".to_owned()
     } else {
-        format!("{}/s (burst {})", l.syn_rate, l.syn_burst)
-    };
+        format!("{rate}/s (burst {burst})")
+    }
+}
+
+fn render_limits(l: &KernelLimits) -> String {
     format!(
-        "per source {} ({}), total {} ({}), SYN rate {} ({}), sources keyed by IPv4 /{} and IPv6 /{}, {} when the flow table is full",
+        "per source {} ({}), total {} ({}), SYN rate {} ({}), connection rate {}, sources keyed by IPv4 /{} and IPv6 /{}, {} when the flow table is full",
         limit_text(l.max_conn_per_ip),
         l.reject_conn,
         limit_text(l.max_conn_total),
         l.reject_conn,
-        rate,
+        rate_text(l.syn_rate, l.syn_burst),
         l.reject_rate,
+        rate_text(l.conn_rate, l.conn_burst),
         l.ipv4_prefix,
         l.ipv6_prefix,
         if l.fail_closed { "refuse" } else { "pass" },

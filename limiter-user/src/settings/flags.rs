@@ -105,6 +105,14 @@ pub struct Layer {
     /// [default: twice the rate]
     #[arg(long, env = "LIMITER_SYN_BURST")]
     pub syn_burst: Option<u32>,
+    /// New connections per second admitted from all sources together (the reconnect storm
+    /// after an outage); 0 = no limit. [default: 0]
+    #[arg(long, env = "LIMITER_CONN_RATE")]
+    pub conn_rate: Option<u32>,
+    /// New connections admitted back to back before the connection rate applies.
+    /// [default: the rate]
+    #[arg(long, env = "LIMITER_CONN_BURST")]
+    pub conn_burst: Option<u32>,
     /// Prefix an IPv4 source is masked to before it is counted. [default: 32]
     #[arg(long, env = "LIMITER_IPV4_PREFIX")]
     pub ipv4_prefix: Option<u8>,

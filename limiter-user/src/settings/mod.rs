@@ -342,6 +342,8 @@ mod tests {
             (&["--allow", "not-a-net"][..], "allow"),
             (&["--deny", "10.0.0.1/8"][..], "deny"),
             (&["--syn-rate", "5", "--syn-burst", "0"][..], "syn-burst"),
+            (&["--conn-rate", "5", "--conn-burst", "0"][..], "conn-burst"),
+            (&["--conn-rate", "2000000000"][..], "conn-rate"),
             (&["--flow-table-size", "0"][..], "flow-table-size"),
             (&["--allow-file", "/nonexistent/allow"][..], "allow-file"),
             (&["--deny-file", "/nonexistent/deny"][..], "deny-file"),

@@ -165,6 +165,20 @@ impl Layer {
                 "must be at least 1 when a SYN rate is set",
             ));
         }
+        let conn_rate = self.conn_rate.unwrap_or(0);
+        if conn_rate > 1_000_000_000 {
+            return Err(ConfigError::new(
+                "conn-rate",
+                "more than one connection per nanosecond cannot be metered",
+            ));
+        }
+        let conn_burst = self.conn_burst.unwrap_or(conn_rate);
+        if conn_rate != 0 && conn_burst == 0 {
+            return Err(ConfigError::new(
+                "conn-burst",
+                "must be at least 1 when a connection rate is set",
+            ));
+        }
         let threshold = self
             .syn_cookies_threshold
             .unwrap_or(defaults::SYN_COOKIES_THRESHOLD);
@@ -188,6 +202,8 @@ impl Layer {
             max_conn_total: self.max_conn_total.unwrap_or(defaults::MAX_CONN_TOTAL),
             syn_rate,
             syn_burst,
+            conn_rate,
+            conn_burst,
             ipv4_prefix,
             ipv6_prefix,
             reject_conn: refusal(self.reject_conn, RefusalArg::Rst),

@@ -1,4 +1,5 @@
-//! `cargo xtask bench app`: application-layer checks per second.
+//! `cargo xtask bench app`: application-layer checks per second (the agent's crate's limiter,
+//! measured from here so that its report joins the others').
 //!
 //! Every figure is printed beside an anchor measured in the same run, as a ratio, because
 //! absolute numbers on a shared two-core machine mean little: in process, the anchor is the
@@ -24,6 +25,7 @@ use limiter::{
     settings::ServeConfig,
 };
 use limiter_client::Client;
+use limiter_tests::report::Report;
 use tokio::net::{UnixListener, UnixStream};
 use tokio_util::codec::{Framed, LengthDelimitedCodec};
 
@@ -75,16 +77,18 @@ fn rate(threads: usize, total: usize, work: impl Fn(usize, std::ops::Range<usize
     (share * threads) as f64 / start.elapsed().as_secs_f64()
 }
 
-fn line(what: &str, ours: f64, anchor_name: &str, anchor: f64) {
-    println!(
-        "{what:<44} limiter {:>8.2} M/s   {anchor_name} {:>8.2} M/s   ratio {:>5.2}",
-        ours / 1e6,
-        anchor / 1e6,
-        ours / anchor
-    );
+/// One row of the report: a check, its rate and its anchor's, and their ratio.
+fn row(rows: &mut Vec<Vec<String>>, what: &str, ours: f64, anchor_name: &str, anchor: f64) {
+    rows.push(vec![
+        what.to_owned(),
+        format!("{:.2}", ours / 1e6),
+        anchor_name.to_owned(),
+        format!("{:.2}", anchor / 1e6),
+        format!("{:.2}", ours / anchor),
+    ]);
 }
 
-fn in_process() {
+fn in_process(rows: &mut Vec<Vec<String>>) {
     let keys: Vec<Vec<u8>> = (0..DISTINCT_KEYS)
         .map(|i| format!("user-{i}").into_bytes())
         .collect();
@@ -104,7 +108,8 @@ fn in_process() {
                 let _ = black_box(theirs.check_key(&hot));
             }
         });
-        line(
+        row(
+            rows,
             &format!("in process, one hot key, {threads} thread(s)"),
             ours_rate,
             "governor",
@@ -124,7 +129,8 @@ fn in_process() {
                 let _ = black_box(theirs.check_key(&keys[i]));
             }
         });
-        line(
+        row(
+            rows,
             &format!("in process, 1M new keys, {threads} thread(s)"),
             first,
             "governor",
@@ -140,7 +146,8 @@ fn in_process() {
                 let _ = black_box(theirs.check_key(&keys[i]));
             }
         });
-        line(
+        row(
+            rows,
             &format!("in process, 1M tracked keys, {threads} thread(s)"),
             again,
             "governor",
@@ -207,7 +214,7 @@ async fn client_rate(client: &Client, checks: usize, depth: usize) -> f64 {
     checks as f64 / start.elapsed().as_secs_f64()
 }
 
-fn over_the_socket() {
+fn over_the_socket(rows: &mut Vec<Vec<String>>) {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -227,7 +234,8 @@ fn over_the_socket() {
         for (depth, checks) in [(1, 50_000), (64, 500_000)] {
             let ours = client_rate(&client, checks, depth).await;
             let anchor = echo_rate(&dir.path().join("echo.sock"), checks, depth).await;
-            line(
+            row(
+                rows,
                 &format!("Unix socket, pipelining depth {depth}"),
                 ours,
                 "bare echo",
@@ -239,9 +247,27 @@ fn over_the_socket() {
     });
 }
 
-fn main() {
+fn main() -> anyhow::Result<()> {
     // `cargo bench` passes `--bench`; there is nothing to filter.
-    println!("limiter application-layer checks per second (anchors measured in the same run)");
-    in_process();
-    over_the_socket();
+    let mut rows = Vec::new();
+    in_process(&mut rows);
+    over_the_socket(&mut rows);
+    let mut report = Report::new(
+        "app",
+        "app",
+        "Application-layer checks per second",
+        &format!(
+            "In process, `Limiter::check_id` against the `governor` crate's keyed limiter \
+             doing the same work ({HOT_CHECKS} checks of one key; {DISTINCT_KEYS} keys first \
+             new, then tracked), on one and two threads. Over the Unix socket, \
+             `limiter-client` against the agent's server, beside a bare length-delimited echo \
+             over the same kind of socket at the same pipelining depth. A ratio above 1 is \
+             faster than the anchor."
+        ),
+    );
+    report.table(
+        &["check", "limiter M/s", "anchor", "anchor M/s", "ratio"],
+        &rows,
+    );
+    report.finish()
 }

@@ -1,0 +1,163 @@
+//! A benchmark's report: its figures as Markdown, printed, and with `--write` (`cargo xtask
+//! bench SUITE --write`, which sets [`WRITE_ENV`]) put in `docs/benchmarks.md` in place of the
+//! suite's previous section. The page holds only what a run wrote: when, where and how it was
+//! measured, the table, and each target met or missed, so no figure there is edited by hand.
+
+use std::{
+    fmt::Write as _,
+    path::{Path, PathBuf},
+    process::Command,
+    time::SystemTime,
+};
+
+use anyhow::{Context, Result};
+
+/// The page a report writes its section of, when set.
+pub const WRITE_ENV: &str = "LIMITER_BENCH_WRITE";
+
+/// What the page says before any section.
+const PAGE_HEADER: &str = "# Benchmarks\n\n\
+Every section below is written by its benchmark from one run (`cargo xtask bench SUITE \
+--write`), never by hand: the figures, the machine and the commit they were measured on, \
+and whether each target was met. Each figure stands beside an anchor measured in the same \
+run, and the ratio is what to compare: these machines are shared and their speed moves \
+between runs.\n";
+
+pub struct Report {
+    /// The section's name in the page (one suite may write several).
+    section: &'static str,
+    text: String,
+}
+
+/// A cost target: a ratio a row must stay at or under.
+#[derive(Clone, Copy)]
+pub struct Target(pub f64);
+
+impl Target {
+    /// The table cell: the target and whether `ratio` meets it.
+    pub fn judge(self, ratio: f64) -> String {
+        let verdict = if ratio <= self.0 { "met" } else { "missed" };
+        format!("≤ {} ({verdict})", self.0)
+    }
+}
+
+impl Report {
+    /// The report `section` of `suite` (the `cargo xtask bench` subcommand) under `title`;
+    /// `method` says what is measured and how, in a paragraph of Markdown.
+    pub fn new(section: &'static str, suite: &str, title: &str, method: &str) -> Report {
+        let mut text = String::new();
+        let _ = writeln!(text, "## {title}\n\n{method}\n\n{}\n", provenance(suite));
+        Report { section, text }
+    }
+
+    /// A table; each row has one cell per header.
+    pub fn table(&mut self, headers: &[&str], rows: &[Vec<String>]) {
+        let line = |cells: &mut dyn Iterator<Item = &str>| {
+            let cells: Vec<&str> = cells.collect();
+            format!("| {} |\n", cells.join(" | "))
+        };
+        self.text += &line(&mut headers.iter().copied());
+        self.text += &line(&mut headers.iter().map(|_| "---"));
+        for row in rows {
+            self.text += &line(&mut row.iter().map(String::as_str));
+        }
+        self.text.push('\n');
+    }
+
+    /// A paragraph after the tables (what a figure means, a case cut short).
+    pub fn note(&mut self, text: &str) {
+        let _ = writeln!(self.text, "{text}\n");
+    }
+
+    /// Prints the report, and writes it into the page if [`WRITE_ENV`] names one.
+    pub fn finish(self) -> Result<()> {
+        print!("\n{}", self.text);
+        let Some(page) = std::env::var_os(WRITE_ENV).map(PathBuf::from) else {
+            return Ok(());
+        };
+        let old = match std::fs::read_to_string(&page) {
+            Ok(old) => old,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => PAGE_HEADER.to_owned(),
+            Err(e) => return Err(e).with_context(|| format!("reading {}", page.display())),
+        };
+        let new = splice(&old, self.section, &self.text);
+        write_atomically(&page, &new)?;
+        println!("wrote the {} section of {}", self.section, page.display());
+        Ok(())
+    }
+}
+
+/// `page` with the section `name` (between its markers) replaced by `text`, or appended if
+/// the page has none.
+fn splice(page: &str, name: &str, text: &str) -> String {
+    let (open, close) = (
+        format!("<!-- bench:{name} -->"),
+        format!("<!-- /bench:{name} -->"),
+    );
+    let block = format!("{open}\n{text}{close}");
+    match (page.find(&open), page.find(&close)) {
+        (Some(start), Some(end)) if end > start => {
+            format!("{}{block}{}", &page[..start], &page[end + close.len()..])
+        }
+        _ => format!("{}\n{block}\n", page.trim_end()),
+    }
+}
+
+fn write_atomically(path: &Path, text: &str) -> Result<()> {
+    let tmp = path.with_extension("md.tmp");
+    std::fs::write(&tmp, text).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("replacing {}", path.display()))
+}
+
+/// The line that says when, on what and from which commit the figures were measured, and
+/// the command that measures them again.
+fn provenance(suite: &str) -> String {
+    let date = humantime::format_rfc3339_seconds(SystemTime::now()).to_string();
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
+        .map_or_else(|_| "unknown".to_owned(), |s| s.trim().to_owned());
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|info| {
+            info.lines()
+                .find_map(|l| l.strip_prefix("model name"))
+                .map(|l| l.trim_start_matches([' ', '\t', ':']).to_owned())
+        })
+        .unwrap_or_else(|| std::env::consts::ARCH.to_owned());
+    let cpus = std::thread::available_parallelism().map_or(0, usize::from);
+    let commit = Command::new("git")
+        .args(["describe", "--always", "--dirty"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map_or_else(
+            || "unknown".to_owned(),
+            |o| String::from_utf8_lossy(&o.stdout).trim().to_owned(),
+        );
+    format!(
+        "Measured {date} at commit `{commit}` on {cpus} CPUs ({cpu}), kernel {kernel}, by \
+         `cargo xtask bench {suite}`."
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_section_is_replaced_in_place_and_others_are_kept() {
+        let page = splice(PAGE_HEADER, "kernel", "## K\n\nold\n");
+        let page = splice(&page, "flood", "## F\n\nfloods\n");
+        let page = splice(&page, "kernel", "## K\n\nnew\n");
+        assert!(page.starts_with(PAGE_HEADER.trim_end()));
+        assert!(page.contains("new") && !page.contains("old"), "{page}");
+        assert!(page.find("## K").unwrap() < page.find("## F").unwrap());
+        assert_eq!(page.matches("<!-- bench:kernel -->").count(), 1);
+    }
+
+    #[test]
+    fn targets_say_whether_they_were_met() {
+        assert_eq!(Target(1.3).judge(1.29), "≤ 1.3 (met)");
+        assert_eq!(Target(4.0).judge(4.2), "≤ 4 (missed)");
+    }
+}
