@@ -338,6 +338,31 @@ fn handshakes_racing_past_their_syns_take_exactly_the_burst() {
     assert_eq!(k.dp.maps.events(Event::RefusedAtAck).unwrap(), 2);
 }
 
+/// The ACK completing `s`'s handshake, once its SYN passed and the host's SYN-ACK left.
+fn pending_ack(k: &Kernel, s: &Tcp) -> Vec<u8> {
+    assert_eq!(k.xdp(&s.build()).action, XDP_PASS);
+    let h = handshake(s, isn(s.sport));
+    k.tc(&h.syn_ack);
+    h.ack
+}
+
+/// Each list of ACKs from its own thread, all starting at once: BPF_PROG_TEST_RUN runs them
+/// on several CPUs side by side.
+fn race(k: &Kernel, acks: &[Vec<Vec<u8>>]) {
+    let start = std::sync::Barrier::new(acks.len());
+    std::thread::scope(|scope| {
+        for acks in acks {
+            let start = &start;
+            scope.spawn(move || {
+                start.wait();
+                for ack in acks {
+                    k.xdp(ack);
+                }
+            });
+        }
+    });
+}
+
 #[test]
 fn the_connection_rate_admits_exactly_its_burst_from_many_sources_at_once() {
     // A reconnect storm: 120 sources' SYNs all pass while the rate is full, and their
@@ -351,28 +376,11 @@ fn the_connection_rate_admits_exactly_its_burst_from_many_sources_at_once() {
     let acks: Vec<Vec<Vec<u8>>> = (0..4u8)
         .map(|t| {
             (0..30u8)
-                .map(|i| {
-                    let s = syn(IpAddr::from([10, 20, t, i + 1]), 1000);
-                    assert_eq!(k.xdp(&s.build()).action, XDP_PASS);
-                    let h = handshake(&s, isn(s.sport));
-                    k.tc(&h.syn_ack);
-                    h.ack
-                })
+                .map(|i| pending_ack(&k, &syn(IpAddr::from([10, 20, t, i + 1]), 1000)))
                 .collect()
         })
         .collect();
-    let start = std::sync::Barrier::new(acks.len());
-    std::thread::scope(|scope| {
-        for acks in &acks {
-            let (k, start) = (&k, &start);
-            scope.spawn(move || {
-                start.wait();
-                for ack in acks {
-                    k.xdp(ack);
-                }
-            });
-        }
-    });
+    race(&k, &acks);
     assert_eq!(k.global(), 20);
     assert_eq!(k.ingress(Verdict::Rst, Reason::ConnRate), 100);
     // Spent, the rate refuses the next SYN at once, whoever sends it.
@@ -1374,29 +1382,12 @@ fn racing_a_new_sources_first_handshakes_across_cpus_wins_no_extra_token() {
         let acks: Vec<Vec<Vec<u8>>> = (0..2u16)
             .map(|t| {
                 (0..8u16)
-                    .map(|i| {
-                        let s = syn(v4(100 + round), 1000 + 100 * t + i);
-                        assert_eq!(k.xdp(&s.build()).action, XDP_PASS);
-                        let h = handshake(&s, isn(s.sport));
-                        k.tc(&h.syn_ack);
-                        h.ack
-                    })
+                    .map(|i| pending_ack(&k, &syn(v4(100 + round), 1000 + 100 * t + i)))
                     .collect()
             })
             .collect();
         let before = k.global();
-        let start = std::sync::Barrier::new(2);
-        std::thread::scope(|scope| {
-            for acks in &acks {
-                let (k, start) = (&k, &start);
-                scope.spawn(move || {
-                    start.wait();
-                    for ack in acks {
-                        k.xdp(ack);
-                    }
-                });
-            }
-        });
+        race(&k, &acks);
         assert_eq!(k.global() - before, 5, "round {round}");
     }
     assert_eq!(k.ingress(Verdict::Rst, Reason::SynRate), 20 * 11);
