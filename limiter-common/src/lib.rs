@@ -32,6 +32,8 @@ pub mod map_names {
     pub const SOURCE_CONNS: &str = maps::SOURCE_CONNS.name;
     /// Open connections to the host, for the total cap: a single counter.
     pub const GLOBAL_CONNS: &str = maps::GLOBAL_CONNS.name;
+    /// The connection rate's GCRA word: the theoretical arrival time of the next connection.
+    pub const CONN_RATE: &str = maps::CONN_RATE.name;
     /// The SYN rate's [`SynBucket`](crate::SynBucket)s, a slot per keyed hash of a source.
     pub const SYN_BUCKETS: &str = maps::SYN_BUCKETS.name;
     /// Banned sources and when each ban ends.

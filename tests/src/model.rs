@@ -101,7 +101,7 @@ pub struct Model {
     /// The SYN rate's clock (`CLOCK_MONOTONIC_COARSE` ns) at the next frame.
     pub rate_now: u64,
     /// The connection rate's TAT, every source's.
-    conn_tat: u64,
+    pub conn_tat: u64,
     /// Handshakes whose token came from a bucket that had refused its source for the rate
     /// before.
     pub refills: u64,

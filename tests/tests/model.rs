@@ -315,7 +315,7 @@ fn judge(
     late.rate_now = after;
     let late_want = late.xdp(input);
     let early = if got == want {
-        compare_buckets(k, model)
+        compare_rates(k, model)
     } else {
         Err(format!("XDP action {got}, model {want}"))
     };
@@ -323,7 +323,7 @@ fn judge(
         return Ok(Judged::Early);
     };
     if got == late_want {
-        compare_buckets(k, late)?;
+        compare_rates(k, late)?;
         *model = late.clone();
         return Ok(Judged::Late);
     }
@@ -332,8 +332,19 @@ fn judge(
     ))
 }
 
-/// Every SYN bucket slot of the kernel against the model's.
-fn compare_buckets(k: &Kernel, model: &Model) -> Result<(), String> {
+/// The rate state of the kernel against the model's: the connection rate's TAT and every SYN
+/// bucket slot. A frame whose run straddled a tick of the rate clock is told apart by it.
+fn compare_rates(k: &Kernel, model: &Model) -> Result<(), String> {
+    let tat =
+        k.dp.maps
+            .connection_rate_tat()
+            .expect("the connection rate");
+    if tat != model.conn_tat {
+        return Err(format!(
+            "connection rate TAT: kernel {tat}, model {}",
+            model.conn_tat
+        ));
+    }
     let kernel = k.dp.maps.syn_buckets().expect("SYN buckets");
     let in_use = model
         .buckets
@@ -467,7 +478,7 @@ fn compare(k: &Kernel, model: &Model, clients: &[IpAddr]) -> Result<(), String> 
             want.get(source)
         ));
     }
-    compare_buckets(k, model)
+    compare_rates(k, model)
 }
 
 /// A splitmix64 PRNG: small, seedable, good enough to pick frames.

@@ -135,6 +135,7 @@ pub struct Maps {
     pub(super) half_open: HashMap<MapData, FlowKey, HalfOpen>,
     source_conns: HashMap<MapData, SourceKey, u64>,
     global_conns: Array<MapData, u64>,
+    conn_rate: Array<MapData, u64>,
     syn_buckets: Array<MapData, SynBucket>,
     pub(super) bans: HashMap<MapData, SourceKey, Ban>,
     allow: Trie,
@@ -190,6 +191,7 @@ impl Maps {
             half_open: typed(HALF_OPEN).get()?,
             source_conns: typed(SOURCE_CONNS).get()?,
             global_conns: typed(GLOBAL_CONNS).get()?,
+            conn_rate: typed(CONN_RATE).get()?,
             syn_buckets: typed(SYN_BUCKETS).get()?,
             bans: typed(BANS).get()?,
             allow: Trie {
@@ -397,6 +399,14 @@ impl Maps {
         self.global_conns
             .get(&0, 0)
             .map_err(map_error(map_names::GLOBAL_CONNS))
+    }
+
+    /// The connection rate's theoretical arrival time of the next connection (rate clock ns;
+    /// 0 before the first), as the programs left it.
+    pub fn connection_rate_tat(&self) -> Result<u64, MapsError> {
+        self.conn_rate
+            .get(&0, 0)
+            .map_err(map_error(map_names::CONN_RATE))
     }
 
     /// Open connections of one source (`addr` masked with the live prefix).
