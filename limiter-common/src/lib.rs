@@ -38,6 +38,10 @@ pub mod map_names {
     pub const SYN_BUCKETS: &str = maps::SYN_BUCKETS.name;
     /// Banned sources and when each ban ends.
     pub const BANS: &str = maps::BANS.name;
+    /// IPv4 prefixes with limits of their own ([`SourceLimits`](crate::SourceLimits)).
+    pub const OVERRIDES_V4: &str = maps::OVERRIDES_V4.name;
+    /// IPv6 prefixes with limits of their own.
+    pub const OVERRIDES_V6: &str = maps::OVERRIDES_V6.name;
     /// IPv4 prefixes that bypass every limit.
     pub const ALLOW_V4: &str = maps::ALLOW_V4.name;
     /// IPv6 prefixes that bypass every limit.
@@ -173,9 +177,14 @@ pub struct Config {
     pub conn_interval_ns: u64,
     /// The connection rate's burst tolerance in nanoseconds, derived with the interval.
     pub conn_tolerance_ns: u64,
+    /// Non-zero when the override tries hold entries ([`SourceLimits`]): only then does a
+    /// SYN or a completing handshake pay the longest-prefix lookup of its source.
+    pub has_overrides: u8,
+    /// Explicit padding (see the module's doc).
+    pub _pad: [u8; 7],
 }
 
-const _: () = assert!(core::mem::size_of::<Config>() == 88);
+const _: () = assert!(core::mem::size_of::<Config>() == 96);
 
 impl Config {
     /// What the programs do before the agent writes a configuration: count, limit nothing.
@@ -210,6 +219,8 @@ impl Config {
         conn_burst: 0,
         conn_interval_ns: 0,
         conn_tolerance_ns: 0,
+        has_overrides: 0,
+        _pad: [0; 7],
     };
 
     /// Sets the GCRA terms the programs meter SYNs and connections with from the rates and
@@ -219,6 +230,56 @@ impl Config {
         (self.syn_interval_ns, self.syn_tolerance_ns) = gcra_terms(self.syn_rate, self.syn_burst);
         (self.conn_interval_ns, self.conn_tolerance_ns) =
             gcra_terms(self.conn_rate, self.conn_burst);
+    }
+}
+
+/// A source prefix's own limits (`[[overrides]]`): the value of the override tries, which a
+/// source whose key falls in the prefix gets in place of the config's per-source cap and SYN
+/// rate (the most specific prefix wins). The agent writes every field resolved, an override
+/// that leaves one out carrying the top-level value, so the programs never merge two.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SourceLimits {
+    /// Concurrent connections per source key; 0 = no limit.
+    pub max_conn_per_ip: u32,
+    /// SYNs per second per source key; 0 = no limit (shown; the programs use the terms).
+    pub syn_rate: u32,
+    /// SYNs back to back before the rate applies (shown, like the rate).
+    pub syn_burst: u32,
+    /// Explicit padding (see the module's doc).
+    pub _pad: u32,
+    /// The SYN rate's emission interval in nanoseconds, as [`Config::syn_interval_ns`].
+    pub syn_interval_ns: u64,
+    /// The SYN rate's burst tolerance in nanoseconds, as [`Config::syn_tolerance_ns`].
+    pub syn_tolerance_ns: u64,
+}
+
+const _: () = assert!(core::mem::size_of::<SourceLimits>() == 32);
+
+impl SourceLimits {
+    /// The limits with their GCRA terms derived, as the programs need them.
+    pub fn new(max_conn_per_ip: u32, syn_rate: u32, syn_burst: u32) -> Self {
+        let (syn_interval_ns, syn_tolerance_ns) = gcra_terms(syn_rate, syn_burst);
+        Self {
+            max_conn_per_ip,
+            syn_rate,
+            syn_burst,
+            _pad: 0,
+            syn_interval_ns,
+            syn_tolerance_ns,
+        }
+    }
+
+    /// The config's own per-source limits: what a source no override covers gets.
+    pub fn of(config: &Config) -> Self {
+        Self {
+            max_conn_per_ip: config.max_conn_per_ip,
+            syn_rate: config.syn_rate,
+            syn_burst: config.syn_burst,
+            _pad: 0,
+            syn_interval_ns: config.syn_interval_ns,
+            syn_tolerance_ns: config.syn_tolerance_ns,
+        }
     }
 }
 
@@ -553,6 +614,7 @@ mod pod {
     // spelled out as fields) and is valid for any bit pattern.
     unsafe impl aya::Pod for Config {}
     unsafe impl aya::Pod for SourceKey {}
+    unsafe impl aya::Pod for SourceLimits {}
     unsafe impl aya::Pod for FlowKey {}
     unsafe impl aya::Pod for Flow {}
     unsafe impl aya::Pod for HalfOpen {}

@@ -184,6 +184,29 @@ pub const DENY_V6: MapDef = MapDef {
     default_entries: TRIE_ENTRIES,
 };
 
+/// Room for the per-prefix overrides: an operator's exceptions (NAT gateways, known scanners),
+/// tens to thousands, not a list file's worth.
+const OVERRIDE_ENTRIES: u32 = 16_384;
+
+/// IPv4 prefixes with per-source limits of their own (`[[overrides]]`): an LPM trie, so the
+/// most specific prefix wins in one lookup, made only while it holds entries.
+pub const OVERRIDES_V4: MapDef = MapDef {
+    name: "OVERRIDES_V4",
+    kind: MapKind::LpmTrie,
+    key: "Key<Ipv4Bits>",
+    value: "SourceLimits",
+    default_entries: OVERRIDE_ENTRIES,
+};
+
+/// IPv6 prefixes with per-source limits of their own.
+pub const OVERRIDES_V6: MapDef = MapDef {
+    name: "OVERRIDES_V6",
+    kind: MapKind::LpmTrie,
+    key: "Key<Ipv6Bits>",
+    value: "SourceLimits",
+    default_entries: OVERRIDE_ENTRIES,
+};
+
 /// Packets by (direction, verdict, reason): per CPU, so counting is a plain add.
 pub const STATS: MapDef = MapDef {
     name: "STATS",
@@ -224,7 +247,7 @@ pub const REFUSED_CONNS: MapDef = MapDef {
 };
 
 /// Every map of the kernel object.
-pub const ALL: [MapDef; 18] = [
+pub const ALL: [MapDef; 20] = [
     CONFIG,
     PORTS,
     FLOWS,
@@ -239,6 +262,8 @@ pub const ALL: [MapDef; 18] = [
     ALLOW_V6,
     DENY_V4,
     DENY_V6,
+    OVERRIDES_V4,
+    OVERRIDES_V6,
     STATS,
     EVENTS,
     BLOCKED,

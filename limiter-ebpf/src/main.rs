@@ -8,6 +8,7 @@ mod atomics;
 mod cookie;
 mod headers;
 mod maps;
+mod overrides;
 mod parsing;
 mod policy;
 mod reply;

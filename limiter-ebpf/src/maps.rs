@@ -8,8 +8,8 @@ use aya_ebpf::{
     maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
 };
 use limiter_common::{
-    Ban, Blocked, Config, Flow, FlowKey, HalfOpen, Ipv4Bits, Ipv6Bits, SourceKey, SynBucket,
-    maps as catalogue,
+    Ban, Blocked, Config, Flow, FlowKey, HalfOpen, Ipv4Bits, Ipv6Bits, SourceKey, SourceLimits,
+    SynBucket, maps as catalogue,
 };
 
 #[map]
@@ -66,6 +66,13 @@ pub static DENY_V4: LpmTrie<Ipv4Bits, u8> =
 #[map]
 pub static DENY_V6: LpmTrie<Ipv6Bits, u8> =
     LpmTrie::with_max_entries(catalogue::DENY_V6.default_entries, 0);
+
+#[map]
+pub static OVERRIDES_V4: LpmTrie<Ipv4Bits, SourceLimits> =
+    LpmTrie::with_max_entries(catalogue::OVERRIDES_V4.default_entries, 0);
+#[map]
+pub static OVERRIDES_V6: LpmTrie<Ipv6Bits, SourceLimits> =
+    LpmTrie::with_max_entries(catalogue::OVERRIDES_V6.default_entries, 0);
 
 #[map]
 pub static STATS: PerCpuArray<u64> =

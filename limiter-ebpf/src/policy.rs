@@ -35,6 +35,7 @@ use crate::{
         self, ACK_HINTS, BANS, BLOCKED, CONN_RATE, EVENTS, FLOWS, GLOBAL_CONNS, HALF_OPEN,
         REFUSED_CONNS, STATS, SYN_BUCKETS,
     },
+    overrides,
     parsing::{Common, Segment, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
     source_counts::{self, Taken},
 };
@@ -401,8 +402,8 @@ fn syn(seg: &Segment, config: &Config) -> Action {
     };
     // SAFETY: pointer from a successful lookup.
     let word = atomics::load(unsafe { &(*bucket).tat_tag });
-    // Read once: the config lives in a map the agent may rewrite meanwhile.
-    let rate = Gcra::of(config);
+    let own = PerSource::of(&source, config);
+    let rate = own.rate;
     // The rate first: a SYN over it is refused on its bucket alone. Another source's slot
     // (or one never claimed) is a full bucket, and its SYN reads no clock.
     if rate.limited()
@@ -411,7 +412,7 @@ fn syn(seg: &Segment, config: &Config) -> Action {
     {
         return refuse_rate(seg, bucket, config);
     }
-    if let Some(reason) = at_cap(&source, bucket, config) {
+    if let Some(reason) = at_cap(&source, bucket, own.cap, config) {
         return refuse(
             seg,
             Blame::Source(&source),
@@ -525,11 +526,11 @@ const EEXIST: i32 = 17;
 /// up only if some source of its bucket slot holds connections: a new source's SYN, the one a
 /// flood is made of, then pays no hash lookup.
 #[inline(always)]
-fn at_cap(source: &SourceKey, bucket: *mut SynBucket, config: &Config) -> Option<Reason> {
+fn at_cap(source: &SourceKey, bucket: *mut SynBucket, cap: u32, config: &Config) -> Option<Reason> {
     // SAFETY: pointer from a successful lookup.
-    if config.max_conn_per_ip != 0
+    if cap != 0
         && atomics::load(unsafe { &(*bucket).holders }) != 0
-        && source_counts::current(source) >= config.max_conn_per_ip as u64
+        && source_counts::current(source) >= cap as u64
     {
         return Some(Reason::ConnPerIp);
     }
@@ -542,10 +543,44 @@ fn at_cap(source: &SourceKey, bucket: *mut SynBucket, config: &Config) -> Option
     None
 }
 
+/// The limits a source is held to: its override's if an override covers it, else the
+/// config's. Read once per packet: the config and the tries may be rewritten meanwhile.
+#[derive(Clone, Copy)]
+struct PerSource {
+    /// Its concurrent connections; 0 = no limit.
+    cap: u32,
+    /// Its SYN rate.
+    rate: Gcra,
+}
+
+impl PerSource {
+    #[inline(always)]
+    fn of(source: &SourceKey, config: &Config) -> PerSource {
+        let own = if config.has_overrides != 0 {
+            overrides::lookup(source)
+        } else {
+            None
+        };
+        match own {
+            Some(limits) => PerSource {
+                cap: limits.max_conn_per_ip,
+                rate: Gcra {
+                    interval: limits.syn_interval_ns,
+                    tolerance: limits.syn_tolerance_ns,
+                },
+            },
+            None => PerSource {
+                cap: config.max_conn_per_ip,
+                rate: Gcra::of(config),
+            },
+        }
+    }
+}
+
 /// The SYN rate as GCRA: a source's bucket is the theoretical arrival time (TAT) of its next
 /// SYN, and a SYN is allowed while that time is no further ahead of now than the burst. Holds
 /// the emission interval and burst tolerance, in nanoseconds, as the agent derived them
-/// ([`Config::derive_syn_terms`]); an interval of 0 when the rate is not limited. (Not an
+/// ([`Config::derive_rate_terms`]); an interval of 0 when the rate is not limited. (Not an
 /// `Option`: LLVM spills the fields of a `None` it never initialised, and the verifier
 /// rejects reads of uninitialised registers.)
 #[derive(Clone, Copy)]
@@ -805,13 +840,14 @@ fn admit(
     config: &Config,
     now: u64,
 ) -> Completion {
+    let own = PerSource::of(&source, config);
     let (per_source, before) = match source_counts::take(&source, 1) {
         Taken::Slots { counter, before } => (counter, before),
         Taken::Full => return full_at_ack(&source, config),
         // Refused, never let in uncounted: see `source_counts`.
         Taken::Busy => return refuse_at_ack(Blame::Source(&source), Reason::FlowTableFull),
     };
-    if config.max_conn_per_ip != 0 && before >= config.max_conn_per_ip as u64 {
+    if own.cap != 0 && before >= own.cap as u64 {
         source_counts::give_back(&source, per_source, 1);
         return refuse_at_ack(Blame::Source(&source), Reason::ConnPerIp);
     }
@@ -827,7 +863,7 @@ fn admit(
     }
     // The SYN rate's token last, once the slots are sure: a handshake the caps refuse spends
     // none, and the token, unlike a slot, cannot be given back.
-    if let Err(bucket) = take_token(&source, config) {
+    if let Err(bucket) = take_token(&source, own.rate, config) {
         atomics::decrement(global);
         source_counts::give_back(&source, per_source, 1);
         return refuse_at_ack(Blame::Bucket(bucket), Reason::SynRate);
@@ -883,8 +919,7 @@ fn admit(
 /// Takes the SYN rate's token for a proven handshake of `source`; `Err` with its bucket if the
 /// bucket ran dry (other handshakes of the source completed since its SYN was let through).
 #[inline(always)]
-fn take_token(source: &SourceKey, config: &Config) -> Result<(), *mut SynBucket> {
-    let rate = Gcra::of(config);
+fn take_token(source: &SourceKey, rate: Gcra, config: &Config) -> Result<(), *mut SynBucket> {
     if !rate.limited() {
         return Ok(());
     }
@@ -971,7 +1006,8 @@ pub fn adopt(key: &FlowKey) -> u32 {
     hold(&source, config, 1);
     event(Event::Opened);
     let over = |before: u64, cap: u32| cap != 0 && before >= cap as u64;
-    if over(per_source_before, config.max_conn_per_ip) || over(global_before, config.max_conn_total)
+    if over(per_source_before, PerSource::of(&source, config).cap)
+        || over(global_before, config.max_conn_total)
     {
         helper::OVER_CAP
     } else {

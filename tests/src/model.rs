@@ -19,7 +19,7 @@
 
 use std::{
     collections::{HashMap, HashSet},
-    net::IpAddr,
+    net::{IpAddr, Ipv6Addr},
 };
 
 use limiter::datapath::Policy;
@@ -398,6 +398,29 @@ impl Model {
         }
     }
 
+    /// The per-source cap and SYN rate `source` is held to: those of the most specific
+    /// override covering its key, else the top level's.
+    fn own(&self, source: &SourceKey) -> (u64, Option<Rate>) {
+        let ip = Ipv6Addr::from(source.addr);
+        let addr = ip.to_ipv4_mapped().map_or(IpAddr::V6(ip), IpAddr::V4);
+        let covering = self
+            .policy
+            .overrides
+            .iter()
+            .filter(|o| o.net.contains(&addr))
+            .max_by_key(|o| o.net.prefix_len());
+        match covering {
+            Some(o) => (
+                u64::from(o.limits.max_conn_per_ip),
+                Rate::new(o.limits.syn_rate, o.limits.syn_burst),
+            ),
+            None => (
+                u64::from(self.config.max_conn_per_ip),
+                Rate::new(self.config.syn_rate, self.config.syn_burst),
+            ),
+        }
+    }
+
     fn place(&self, source: &SourceKey) -> BucketPlace {
         bucket_place(source, self.config.bucket_seed, self.config.bucket_mask)
     }
@@ -412,7 +435,8 @@ impl Model {
         let bucket = self.buckets.get(&place.slot).copied().unwrap_or_default();
         // The slot is the source's while its tag is there; sources sharing slot and tag share
         // the bucket. Another source's slot is a full bucket.
-        if let Some(rate) = Rate::of(&self.config)
+        let (per_ip, rate) = self.own(&source);
+        if let Some(rate) = rate
             && bucket.tag == place.tag
             && rate.admit(bucket.tat, self.rate_now).is_none()
         {
@@ -420,7 +444,6 @@ impl Model {
             let blame = Blame::Bucket(place.slot);
             return self.refuse(seg, blame, Reason::SynRate, self.config.reject_rate);
         }
-        let per_ip = self.config.max_conn_per_ip as u64;
         let total = self.config.max_conn_total as u64;
         if per_ip != 0
             && bucket.holders != 0
@@ -446,7 +469,7 @@ impl Model {
     /// Takes a proven handshake's token from `source`'s bucket, claiming the slot (a full
     /// bucket) if another source's tag is there; `Err` with the slot if it ran dry.
     fn take_token(&mut self, source: SourceKey) -> Result<(), u32> {
-        let Some(rate) = Rate::of(&self.config) else {
+        let Some(rate) = self.own(&source).1 else {
             return Ok(());
         };
         let place = self.place(&source);
@@ -485,7 +508,7 @@ impl Model {
         }
         self.half_open.remove(&key);
         let per_source = *self.source_conns.entry(entry.source).or_default();
-        let per_ip = self.config.max_conn_per_ip as u64;
+        let per_ip = self.own(&entry.source).0;
         let total = self.config.max_conn_total as u64;
         let refused = if per_ip != 0 && per_source >= per_ip {
             Some(Reason::ConnPerIp)
@@ -579,7 +602,9 @@ impl Model {
 
     /// Whether a SYN or connection rate is set: the TATs mean something only then.
     pub fn rated(&self) -> bool {
-        self.config.syn_rate != 0 || self.config.conn_rate != 0
+        self.config.syn_rate != 0
+            || self.config.conn_rate != 0
+            || self.policy.overrides.iter().any(|o| o.limits.syn_rate != 0)
     }
 
     /// The top-blocked counts as the agent reads them: `BLOCKED`, with each claimed bucket's
@@ -624,18 +649,15 @@ struct Rate {
 }
 
 impl Rate {
-    fn of(config: &Config) -> Option<Rate> {
-        (config.syn_rate != 0).then(|| Rate {
-            interval: 1_000_000_000 / u64::from(config.syn_rate),
-            burst: u64::from(config.syn_burst.max(1)),
+    fn new(rate: u32, burst: u32) -> Option<Rate> {
+        (rate != 0).then(|| Rate {
+            interval: 1_000_000_000 / u64::from(rate),
+            burst: u64::from(burst.max(1)),
         })
     }
 
     fn connections(config: &Config) -> Option<Rate> {
-        (config.conn_rate != 0).then(|| Rate {
-            interval: 1_000_000_000 / u64::from(config.conn_rate),
-            burst: u64::from(config.conn_burst.max(1)),
-        })
+        Rate::new(config.conn_rate, config.conn_burst)
     }
 
     /// The TAT a SYN at `now` leaves if the bucket holds a token for it: one whose TAT, one

@@ -75,6 +75,18 @@ const RATE: &[&str] = &[
 /// ACK) and refilled.
 const CONN_RATE: &[&str] = &["--syn-rate", "0", "--conn-rate", "50", "--conn-burst", "5"];
 
+/// Overrides over part of the clients, nested so that the most specific must win: the first
+/// half of the IPv4 clients get a higher cap, a /28 inside it a lower one and a SYN rate of
+/// its own (the top level's is off), and a tenth of the IPv6 clients a cap of one.
+const OVERRIDES: &[&str] = &[
+    "--override",
+    "192.0.2.0/25:max-conn-per-ip=6",
+    "--override",
+    "192.0.2.16/28:max-conn-per-ip=1,syn-rate=1,syn-burst=1",
+    "--override",
+    "2001:db8::/60:max-conn-per-ip=1",
+];
+
 /// The same caps with an allow list and a deny list over part of the clients, refused
 /// connections dropped rather than answered, and tunnels let through.
 const LISTS: &[&str] = &[
@@ -147,6 +159,20 @@ fn the_connection_rate_agrees_with_the_model() {
     );
 }
 
+#[test]
+fn overrides_agree_with_the_model() {
+    let model = run(
+        &[CAPS, NO_RATE, OVERRIDES].concat(),
+        seed(0x0E44_1DE5).wrapping_add(4),
+        frames(),
+    );
+    // The overrides must have bitten: the lower cap and the /28's own rate refused.
+    let capped = counted(&model, Verdict::Rst, Reason::ConnPerIp);
+    let rated = counted(&model, Verdict::Drop, Reason::SynRate);
+    println!("model: with overrides, {capped} SYNs over a cap, {rated} over the /28's rate");
+    assert!(capped > 100 && rated > 10, "{capped} capped, {rated} rated");
+}
+
 /// The ingress packets the model counted under `verdict` and `reason`.
 fn counted(model: &Model, verdict: Verdict, reason: Reason) -> u64 {
     model
@@ -156,9 +182,9 @@ fn counted(model: &Model, verdict: Verdict, reason: Reason) -> u64 {
         .unwrap_or(0)
 }
 
-/// Frames per test: a quarter of `LIMITER_FUZZ_FRAMES` (`cargo xtask fuzz`), else 25,000.
+/// Frames per test: a fifth of `LIMITER_FUZZ_FRAMES` (`cargo xtask fuzz`), else 25,000.
 fn frames() -> usize {
-    env_u64("LIMITER_FUZZ_FRAMES").map_or(25_000, |n| (n / 4).max(1) as usize)
+    env_u64("LIMITER_FUZZ_FRAMES").map_or(25_000, |n| (n / 5).max(1) as usize)
 }
 
 fn env_u64(name: &str) -> Option<u64> {

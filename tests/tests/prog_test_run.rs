@@ -301,6 +301,63 @@ fn attempt(k: &Kernel, s: &Tcp) -> bool {
     k.dp.maps.events(Event::Opened).unwrap() > before
 }
 
+/// Of `n` connection attempts of `src` (fresh ports from `first_port`), those admitted.
+fn admitted(k: &Kernel, src: IpAddr, first_port: u16, n: u16) -> usize {
+    (0..n)
+        .filter(|i| attempt(k, &syn(src, first_port + i)))
+        .count()
+}
+
+#[test]
+fn overrides_raise_and_lower_a_sources_cap_the_most_specific_prefix_winning() {
+    let flags = ["--max-conn-per-ip", "2", "--rst-xdp-tx"];
+    let overrides = [
+        "--override",
+        "192.0.2.0/24:max-conn-per-ip=4",
+        "--override",
+        "192.0.2.3:max-conn-per-ip=1",
+        "--override",
+        "2001:db8:1:2::/64:max-conn-per-ip=3",
+    ];
+    let mut k = Kernel::new(&[&flags[..], &overrides].concat());
+    assert_eq!(admitted(&k, v4(2), 100, 6), 4, "the /24's cap");
+    assert_eq!(admitted(&k, v4(3), 100, 6), 1, "the /32's inside it");
+    let outside = IpAddr::V4(Ipv4Addr::new(203, 0, 113, 9));
+    assert_eq!(admitted(&k, outside, 100, 6), 2, "the top level's");
+    assert_eq!(admitted(&k, v6("2001:db8:1:2::10"), 100, 6), 3);
+    assert_eq!(admitted(&k, v6("2001:db8:1:3::10"), 100, 6), 2);
+    assert_eq!(
+        k.ingress(Verdict::Rst, Reason::ConnPerIp),
+        2 + 5 + 4 + 3 + 4
+    );
+    // Live: without the overrides the top level's cap holds for every source again.
+    k.dp.maps.apply(&settings(&flags).policy).unwrap();
+    assert_eq!(k.dp.maps.config().unwrap().has_overrides, 0);
+    assert_eq!(admitted(&k, v4(4), 100, 6), 2);
+    assert_eq!(
+        admitted(&k, v4(2), 200, 2),
+        0,
+        "holds 4, over the cap of 2 now"
+    );
+}
+
+#[test]
+fn an_override_gives_its_sources_a_syn_rate_of_their_own() {
+    let k = Kernel::new(&[
+        "--syn-rate",
+        "1",
+        "--syn-burst",
+        "3",
+        "--override",
+        "192.0.2.2:syn-burst=6",
+        "--override",
+        "192.0.2.3:syn-rate=1,syn-burst=1",
+    ]);
+    assert_eq!(admitted(&k, v4(2), 100, 10), 6);
+    assert_eq!(admitted(&k, v4(3), 100, 10), 1);
+    assert_eq!(admitted(&k, v4(4), 100, 10), 3);
+}
+
 #[test]
 fn syn_rate_admits_exactly_the_burst_of_handshakes() {
     let k = Kernel::new(&["--syn-rate", "1", "--syn-burst", "3"]);

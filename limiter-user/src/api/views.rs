@@ -4,7 +4,8 @@
 
 use std::{collections::BTreeMap, time::Duration};
 
-use limiter_common::{Config, Refusal};
+use ipnet::IpNet;
+use limiter_common::{Config, Refusal, SourceLimits};
 use serde::{Deserialize, Serialize};
 
 /// `GET /v1/status`: the agent at a glance.
@@ -96,10 +97,23 @@ pub struct KernelLimits {
     /// Whether unproven sources' SYNs are answered with cookies now.
     #[serde(default)]
     pub syn_cookies: bool,
+    /// Source prefixes held to limits of their own (`[[overrides]]`), as the tries hold them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub overrides: Vec<OverrideView>,
+}
+
+/// One override: its prefix and the per-source limits its sources get.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OverrideView {
+    pub cidr: String,
+    pub max_conn_per_ip: u32,
+    pub syn_rate: u32,
+    pub syn_burst: u32,
 }
 
 impl KernelLimits {
-    pub fn from_config(config: &Config) -> Self {
+    /// The limits of `config` and the `overrides` the tries hold.
+    pub fn new(config: &Config, overrides: &[(IpNet, SourceLimits)]) -> Self {
         let refusal = |value: u8| match Refusal::from_u8(value) {
             Refusal::Rst => "rst".to_owned(),
             Refusal::Drop => "drop".to_owned(),
@@ -120,6 +134,15 @@ impl KernelLimits {
             reject_ban: refusal(config.reject_ban),
             reject_deny: refusal(config.reject_deny),
             syn_cookies: config.syn_cookies & limiter_common::syn_cookies::ANSWER != 0,
+            overrides: overrides
+                .iter()
+                .map(|(net, limits)| OverrideView {
+                    cidr: net.to_string(),
+                    max_conn_per_ip: limits.max_conn_per_ip,
+                    syn_rate: limits.syn_rate,
+                    syn_burst: limits.syn_burst,
+                })
+                .collect(),
         }
     }
 
@@ -282,7 +305,7 @@ mod tests {
 
     #[test]
     fn limits_render_refusals_and_the_enabled_flag() {
-        let limits = KernelLimits::from_config(&Config::UNCONFIGURED);
+        let limits = KernelLimits::new(&Config::UNCONFIGURED, &[]);
         assert!(!limits.enabled());
         assert_eq!(
             (limits.reject_conn.as_str(), limits.reject_rate.as_str()),
@@ -290,6 +313,6 @@ mod tests {
         );
         let mut config = Config::UNCONFIGURED;
         config.syn_rate = 5;
-        assert!(KernelLimits::from_config(&config).enabled());
+        assert!(KernelLimits::new(&config, &[]).enabled());
     }
 }

@@ -1,7 +1,7 @@
 //! Typed access to the kernel programs' maps: writing the policy, lists and bans, and reading
 //! counters, flows and per-source state. Keys and values are `limiter-common`'s types.
 
-use std::{collections::HashSet, net::IpAddr, path::Path, time::Duration};
+use std::{net::IpAddr, path::Path, time::Duration};
 
 use aya::{
     Ebpf,
@@ -10,7 +10,7 @@ use aya::{
 use ipnet::IpNet;
 use limiter_common::{
     Ban, Blocked, Config, Direction, Event, Flow, FlowKey, HalfOpen, Reason, SOURCE_RETIRED,
-    SourceKey, SynBucket, Verdict, map_names, stats::stat_slot, syn_cookies,
+    SourceKey, SourceLimits, SynBucket, Verdict, map_names, stats::stat_slot, syn_cookies,
 };
 use thiserror::Error;
 
@@ -25,6 +25,8 @@ use super::{
 pub enum MapsError {
     #[error("map {0} is missing from the eBPF object")]
     Missing(&'static str),
+    #[error("map {0} holds a prefix longer than its addresses")]
+    BadPrefix(&'static str),
     #[error("map {name}")]
     Map {
         name: &'static str,
@@ -62,23 +64,57 @@ impl Typed {
     }
 }
 
-/// One source list: its IPv4 and IPv6 LPM tries, which the programs consult by family.
-pub(super) struct Trie {
-    v4: LpmTrie<MapData, [u8; 4], u8>,
-    v6: LpmTrie<MapData, [u8; 16], u8>,
+/// One family-split set of prefixes: its IPv4 and IPv6 LPM tries, which the programs consult
+/// by family, each prefix with a value (`1` for the allow and deny lists, the limits for the
+/// overrides).
+pub(super) struct Trie<V: aya::Pod = u8> {
+    v4: LpmTrie<MapData, [u8; 4], V>,
+    v6: LpmTrie<MapData, [u8; 16], V>,
     names: (&'static str, &'static str),
 }
 
-impl Trie {
-    /// Makes the tries hold exactly `nets`: stale entries out, missing ones in. A list larger
-    /// than a trie is refused before either is touched, so what is enforced stays whole.
-    fn sync(&mut self, nets: &[IpNet]) -> Result<(), MapsError> {
+impl Trie<u8> {
+    /// Makes the tries hold exactly `nets`, as a list (value 1).
+    fn sync_list(&mut self, nets: &[IpNet]) -> Result<(), MapsError> {
+        let entries: Vec<(IpNet, u8)> = nets.iter().map(|net| (*net, 1)).collect();
+        self.sync(&entries)
+    }
+}
+
+impl<V: aya::Pod + PartialEq> Trie<V> {
+    /// Every prefix the tries hold, with its value: IPv4 first.
+    fn entries(&self) -> Result<Vec<(IpNet, V)>, MapsError> {
+        let mut out = Vec::new();
+        for entry in self.v4.iter() {
+            let (key, value) = entry.map_err(map_error(self.names.0))?;
+            let net = ipnet::Ipv4Net::new(key.data().into(), key.prefix_len() as u8)
+                .map_err(|_| MapsError::BadPrefix(self.names.0))?;
+            out.push((IpNet::V4(net), value));
+        }
+        for entry in self.v6.iter() {
+            let (key, value) = entry.map_err(map_error(self.names.1))?;
+            let net = ipnet::Ipv6Net::new(key.data().into(), key.prefix_len() as u8)
+                .map_err(|_| MapsError::BadPrefix(self.names.1))?;
+            out.push((IpNet::V6(net), value));
+        }
+        out.sort_by_key(|(net, _)| *net);
+        Ok(out)
+    }
+
+    /// Makes the tries hold exactly `entries`: stale prefixes out, missing or changed ones in.
+    /// A set larger than a trie is refused before either is touched, so what is enforced
+    /// stays whole.
+    fn sync(&mut self, entries: &[(IpNet, V)]) -> Result<(), MapsError> {
         let mut want4 = Vec::new();
         let mut want6 = Vec::new();
-        for net in nets {
+        for (net, value) in entries {
             match net {
-                IpNet::V4(n) => want4.push((u32::from(n.prefix_len()), n.network().octets())),
-                IpNet::V6(n) => want6.push((u32::from(n.prefix_len()), n.network().octets())),
+                IpNet::V4(n) => {
+                    want4.push(((u32::from(n.prefix_len()), n.network().octets()), *value))
+                }
+                IpNet::V6(n) => {
+                    want6.push(((u32::from(n.prefix_len()), n.network().octets()), *value))
+                }
             }
         }
         for (wanted, map, name) in [
@@ -94,33 +130,36 @@ impl Trie {
                 });
             }
         }
-        sync_trie(&mut self.v4, &want4, self.names.0)?;
-        sync_trie(&mut self.v6, &want6, self.names.1)
+        sync_trie(&mut self.v4, want4, self.names.0)?;
+        sync_trie(&mut self.v6, want6, self.names.1)
     }
 }
 
-fn sync_trie<const N: usize>(
-    trie: &mut LpmTrie<MapData, [u8; N], u8>,
-    want: &[(u32, [u8; N])],
+fn sync_trie<const N: usize, V: aya::Pod + PartialEq>(
+    trie: &mut LpmTrie<MapData, [u8; N], V>,
+    want: Vec<((u32, [u8; N]), V)>,
     name: &'static str,
 ) -> Result<(), MapsError>
 where
     [u8; N]: aya::Pod,
 {
-    // Collect first: deleting while walking GET_NEXT_KEY restarts the walk. Sets, so a list
+    // Collect first: deleting while walking GET_NEXT_KEY restarts the walk. Maps, so a list
     // of 100,000 entries is compared in linear time and only the difference is written.
-    let have: HashSet<(u32, [u8; N])> = trie
-        .keys()
-        .map(|key| key.map(|k| (k.prefix_len(), k.data())))
+    let have: std::collections::HashMap<(u32, [u8; N]), V> = trie
+        .iter()
+        .map(|entry| entry.map(|(k, v)| ((k.prefix_len(), k.data()), v)))
         .collect::<Result<_, _>>()
         .map_err(map_error(name))?;
-    let want: HashSet<(u32, [u8; N])> = want.iter().copied().collect();
-    for (len, data) in have.difference(&want) {
+    let want: std::collections::HashMap<(u32, [u8; N]), V> = want.into_iter().collect();
+    for (len, data) in have.keys().filter(|key| !want.contains_key(key)) {
         trie.remove(&Key::new(*len, *data))
             .map_err(map_error(name))?;
     }
-    for (len, data) in want.difference(&have) {
-        trie.insert(&Key::new(*len, *data), 1, 0)
+    for ((len, data), value) in want
+        .iter()
+        .filter(|(key, value)| have.get(key) != Some(value))
+    {
+        trie.insert(&Key::new(*len, *data), *value, 0)
             .map_err(map_error(name))?;
     }
     Ok(())
@@ -140,6 +179,7 @@ pub struct Maps {
     pub(super) bans: HashMap<MapData, SourceKey, Ban>,
     allow: Trie,
     deny: Trie,
+    overrides: Trie<SourceLimits>,
     stats: PerCpuArray<MapData, u64>,
     events: PerCpuArray<MapData, u64>,
     blocked: HashMap<MapData, SourceKey, Blocked>,
@@ -204,6 +244,11 @@ impl Maps {
                 v6: typed(DENY_V6).get()?,
                 names: (DENY_V4, DENY_V6),
             },
+            overrides: Trie {
+                v4: typed(OVERRIDES_V4).get()?,
+                v6: typed(OVERRIDES_V6).get()?,
+                names: (OVERRIDES_V4, OVERRIDES_V6),
+            },
             stats: typed(STATS).get()?,
             events: typed(EVENTS).get()?,
             blocked: typed(BLOCKED).get()?,
@@ -221,8 +266,11 @@ impl Maps {
             self.write_ports(&policy.ports)?;
             self.ports_written = Some(policy.ports.clone());
         }
-        self.allow.sync(&policy.allow)?;
-        self.deny.sync(&policy.deny)?;
+        self.allow.sync_list(&policy.allow)?;
+        self.deny.sync_list(&policy.deny)?;
+        let overrides: Vec<(IpNet, SourceLimits)> =
+            policy.overrides.iter().map(|o| (o.net, o.limits)).collect();
+        self.overrides.sync(&overrides)?;
         let mut config = policy.config();
         // The ban table's, not the policy's: bans come and go apart from settings.
         config.has_bans = self.bans.keys().next().is_some().into();
@@ -407,6 +455,11 @@ impl Maps {
         self.conn_rate
             .get(&0, 0)
             .map_err(map_error(map_names::CONN_RATE))
+    }
+
+    /// The source prefixes with limits of their own, as the override tries hold them.
+    pub fn overrides(&self) -> Result<Vec<(IpNet, SourceLimits)>, MapsError> {
+        self.overrides.entries()
     }
 
     /// Open connections of one source (`addr` masked with the live prefix).

@@ -27,7 +27,7 @@ pub use loader::{
 };
 pub use maps::{Maps, MapsError, PacketCount};
 pub use pins::detach;
-pub use policy::{CookieMode, Policy};
+pub use policy::{CookieMode, Policy, SourceOverride};
 pub use programs::{ADJUST_PROGRAM, RELEASE_PROGRAM, TC_PROGRAM, XDP_PROGRAM};
 pub use route::default_route_interface;
 pub use tc_legacy::TcLegacyError;

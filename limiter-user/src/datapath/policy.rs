@@ -1,7 +1,7 @@
 //! What the kernel enforces, as one checked value the agent hands to the maps.
 
 use ipnet::IpNet;
-use limiter_common::Config;
+use limiter_common::{Config, SourceLimits};
 
 use super::Lists;
 
@@ -9,7 +9,7 @@ use super::Lists;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Policy {
     /// Limits, prefixes and refusal modes. Its fields that follow from the ports and lists
-    /// (`all_ports`, `has_allow`, `has_deny`) or from the SYN rate (its GCRA terms) are
+    /// (`all_ports`, `has_allow`, `has_deny`, `has_overrides`) or from the rates (their GCRA terms) are
     /// ignored here and derived by [`Policy::config`], so they can never disagree with what
     /// the maps hold; `has_bans` follows the ban table, which [`super::Maps`] keeps.
     pub limits: Config,
@@ -19,6 +19,15 @@ pub struct Policy {
     pub ports: Vec<u16>,
     pub allow: Vec<IpNet>,
     pub deny: Vec<IpNet>,
+    /// Source prefixes with limits of their own, in the override tries.
+    pub overrides: Vec<SourceOverride>,
+}
+
+/// A source prefix and the per-source limits its sources get (`[[overrides]]`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SourceOverride {
+    pub net: IpNet,
+    pub limits: SourceLimits,
 }
 
 /// When the programs answer an unproven source's SYN with a cookie (`syn-cookies`).
@@ -40,6 +49,7 @@ impl Policy {
             all_ports: self.ports.is_empty().into(),
             has_allow: (!self.allow.is_empty()).into(),
             has_deny: (!self.deny.is_empty()).into(),
+            has_overrides: (!self.overrides.is_empty()).into(),
             ..self.limits
         };
         config.derive_rate_terms();
@@ -85,6 +95,7 @@ mod tests {
             ports: Vec::new(),
             allow: Vec::new(),
             deny: Vec::new(),
+            overrides: Vec::new(),
         };
         let config = policy.config();
         assert_eq!(
@@ -116,6 +127,7 @@ mod tests {
             ports: Vec::new(),
             allow: nets(&["10.0.0.0/25"]),
             deny: nets(&["192.0.2.1/32"]),
+            overrides: Vec::new(),
         };
         let files = Lists {
             allow: nets(&[
@@ -152,6 +164,7 @@ mod tests {
             ports: Vec::new(),
             allow: Vec::new(),
             deny: Vec::new(),
+            overrides: Vec::new(),
         };
         let terms = |c: Config| (c.syn_interval_ns, c.syn_tolerance_ns);
         assert_eq!(terms(policy(50, 10).config()), (20_000_000, 200_000_000));

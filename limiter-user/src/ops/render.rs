@@ -59,6 +59,15 @@ pub fn render_status(status: &Status, http: SocketAddr) -> String {
     );
     let _ = writeln!(out, "bans        {} active", status.bans_active);
     let _ = writeln!(out, "limits      {}", render_limits(&status.limits));
+    for o in &status.limits.overrides {
+        let _ = writeln!(
+            out,
+            "override    {}: per source {}, SYN rate {}",
+            o.cidr,
+            limit_text(o.max_conn_per_ip),
+            rate_text(o.syn_rate, o.syn_burst)
+        );
+    }
     let by_reason = |counts: &std::collections::BTreeMap<String, u64>| {
         counts
             .iter()

@@ -59,7 +59,7 @@ pub fn kernel_status(maps: &impl ReadMaps) -> Result<Status, MapsError> {
         bans_active: maps.read(|m| m.bans())?.len(),
         refused,
         refused_packets,
-        limits: KernelLimits::from_config(&config),
+        limits: KernelLimits::new(&config, &maps.read(|m| m.overrides())?),
         pinned: None,
         restart_required: None,
         fleet: None,
@@ -124,7 +124,7 @@ pub fn kernel_rate_limits(
     let mut bans = maps.read(|m| m.bans())?;
     bans.sort_unstable_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
     Ok(KernelRateLimits {
-        limits: KernelLimits::from_config(&config),
+        limits: KernelLimits::new(&config, &maps.read(|m| m.overrides())?),
         ports: None,
         allow: None,
         deny: None,

@@ -155,6 +155,12 @@ pub struct Layer {
     #[arg(long, env = "LIMITER_DENY", value_delimiter = ',')]
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub deny: Vec<String>,
+    /// A source prefix held to limits of its own, `CIDR:KEY=VALUE,...` with any of
+    /// `max-conn-per-ip`, `syn-rate`, `syn-burst` (repeatable; `;` between them in the
+    /// variable); in the file, `[[overrides]]` tables. The most specific prefix wins.
+    #[arg(long = "override", env = "LIMITER_OVERRIDES", value_delimiter = ';')]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub overrides: Vec<super::OverrideArg>,
     /// `enforce`, or `monitor`: the broker's actions (those that set no `mode` of their own)
     /// and escalation judge and count every check as they would, but refuse and ban
     /// nothing. The kernel keeps enforcing. [default: enforce]

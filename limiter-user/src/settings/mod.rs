@@ -10,6 +10,7 @@ mod file;
 mod flags;
 mod list_file;
 mod resolve;
+mod source_overrides;
 
 use std::{
     net::SocketAddr,
@@ -24,6 +25,7 @@ pub use file::FileConfig;
 pub use flags::{Layer, RefusalArg, TunnelsArg, XdpModeArg};
 pub use list_file::{ListFile, ListFiles, parse_list};
 pub use resolve::{parse_cidr, parse_cidrs};
+pub use source_overrides::OverrideArg;
 
 pub use crate::errors::ConfigError;
 use crate::{

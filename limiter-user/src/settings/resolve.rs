@@ -215,12 +215,14 @@ impl Layer {
             tunnels_pass: (self.tunnels.unwrap_or(TunnelsArg::Drop) == TunnelsArg::Pass).into(),
             ..Config::UNCONFIGURED
         };
+        let overrides = super::source_overrides::resolve(&self.overrides, &limits)?;
         Ok(Policy {
             limits,
             cookies,
             ports,
             allow,
             deny,
+            overrides,
         })
     }
 
