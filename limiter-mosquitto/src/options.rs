@@ -29,31 +29,46 @@ pub enum FailMode {
     Closed,
 }
 
-/// What an ACL check answers when the agent allows it.
+/// What an ACL check answers when the agent allows it (see [`crate::passes`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum AclDefault {
+    /// Read from the broker's configuration: defer where it has an ACL of its own
+    /// (`acl_file`, another plugin), else allow.
+    Auto,
     /// `MOSQ_ERR_PLUGIN_DEFER`: an `acl_file` or another plugin decides. Mosquitto 2.0 treats
-    /// "every callback deferred" as a denial, so this needs one of them configured.
+    /// "every callback deferred" as a denial, so without one this denies everything.
     Defer,
-    /// `MOSQ_ERR_SUCCESS`: for brokers with no ACL of their own, where deferring would deny
-    /// every publish and subscribe.
+    /// `MOSQ_ERR_SUCCESS`: grant it. On a broker with an ACL of its own, that ACL is skipped.
     Allow,
 }
 
-/// What an allowed login answers: whether the broker has a login check of its own.
-///
-/// Mosquitto 2.0 decides on `allow_anonymous` alone while no login callback is registered,
-/// but once one is and every callback defers it accepts only a login without a username. A
-/// plugin cannot see `allow_anonymous` nor whether a password file or another auth plugin
-/// exists, so the operator says so.
+/// What an allowed login answers (see [`crate::passes`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LoginCheck {
+    /// Read from the broker's configuration: defer where it has a login check of its own
+    /// (`password_file`, another plugin), else what `allow_anonymous` alone would answer.
+    Auto,
     /// `MOSQ_ERR_PLUGIN_DEFER`: a password file or another plugin decides after `auth`.
+    /// Without one, mosquitto 2.0 then refuses every login that sends a username.
     Broker,
-    /// `MOSQ_ERR_SUCCESS`: the broker has no login check of its own (`allow_anonymous true`,
-    /// no password file, no other auth plugin), where deferring would refuse every login that
-    /// sends a username. On a broker that has one, this would skip it.
+    /// `MOSQ_ERR_SUCCESS`: accept it. On a broker that has a login check of its own, this
+    /// skips it.
     None,
+}
+
+/// Why the options were refused; each names the option.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum OptionsError {
+    #[error("plugin_opt_{key}: `{value}` is not {expected}")]
+    Invalid {
+        key: &'static str,
+        value: String,
+        expected: &'static str,
+    },
+    #[error("plugin_opt_actions: unknown action `{0}` (auth, publish, subscribe)")]
+    UnknownAction(String),
+    #[error("unknown option plugin_opt_{0}")]
+    Unknown(String),
 }
 
 /// The parsed options.
@@ -67,9 +82,9 @@ pub struct Options {
     pub fail: FailMode,
     /// `plugin_opt_timeout`: milliseconds a callback waits for the agent.
     pub timeout: Duration,
-    /// `plugin_opt_acl_default`: `defer` (default) or `allow`.
+    /// `plugin_opt_acl_default`: `auto` (default), `defer` or `allow`.
     pub acl_default: AclDefault,
-    /// `plugin_opt_login_check`: `broker` (default) or `none`.
+    /// `plugin_opt_login_check`: `auto` (default), `broker` or `none`.
     pub login_check: LoginCheck,
 }
 
@@ -84,8 +99,8 @@ impl Default for Options {
             },
             fail: FailMode::Open,
             timeout: DEFAULT_TIMEOUT,
-            acl_default: AclDefault::Defer,
-            login_check: LoginCheck::Broker,
+            acl_default: AclDefault::Auto,
+            login_check: LoginCheck::Auto,
         }
     }
 }
@@ -94,10 +109,17 @@ impl Options {
     /// Parses `(key, value)` pairs, keys without the `plugin_opt_` prefix (as the broker
     /// passes them). Unknown keys are errors: they are typos of a setting that would
     /// otherwise silently keep its default.
-    pub fn parse<'a>(pairs: impl IntoIterator<Item = (&'a str, &'a str)>) -> Result<Self, String> {
+    pub fn parse<'a>(
+        pairs: impl IntoIterator<Item = (&'a str, &'a str)>,
+    ) -> Result<Self, OptionsError> {
         let mut options = Self::default();
         for (key, value) in pairs {
             let value = value.trim();
+            let invalid = |key, expected| OptionsError::Invalid {
+                key,
+                value: value.to_owned(),
+                expected,
+            };
             match key {
                 "socket" => options.socket = PathBuf::from(value),
                 "actions" => options.actions = parse_actions(value)?,
@@ -105,62 +127,52 @@ impl Options {
                     options.fail = match value {
                         "open" => FailMode::Open,
                         "closed" => FailMode::Closed,
-                        _ => {
-                            return Err(format!(
-                                "plugin_opt_fail: `{value}` is not open or closed"
-                            ));
-                        }
+                        _ => return Err(invalid("fail", "open or closed")),
                     }
                 }
                 "timeout" => {
-                    let ms: u64 = value.parse().ok().filter(|ms| *ms > 0).ok_or_else(|| {
-                        format!(
-                            "plugin_opt_timeout: `{value}` is not a positive number of milliseconds"
-                        )
-                    })?;
+                    let ms: u64 =
+                        value.parse().ok().filter(|ms| *ms > 0).ok_or_else(|| {
+                            invalid("timeout", "a positive number of milliseconds")
+                        })?;
                     options.timeout = Duration::from_millis(ms);
                 }
                 "acl_default" => {
                     options.acl_default = match value {
+                        "auto" => AclDefault::Auto,
                         "defer" => AclDefault::Defer,
                         "allow" => AclDefault::Allow,
-                        _ => {
-                            return Err(format!(
-                                "plugin_opt_acl_default: `{value}` is not defer or allow"
-                            ));
-                        }
+                        _ => return Err(invalid("acl_default", "auto, defer or allow")),
                     }
                 }
                 "login_check" => {
                     options.login_check = match value {
+                        "auto" => LoginCheck::Auto,
                         "broker" => LoginCheck::Broker,
                         "none" => LoginCheck::None,
-                        _ => {
-                            return Err(format!(
-                                "plugin_opt_login_check: `{value}` is not broker or none"
-                            ));
-                        }
+                        _ => return Err(invalid("login_check", "auto, broker or none")),
                     }
                 }
-                _ => return Err(format!("unknown option plugin_opt_{key}")),
+                _ => return Err(OptionsError::Unknown(key.to_owned())),
             }
         }
         Ok(options)
     }
+
+    /// Whether the broker's configuration must be read to answer allowed checks.
+    pub fn needs_broker_conf(&self) -> bool {
+        self.login_check == LoginCheck::Auto || self.acl_default == AclDefault::Auto
+    }
 }
 
-fn parse_actions(value: &str) -> Result<Actions, String> {
+fn parse_actions(value: &str) -> Result<Actions, OptionsError> {
     let mut actions = Actions::default();
     for name in value.split(',').map(str::trim).filter(|n| !n.is_empty()) {
         match name {
             "auth" => actions.auth = true,
             "publish" => actions.publish = true,
             "subscribe" => actions.subscribe = true,
-            _ => {
-                return Err(format!(
-                    "plugin_opt_actions: unknown action `{name}` (auth, publish, subscribe)"
-                ));
-            }
+            _ => return Err(OptionsError::UnknownAction(name.to_owned())),
         }
     }
     Ok(actions)
@@ -176,7 +188,9 @@ mod tests {
         assert_eq!(o, Options::default());
         assert!(o.actions.auth && o.actions.publish && o.actions.subscribe);
         assert_eq!(o.fail, FailMode::Open);
-        assert_eq!(o.login_check, LoginCheck::Broker);
+        assert_eq!(o.login_check, LoginCheck::Auto);
+        assert_eq!(o.acl_default, AclDefault::Auto);
+        assert!(o.needs_broker_conf());
     }
 
     #[test]
@@ -203,6 +217,15 @@ mod tests {
         assert_eq!(o.timeout, Duration::from_millis(250));
         assert_eq!(o.acl_default, AclDefault::Allow);
         assert_eq!(o.login_check, LoginCheck::None);
+        assert!(!o.needs_broker_conf());
+        for (value, want) in [("auto", LoginCheck::Auto), ("broker", LoginCheck::Broker)] {
+            let o = Options::parse([("login_check", value)]).unwrap();
+            assert_eq!(o.login_check, want);
+        }
+        for (value, want) in [("auto", AclDefault::Auto), ("defer", AclDefault::Defer)] {
+            let o = Options::parse([("acl_default", value)]).unwrap();
+            assert_eq!(o.acl_default, want);
+        }
     }
 
     #[test]
@@ -214,8 +237,9 @@ mod tests {
             (vec![("actions", "auth,pubish")], "pubish"),
             (vec![("sokcet", "/x")], "plugin_opt_sokcet"),
             (vec![("login_check", "off")], "plugin_opt_login_check"),
+            (vec![("acl_default", "deny")], "plugin_opt_acl_default"),
         ] {
-            let err = Options::parse(pairs).unwrap_err();
+            let err = Options::parse(pairs).unwrap_err().to_string();
             assert!(err.contains(needle), "{err}");
         }
     }

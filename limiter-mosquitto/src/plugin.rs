@@ -18,22 +18,28 @@
 
 use std::{
     collections::HashMap,
-    ffi::{CStr, CString, c_char, c_int, c_void},
+    ffi::{CStr, CString, OsStr, c_char, c_int, c_void},
     net::IpAddr,
+    os::unix::ffi::OsStrExt,
     panic::{AssertUnwindSafe, catch_unwind},
+    path::{Path, PathBuf},
     sync::Mutex,
 };
 
 use crate::{
     agent::Agent,
+    broker_conf::{self, BrokerConf, ConfError},
     ffi::{self, Client, EvtAclCheck, EvtBasicAuth, EvtDisconnect, Opt, PluginId},
-    options::{AclDefault, FailMode, LoginCheck, Options},
+    options::{FailMode, Options},
+    passes::{self, AutoError, Pass, Passes},
 };
 
 /// The plugin's state, owned by the broker as `userdata` between init and cleanup.
 struct Plugin {
     id: *mut PluginId,
     options: Options,
+    /// What an allowed login and an allowed ACL check answer.
+    passes: Passes,
     agent: Agent,
     /// Clients whose login this plugin deferred, by handle, with their address: those the
     /// password check then refuses are reported on disconnect.
@@ -86,6 +92,68 @@ fn username(client: *const Client) -> Option<String> {
     unsafe { string(ffi::mosquitto_client_username(client)) }
 }
 
+/// An error and its causes, on one line for the broker's log.
+fn chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut cause = error.source();
+    while let Some(e) = cause {
+        text.push_str(&format!(": {e}"));
+        cause = e.source();
+    }
+    text
+}
+
+/// The file this plugin was loaded from, as the dynamic loader knows it.
+fn own_path() -> Option<PathBuf> {
+    // SAFETY: Dl_info is plain pointers, for which all zeroes is a valid value.
+    let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
+    let here = own_path as *const c_void;
+    // SAFETY: `here` is an address inside this library and `info` a valid place to write.
+    if unsafe { libc::dladdr(here, &mut info) } == 0 || info.dli_fname.is_null() {
+        return None;
+    }
+    // SAFETY: dladdr filled dli_fname with a NUL-terminated path it keeps alive.
+    let name = unsafe { CStr::from_ptr(info.dli_fname) };
+    Some(PathBuf::from(OsStr::from_bytes(name.to_bytes())))
+}
+
+/// The answers for allowed checks: from the explicit options, or from the configuration file
+/// of the broker this plugin is loaded into (its own process) where one is `auto`.
+fn broker_passes(options: &Options, pairs: &[(String, String)]) -> Result<Passes, AutoError> {
+    if !options.needs_broker_conf() {
+        return Ok(passes::passes(options, None));
+    }
+    let unreadable = |path: &str, source| ConfError::Read {
+        path: PathBuf::from(path),
+        source,
+    };
+    let cmdline =
+        std::fs::read("/proc/self/cmdline").map_err(|e| unreadable("/proc/self/cmdline", e))?;
+    let cwd = std::fs::read_link("/proc/self/cwd").map_err(|e| unreadable("/proc/self/cwd", e))?;
+    let conf_path = broker_conf::config_path(&cmdline, &cwd).ok_or(AutoError::NoConfigFile)?;
+    let conf = BrokerConf::read(&conf_path)?;
+    let me = own_path().unwrap_or_default();
+    let canonical = |p: &Path| std::fs::canonicalize(cwd.join(p)).ok();
+    let me_canonical = canonical(&me);
+    passes::resolve(
+        options,
+        &conf,
+        &conf_path,
+        &me,
+        |line| me_canonical.is_some() && canonical(line) == me_canonical,
+        pairs,
+    )
+}
+
+/// The return code for `pass`; `refuse` is the kind's refusal.
+fn code(pass: Pass, refuse: c_int) -> c_int {
+    match pass {
+        Pass::Defer => ffi::MOSQ_ERR_PLUGIN_DEFER,
+        Pass::Allow => ffi::MOSQ_ERR_SUCCESS,
+        Pass::Refuse => refuse,
+    }
+}
+
 /// Chooses plugin API version 5, the only one this plugin implements.
 ///
 /// # Safety
@@ -132,6 +200,13 @@ pub unsafe extern "C" fn mosquitto_plugin_init(
                 return ffi::MOSQ_ERR_INVAL;
             }
         };
+        let passes = match broker_passes(&parsed, &pairs) {
+            Ok(passes) => passes,
+            Err(e) => {
+                log(ffi::MOSQ_LOG_WARNING, &format!("limiter: {}", chain(&e)));
+                return ffi::MOSQ_ERR_INVAL;
+            }
+        };
         let agent = match Agent::new(parsed.socket.clone(), parsed.timeout) {
             Ok(agent) => agent,
             Err(e) => {
@@ -145,6 +220,7 @@ pub unsafe extern "C" fn mosquitto_plugin_init(
         let plugin = Box::into_raw(Box::new(Plugin {
             id: identifier,
             options: parsed,
+            passes,
             agent,
             deferred: Mutex::new(HashMap::new()),
         }));
@@ -171,18 +247,19 @@ pub unsafe extern "C" fn mosquitto_plugin_init(
             }
         }
         // SAFETY: `plugin` was just made from a Box and is not freed before cleanup.
-        let o = unsafe { &(*plugin).options };
+        let (o, p) = unsafe { (&(*plugin).options, (*plugin).passes) };
         log(
             ffi::MOSQ_LOG_INFO,
             &format!(
-                "limiter: asking the agent at {} (auth {}, publish {}, subscribe {}; fail {:?}, timeout {:?}, login check {:?})",
+                "limiter: asking the agent at {} (auth {}, publish {}, subscribe {}; fail {:?}, timeout {:?}); allowed logins {:?}, allowed ACL checks {:?}",
                 o.socket.display(),
                 o.actions.auth,
                 o.actions.publish,
                 o.actions.subscribe,
                 o.fail,
                 o.timeout,
-                o.login_check
+                p.login,
+                p.acl
             ),
         );
         ffi::MOSQ_ERR_SUCCESS
@@ -258,10 +335,7 @@ unsafe extern "C" fn on_basic_auth(
         let event = unsafe { &*data.cast::<EvtBasicAuth>() };
         // Whatever `auth` does not refuse gets the answer the broker needs to decide as it would
         // without the plugin.
-        let pass = match plugin.options.login_check {
-            LoginCheck::Broker => ffi::MOSQ_ERR_PLUGIN_DEFER,
-            LoginCheck::None => ffi::MOSQ_ERR_SUCCESS,
-        };
+        let pass = code(plugin.passes.login, ffi::MOSQ_ERR_AUTH);
         if !plugin.options.actions.auth {
             return pass;
         }
@@ -290,8 +364,8 @@ unsafe extern "C" fn on_basic_auth(
                 }
             }
         }
-        // With no password check after this one there is no failed login to report.
-        if plugin.options.login_check == LoginCheck::Broker
+        // Only a deferred login meets a password check after this one, whose refusal to report.
+        if plugin.passes.login == Pass::Defer
             && let Ok(mut deferred) = plugin.deferred.lock()
         {
             deferred.insert(event.client as usize, addr);
@@ -312,10 +386,7 @@ unsafe extern "C" fn on_acl_check(
         let plugin = unsafe { &*userdata.cast::<Plugin>() };
         // SAFETY: the broker passes its ACL-check event for this callback.
         let event = unsafe { &*data.cast::<EvtAclCheck>() };
-        let pass = match plugin.options.acl_default {
-            AclDefault::Defer => ffi::MOSQ_ERR_PLUGIN_DEFER,
-            AclDefault::Allow => ffi::MOSQ_ERR_SUCCESS,
-        };
+        let pass = code(plugin.passes.acl, ffi::MOSQ_ERR_ACL_DENIED);
         let action = match event.access {
             ffi::MOSQ_ACL_WRITE if plugin.options.actions.publish => "publish",
             ffi::MOSQ_ACL_SUBSCRIBE if plugin.options.actions.subscribe => "subscribe",

@@ -27,7 +27,7 @@ use crate::{
         list_watch::{self, ListPaths},
         saved_state,
         sweeper::{self, SweepStats, SweepTargets},
-        syn_cookies,
+        syn_cookies, systemd_notify,
     },
     settings::{ConfigError, Live, RestartOnly, RunArgs, Settings},
 };
@@ -557,8 +557,13 @@ async fn serve(
             tracing::error!("the HTTP listener failed: {error:#}");
         }
     });
+    tasks.spawn(systemd_notify::watchdog(stop.clone().cancelled_owned()));
+    // Both listeners were bound in phase 3 and now serve: a unit ordered after this one
+    // (the broker) may start.
+    systemd_notify::ready();
     tracing::info!("limiter is ready");
     signals.wait(&agent).await;
+    systemd_notify::stopping();
     tracing::info!("stopping; the programs stay attached (limiter detach removes them)");
     stop.cancel();
     while tasks.join_next().await.is_some() {}
@@ -606,10 +611,13 @@ impl Signals {
                 _ = self.term.recv() => return,
                 _ = self.int.recv() => return,
                 _ = self.hup.recv() => {
+                    systemd_notify::reloading();
                     if let Err(error) = agent.reload() {
                         let error = error_chain(&error);
                         tracing::error!("reload refused, the old settings stay: {error}");
                     }
+                    // Serving again, with the new settings or the old ones.
+                    systemd_notify::ready();
                 }
             }
         }

@@ -146,16 +146,31 @@ impl AgentProcess {
     /// entered (`ip netns exec` would also remount /sys, hiding the BPF filesystem and so
     /// every pin).
     pub fn start(ns: &Netns, args: &[impl AsRef<std::ffi::OsStr>]) -> Result<Self> {
-        Self::spawn(ns, args, false)
+        Self::spawn(ns, args, &[], false)
+    }
+
+    /// [`start`](Self::start) with `env` added to the agent's environment (`NOTIFY_SOCKET`,
+    /// `WATCHDOG_USEC`, as systemd would set them).
+    pub fn start_with_env(
+        ns: &Netns,
+        args: &[impl AsRef<std::ffi::OsStr>],
+        env: &[(&str, &std::ffi::OsStr)],
+    ) -> Result<Self> {
+        Self::spawn(ns, args, env, false)
     }
 
     /// [`start`](Self::start) with the `UNAME26` personality, which survives exec: `uname`
     /// tells the agent it runs on Linux 2.6, as a kernel below its floor would.
     pub fn start_on_linux_2_6(ns: &Netns, args: &[impl AsRef<std::ffi::OsStr>]) -> Result<Self> {
-        Self::spawn(ns, args, true)
+        Self::spawn(ns, args, &[], true)
     }
 
-    fn spawn(ns: &Netns, args: &[impl AsRef<std::ffi::OsStr>], linux_2_6: bool) -> Result<Self> {
+    fn spawn(
+        ns: &Netns,
+        args: &[impl AsRef<std::ffi::OsStr>],
+        env: &[(&str, &std::ffi::OsStr)],
+        linux_2_6: bool,
+    ) -> Result<Self> {
         use nix::sys::personality::{self, Persona};
         use std::os::unix::process::CommandExt;
         let netns = std::fs::File::open(format!("/run/netns/{}", ns.name()))?;
@@ -177,6 +192,7 @@ impl AgentProcess {
             .args(args)
             .env("LIMITER_LOG", "info,limiter=debug")
             .env("LIMITER_STATE_FILE", state.path().join("state.json"))
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())

@@ -52,6 +52,20 @@ fn write_passwords(dir: &Path, users: &[(&str, &str)]) -> Result<PathBuf> {
     Ok(passwords)
 }
 
+/// A broker's mosquitto.conf, as a test chooses its security settings.
+#[derive(Clone, Copy)]
+pub struct Conf<'a> {
+    pub port: u16,
+    pub allow_anonymous: bool,
+    /// A password file with these (name, password), or none.
+    pub users: Option<&'a [(&'a str, &'a str)]>,
+    /// An ACL file with this text, or none.
+    pub acl: Option<&'a str>,
+    /// The plugin with these options (`key value` pairs, without the `plugin_opt_` prefix),
+    /// or no plugin.
+    pub plugin: Option<&'a [(&'a str, &'a str)]>,
+}
+
 /// A running broker; killed on drop. Its log (stderr) is collected as it comes.
 pub struct Broker {
     child: Child,
@@ -60,9 +74,8 @@ pub struct Broker {
 
 impl Broker {
     /// Writes a password file with `users` (name, password), an ACL file granting every
-    /// user everything (mosquitto 2.0 denies when every ACL callback defers), and a
-    /// mosquitto.conf loading the plugin with `plugin_opts` (`key value` pairs, without the
-    /// `plugin_opt_` prefix), all in `dir`; then starts mosquitto in `ns`.
+    /// user everything, and a mosquitto.conf loading the plugin with `plugin_opts`, all in
+    /// `dir`; then starts mosquitto in `ns`.
     pub fn start(
         ns: &Netns,
         listen: std::net::IpAddr,
@@ -81,26 +94,49 @@ impl Broker {
         logins: Logins,
         plugin_opts: &[(&str, &str)],
     ) -> Result<Self> {
-        let acl = dir.join("acl");
-        std::fs::write(&acl, "pattern readwrite #\n")?;
-        let login_conf = match logins {
-            Logins::PasswordFile(users) => format!(
-                "allow_anonymous false\npassword_file {}\n",
-                write_passwords(dir, users)?.display()
-            ),
-            Logins::Anonymous => "allow_anonymous true\n".to_owned(),
+        let (allow_anonymous, users) = match logins {
+            Logins::PasswordFile(users) => (false, Some(users)),
+            Logins::Anonymous => (true, None),
         };
-        let mut conf = format!(
-            "listener {PORT} {listen}\n{login_conf}acl_file {}\n\
-             user root\nlog_dest stderr\nlog_type all\nplugin {}\n",
-            acl.display(),
-            plugin().display()
+        let conf = Conf {
+            port: PORT,
+            allow_anonymous,
+            users,
+            acl: Some("pattern readwrite #\n"),
+            plugin: Some(plugin_opts),
+        };
+        Self::start_conf(ns, listen, dir, &conf)
+    }
+
+    /// Writes the files `conf` needs and a mosquitto.conf in `dir`; then starts mosquitto
+    /// in `ns`, listening on `listen` at `conf.port`.
+    pub fn start_conf(
+        ns: &Netns,
+        listen: std::net::IpAddr,
+        dir: &Path,
+        conf: &Conf,
+    ) -> Result<Self> {
+        let mut text = format!(
+            "listener {} {listen}\nallow_anonymous {}\nuser root\nlog_dest stderr\nlog_type all\n",
+            conf.port, conf.allow_anonymous
         );
-        for (key, value) in plugin_opts {
-            conf.push_str(&format!("plugin_opt_{key} {value}\n"));
+        if let Some(users) = conf.users {
+            let passwords = write_passwords(dir, users)?;
+            text.push_str(&format!("password_file {}\n", passwords.display()));
+        }
+        if let Some(rules) = conf.acl {
+            let acl = dir.join("acl");
+            std::fs::write(&acl, rules)?;
+            text.push_str(&format!("acl_file {}\n", acl.display()));
+        }
+        if let Some(opts) = conf.plugin {
+            text.push_str(&format!("plugin {}\n", plugin().display()));
+            for (key, value) in opts {
+                text.push_str(&format!("plugin_opt_{key} {value}\n"));
+            }
         }
         let conf_path = dir.join("mosquitto.conf");
-        std::fs::write(&conf_path, conf)?;
+        std::fs::write(&conf_path, text)?;
 
         let mut child = ns
             .command("mosquitto")?
@@ -162,7 +198,7 @@ impl Drop for Broker {
 }
 
 /// Runs a mosquitto client (`mosquitto_pub`, `mosquitto_sub`) in `ns`, bound to `from`,
-/// connecting to `broker`, killed after `limit`.
+/// connecting to `broker` at [`PORT`], killed after `limit`.
 pub fn client(
     ns: &Netns,
     program: &str,
@@ -171,10 +207,22 @@ pub fn client(
     args: &[&str],
     limit: Duration,
 ) -> Result<Output> {
+    client_at(ns, program, from, (broker, PORT), args, limit)
+}
+
+/// As [`client`], connecting to `broker` (address, port).
+pub fn client_at(
+    ns: &Netns,
+    program: &str,
+    from: std::net::IpAddr,
+    broker: (std::net::IpAddr, u16),
+    args: &[&str],
+    limit: Duration,
+) -> Result<Output> {
     ns.command("timeout")?
         .arg(format!("{}", limit.as_secs_f64()))
         .arg(program)
-        .args(["-h", &broker.to_string(), "-p", &PORT.to_string()])
+        .args(["-h", &broker.0.to_string(), "-p", &broker.1.to_string()])
         .args(["-A", &from.to_string()])
         .args(args)
         .stdin(Stdio::null())

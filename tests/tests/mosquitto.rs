@@ -10,8 +10,8 @@ use std::{
 
 use limiter_tests::{
     agent::{AgentProcess, PinDir, startup_deadline},
-    mosquitto::{self, Broker, Logins},
-    netns::{CLIENT_V4, Pair, SERVER_V4, connect},
+    mosquitto::{self, Broker, Conf, Logins},
+    netns::{CLIENT_V4, Netns, Pair, SERVER_V4, connect},
 };
 use nix::sys::signal::Signal;
 
@@ -243,11 +243,11 @@ fn the_plugin_limits_logins_and_publishes_and_escalates_to_a_kernel_ban() {
 const ANON_AUTH_LIMIT: usize = 4;
 
 /// On a broker with no login check of its own (`allow_anonymous true`, no password file), a
-/// login with a username: by default the plugin defers and mosquitto 2.0 refuses it; with
-/// `plugin_opt_login_check none` an allowed login is accepted as without the plugin, and
-/// `auth` still refuses past its limit.
+/// login with a username: with `plugin_opt_login_check broker` the plugin defers and
+/// mosquitto 2.0 refuses it; by default (`auto`, read from the broker's configuration) an
+/// allowed login is accepted as without the plugin, and `auth` still refuses past its limit.
 #[test]
-fn on_a_broker_without_its_own_login_check_login_check_none_accepts_what_auth_allows() {
+fn on_a_broker_without_its_own_login_check_the_default_accepts_what_auth_allows() {
     let pair = Pair::new().expect("namespaces");
     let pins = PinDir::new();
     let dir = tempfile::tempdir().unwrap();
@@ -301,13 +301,13 @@ fn on_a_broker_without_its_own_login_check_login_check_none_accepts_what_auth_al
         opts
     };
 
-    // The default defers: mosquitto 2.0 then refuses a username every callback deferred.
+    // `broker` defers: mosquitto 2.0 then refuses a username every callback deferred.
     let broker = Broker::start_with(
         &pair.server,
         server,
         dir.path(),
         Logins::Anonymous,
-        &opts(None),
+        &opts(Some("broker")),
     )
     .unwrap();
     let (ok, out) = login();
@@ -315,13 +315,13 @@ fn on_a_broker_without_its_own_login_check_login_check_none_accepts_what_auth_al
     assert_eq!(broker.count("limiter: auth refused"), 0, "{}", broker.log());
     drop(broker);
 
-    // `none`: the allowed logins are accepted, the ones past `auth` refused by the plugin.
+    // The default: the allowed logins are accepted, the ones past `auth` refused by the plugin.
     let broker = Broker::start_with(
         &pair.server,
         server,
         dir.path(),
         Logins::Anonymous,
-        &opts(Some("none")),
+        &opts(None),
     )
     .unwrap();
     let outcomes: Vec<(bool, String)> = (0..ANON_AUTH_LIMIT + 1).map(|_| login()).collect();
@@ -343,4 +343,251 @@ fn on_a_broker_without_its_own_login_check_login_check_none_accepts_what_auth_al
         "{}",
         broker.log()
     );
+}
+
+/// The port of the broker without the plugin, beside the one with it at [`mosquitto::PORT`].
+const PLAIN_PORT: u16 = mosquitto::PORT + 1;
+
+/// An agent in `pair`'s server namespace whose `auth`, `publish` and `subscribe` allow far
+/// more than a test spends, listening at `socket`.
+fn generous_agent(pair: &Pair, pins: &PinDir, socket: &std::path::Path) -> AgentProcess {
+    let ports = format!("{},{PLAIN_PORT}", mosquitto::PORT);
+    let agent = AgentProcess::start(
+        &pair.server,
+        &[
+            "--iface",
+            &pair.server_if,
+            "--pin-dir",
+            pins.arg(),
+            "--socket",
+            socket.to_str().unwrap(),
+            "--ports",
+            &ports,
+            "--auth-limit",
+            "1000",
+            "--auth-window",
+            "1h",
+            "--publish-limit",
+            "1000",
+            "--publish-window",
+            "1h",
+            "--subscribe-limit",
+            "1000",
+            "--subscribe-window",
+            "1h",
+        ],
+    )
+    .unwrap();
+    agent
+        .wait_for("limiter is ready", startup_deadline())
+        .unwrap();
+    agent
+}
+
+/// The same broker twice in `ns`, in subdirectories of `dir` named after `case`: without the
+/// plugin at [`PLAIN_PORT`], with it (asking the agent at `socket`, failing closed, so an
+/// unanswered check shows as a refusal) at [`mosquitto::PORT`].
+fn twins(
+    ns: &Netns,
+    dir: &std::path::Path,
+    case: &str,
+    socket: &std::path::Path,
+    conf: Conf,
+) -> (Broker, Broker) {
+    let plugin_opts = [
+        ("socket", socket.to_str().unwrap()),
+        ("actions", "auth,publish,subscribe"),
+        ("fail", "closed"),
+        ("timeout", "500"),
+    ];
+    let server = IpAddr::V4(SERVER_V4);
+    let start = |name: &str, conf: Conf| {
+        let sub = dir.join(format!("{case}-{name}"));
+        std::fs::create_dir(&sub).unwrap();
+        Broker::start_conf(ns, server, &sub, &conf).unwrap()
+    };
+    let plain = start(
+        "plain",
+        Conf {
+            port: PLAIN_PORT,
+            plugin: None,
+            ..conf
+        },
+    );
+    let with = start(
+        "plugin",
+        Conf {
+            port: mosquitto::PORT,
+            plugin: Some(&plugin_opts),
+            ..conf
+        },
+    );
+    (plain, with)
+}
+
+/// For every combination of `allow_anonymous`, a password file or none, and a client with
+/// no username, a username without a password, the right password and a wrong one, the
+/// CONNACK with the plugin (whose `auth` allows) is the CONNACK without it. Before the plugin
+/// read the broker's configuration, a username on a broker with `allow_anonymous true` and no
+/// password file was refused with it and accepted without.
+#[test]
+fn with_the_plugin_allowing_every_login_gets_the_connack_it_gets_without() {
+    let pair = Pair::new().expect("namespaces");
+    let pins = PinDir::new();
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("limiter.sock");
+    let _agent = generous_agent(&pair, &pins, &socket);
+    let users = [("u1", "p1")];
+    let clients: [(&str, &[&str]); 4] = [
+        ("no username", &[]),
+        ("username, no password", &["-u", "u1"]),
+        ("right password", &["-u", "u1", "-P", "p1"]),
+        ("wrong password", &["-u", "u1", "-P", "wrong"]),
+    ];
+    let server = IpAddr::V4(SERVER_V4);
+    let from = IpAddr::V4(CLIENT_V4);
+    let connack = |port: u16, args: &[&str]| {
+        let mut all = vec!["-t", "t/x", "-m", "hi"];
+        all.extend_from_slice(args);
+        let out = mosquitto::client_at(
+            &pair.client,
+            "mosquitto_pub",
+            from,
+            (server, port),
+            &all,
+            Duration::from_secs(5),
+        )
+        .unwrap();
+        (out.status.success(), text(&out))
+    };
+    let mut accepted = 0;
+    let mut differences = Vec::new();
+    for allow_anonymous in [true, false] {
+        for password_file in [false, true] {
+            let case = format!("anon-{allow_anonymous}-pwfile-{password_file}");
+            let conf = Conf {
+                port: 0,
+                allow_anonymous,
+                users: password_file.then_some(&users[..]),
+                acl: None,
+                plugin: None,
+            };
+            let (plain, with) = twins(&pair.server, dir.path(), &case, &socket, conf);
+            for (client, args) in clients {
+                let without = connack(PLAIN_PORT, args);
+                let got = connack(mosquitto::PORT, args);
+                accepted += usize::from(without.0);
+                if got != without {
+                    differences.push(format!(
+                        "{case}, {client}: without the plugin {without:?}, with it {got:?}"
+                    ));
+                }
+            }
+            assert_eq!(
+                with.count("limiter: no verdict"),
+                0,
+                "the agent answered every check:\n{}",
+                with.log()
+            );
+            drop((plain, with));
+        }
+    }
+    assert!(differences.is_empty(), "{differences:#?}");
+    // Both answers occur, so equal answers are not one answer everywhere: accepted are no
+    // username, no password and the right one with anonymous logins, the right password
+    // with a file, and without a file any username.
+    assert_eq!(accepted, 7, "the broker's own answers changed");
+}
+
+/// With and without an `acl_file`, the plugin (whose `publish` and `subscribe` allow) keeps
+/// the broker's own ACL decision: what the file denies stays denied, and with no file
+/// everything stays allowed. Retained messages show both: a subscriber gets only the ones
+/// it may read, and a publish the ACL denies is never stored.
+#[test]
+fn with_the_plugin_allowing_the_brokers_own_acl_decides() {
+    let pair = Pair::new().expect("namespaces");
+    let pins = PinDir::new();
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("limiter.sock");
+    let _agent = generous_agent(&pair, &pins, &socket);
+    let users = [("u1", "p1"), ("w", "w1")];
+    let rules = "user w\ntopic readwrite #\nuser u1\ntopic readwrite ok/#\n";
+    let server = IpAddr::V4(SERVER_V4);
+    let from = IpAddr::V4(CLIENT_V4);
+    let run = |program: &str, port: u16, args: &[&str]| {
+        let out = mosquitto::client_at(
+            &pair.client,
+            program,
+            from,
+            (server, port),
+            args,
+            Duration::from_secs(5),
+        )
+        .unwrap();
+        let mut lines: Vec<String> = text(&out).lines().map(str::to_owned).collect();
+        // Retained messages of two topics arrive in either order.
+        lines.sort();
+        lines
+    };
+    // What u1 reads and what u1 could store, on the broker at `port`.
+    let outcome = |port: u16| {
+        let pubs = [
+            ("w", "w1", "ok/r"),
+            ("w", "w1", "denied/r"),
+            ("u1", "p1", "ok/p"),
+            ("u1", "p1", "denied/p"),
+        ];
+        for (user, password, topic) in pubs {
+            let args = [
+                "-u", user, "-P", password, "-t", topic, "-m", topic, "-r", "-q", "1",
+            ];
+            run("mosquitto_pub", port, &args);
+        }
+        let read = run(
+            "mosquitto_sub",
+            port,
+            &[
+                "-u", "u1", "-P", "p1", "-t", "ok/r", "-t", "denied/r", "-v", "-C", "2", "-W", "1",
+            ],
+        );
+        let stored = run(
+            "mosquitto_sub",
+            port,
+            &[
+                "-u", "w", "-P", "w1", "-t", "ok/p", "-t", "denied/p", "-v", "-C", "2", "-W", "1",
+            ],
+        );
+        (read, stored)
+    };
+    for acl in [None, Some(rules)] {
+        let case = format!("acl-{}", acl.is_some());
+        let conf = Conf {
+            port: 0,
+            allow_anonymous: false,
+            users: Some(&users),
+            acl,
+            plugin: None,
+        };
+        let (plain, with) = twins(&pair.server, dir.path(), &case, &socket, conf);
+        let without = outcome(PLAIN_PORT);
+        let got = outcome(mosquitto::PORT);
+        let all =
+            |lines: &[String], topic: &str| lines.iter().any(|l| l == &format!("{topic} {topic}"));
+        let want_denied = acl.is_some();
+        for (lines, name) in [(&without, "without the plugin"), (&got, "with it")] {
+            assert!(
+                all(&lines.0, "ok/r") && all(&lines.1, "ok/p"),
+                "{case} {name}: {lines:?}"
+            );
+            assert_eq!(
+                !all(&lines.0, "denied/r") && !all(&lines.1, "denied/p"),
+                want_denied,
+                "{case} {name}: {lines:?}\n{}",
+                with.log()
+            );
+        }
+        assert_eq!(got, without, "{case}");
+        assert_eq!(with.count("limiter: no verdict"), 0, "{}", with.log());
+        drop(plain);
+    }
 }
