@@ -299,8 +299,8 @@ pub fn run(sources: &[u32]) -> Result<()> {
              SYN token at its proven handshake, never at the SYN, and no handshake completes to \
              a closed port: it refuses none of this flood and passes every SYN to the host, \
              which answers with a RST (the SYNs let through are counted below). So limiter is \
-             to be read against the kernel alone, and the firewalls, which charge every SYN and \
-             drop almost all, do less work than either. The program times come from \
+             to be read against the kernel alone; the firewalls charge every SYN and drop \
+             almost all of them. The program times come from \
              {STATS_ROUNDS} more rounds of the floor and limiter with the kernel's BPF run-time \
              statistics on (their clock reads included in both; those rounds' softirq time is \
              not used)."
