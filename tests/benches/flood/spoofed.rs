@@ -32,7 +32,9 @@
 //!
 //! Last, a real client during the flood: one more round per case at the sender's full rate,
 //! [`CONNECTS`] connects from the client's own address, each given [`FIRST_TRY`] (under the 1 s
-//! before a SYN is sent again), so one that connects did so on its first SYN.
+//! before a SYN is sent again), so one that connects did so on its first SYN. While some miss,
+//! the flood is paced at half the rate and the connects tried again, up to [`HALVINGS`] times:
+//! the highest rate at which all connect lies between the last two rates.
 
 use std::{
     any::Any,
@@ -71,6 +73,8 @@ const SPLIT_ROUNDS: usize = 3;
 const PROGRAM_ROUNDS: usize = 3;
 /// A real client's connects during the flood, per case.
 const CONNECTS: usize = 20;
+/// How many times the flood's rate is halved while some connects miss their first try.
+const HALVINGS: usize = 3;
 /// Less than the 1 s a client waits for its SYN's answer before sending the SYN again.
 const FIRST_TRY: Duration = Duration::from_millis(900);
 /// The split rounds' CPUs: the server's end on one, the sender and the client's end on the
@@ -390,20 +394,26 @@ impl Spoofer {
     }
 }
 
-/// Sends up to `count` spoofed SYNs, as fast as the socket takes them, until `stop` or
-/// [`CASE_LIMIT`]; `sent` follows the count. Returns how many went out.
+/// Sends up to `count` spoofed SYNs, as fast as the socket takes them or at `pace` SYNs a
+/// second, until `stop` or [`CASE_LIMIT`]; `sent` follows the count. Returns how many went out.
 fn flood(
     socket: &PacketSocket,
     count: usize,
+    pace: Option<f64>,
     stop: &AtomicBool,
     sent: &AtomicUsize,
 ) -> Result<usize> {
     let mut spoofer = Spoofer::new();
-    let deadline = Instant::now() + CASE_LIMIT;
+    let started = Instant::now();
+    let deadline = started + CASE_LIMIT;
     let mut total = 0;
     while total < count && !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
         total += send_batch(socket, spoofer.next(BATCH.min(count - total)))?;
         sent.store(total, Ordering::Relaxed);
+        if let Some(pace) = pace {
+            let due = started + Duration::from_secs_f64(total as f64 / pace);
+            std::thread::sleep(due.saturating_duration_since(Instant::now()));
+        }
     }
     Ok(total)
 }
@@ -450,7 +460,7 @@ fn measure(case: Case, threaded: bool) -> Result<Measured> {
                     if threaded {
                         pin(Pid::from_raw(0), SENDER_CPU)?;
                     }
-                    flood(&socket, count, &stop, &progress)
+                    flood(&socket, count, None, &stop, &progress)
                 })
                 .join()
                 .map_err(|_| anyhow::anyhow!("the sender panicked"))?
@@ -486,9 +496,9 @@ fn measure(case: Case, threaded: bool) -> Result<Measured> {
     })
 }
 
-/// A real client's connects during a full-rate flood: how many connected on their first SYN,
-/// and the flood's rate (SYNs a second).
-fn probe(case: Case) -> Result<(usize, f64)> {
+/// A real client's connects during a flood at full rate or at `pace`: how many connected on
+/// their first SYN, and the flood's rate (SYNs a second).
+fn probe(case: Case, pace: Option<f64>) -> Result<(usize, f64)> {
     let rig = Rig::new(case, false)?;
     let socket = rig
         .pair
@@ -498,7 +508,7 @@ fn probe(case: Case) -> Result<(usize, f64)> {
     let (stop, sent) = (AtomicBool::new(false), AtomicUsize::new(0));
     std::thread::scope(|scope| {
         let started = Instant::now();
-        let flood = scope.spawn(|| flood(&socket, usize::MAX, &stop, &sent));
+        let flood = scope.spawn(|| flood(&socket, usize::MAX, pace, &stop, &sent));
         // The flood at full rate before the first connect.
         while sent.load(Ordering::Relaxed) < SYNS / 10 && !flood.is_finished() {
             std::thread::sleep(Duration::from_millis(5));
@@ -513,6 +523,18 @@ fn probe(case: Case) -> Result<(usize, f64)> {
         let rate = total as f64 / started.elapsed().as_secs_f64();
         Ok((connected?.into_iter().filter(|&ok| ok).count(), rate))
     })
+}
+
+/// [`probe`] at full rate, then at half the last rate while some connects miss.
+fn ladder(case: Case) -> Result<Vec<(usize, f64)>> {
+    let mut steps = vec![probe(case, None)?];
+    while let Some(&(ok, rate)) = steps.last()
+        && ok < CONNECTS
+        && steps.len() <= HALVINGS
+    {
+        steps.push(probe(case, Some(rate / 2.0))?);
+    }
+    Ok(steps)
 }
 
 /// Whether a connect from the client's own address to `dst` completes within [`FIRST_TRY`].
@@ -567,7 +589,11 @@ pub fn run() -> Result<()> {
     }
     let mut probes = Vec::new();
     for case in Case::ALL {
-        probes.push((case != Case::Floor).then(|| probe(case)).transpose()?);
+        probes.push(if case == Case::Floor {
+            None
+        } else {
+            Some(ladder(case)?)
+        });
     }
     let host: Vec<f64> = host.into_iter().map(median).collect();
     let server: Vec<f64> = server.into_iter().map(median).collect();
@@ -607,7 +633,8 @@ pub fn run() -> Result<()> {
              over the SYNs received; the statistics' clock reads are included. The connects: one \
              more round per case at the sender's full rate, {CONNECTS} connects from the \
              client's own address, each allowed {} ms (under the 1 s before a SYN is sent \
-             again), so each that connects did so on its first SYN.",
+             again), so each that connects did so on its first SYN; while some miss, the \
+             flood's rate is halved and they are tried again (at most {HALVINGS} times).",
             FIRST_TRY.as_millis()
         ),
     );
@@ -624,9 +651,17 @@ pub fn run() -> Result<()> {
                 format!("{:.2}", server[i] / floor_server),
                 format!("{:.0}", server[i] - floor_server),
                 format!("{:.0}", programs[i]),
-                probes[i].map_or_else(
+                probes[i].as_ref().map_or_else(
                     || "— (drops all)".to_owned(),
-                    |(ok, rate)| format!("{ok}/{CONNECTS} at {:.0}k SYN/s", rate / 1e3),
+                    |steps| {
+                        steps
+                            .iter()
+                            .map(|(ok, rate)| {
+                                format!("{ok}/{CONNECTS} at {:.0}k SYN/s", rate / 1e3)
+                            })
+                            .collect::<Vec<_>>()
+                            .join("; ")
+                    },
                 ),
             ]
         })
@@ -689,6 +724,23 @@ pub fn run() -> Result<()> {
          each ratio the shared cost hides: \"over floor\" divides what each case costs beyond \
          the floor.",
     );
+    let ceiling: Vec<String> = [Case::CookiesTc, Case::CookiesXdpTx]
+        .into_iter()
+        .map(|cookies| {
+            let (k, s, c) = (at(Case::Kernel), at(Case::Synproxy), at(cookies));
+            format!(
+                "{}: {:.2} against the kernel alone, {:.2} against SYNPROXY",
+                cookies.name(),
+                (host[k] - floor_host) * 1e3 / programs[c],
+                (host[s] - floor_host) * 1e3 / programs[c]
+            )
+        })
+        .collect();
+    report.note(&format!(
+        "The most limiter could gain were all but its own programs free: the others' host cost \
+         over the floor divided by limiter's programs' ns/SYN. {}.",
+        ceiling.join("; ")
+    ));
     let lossy: Vec<String> = Case::ALL
         .into_iter()
         .zip(&lost)
