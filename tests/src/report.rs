@@ -41,6 +41,18 @@ impl Target {
     }
 }
 
+/// A gain target: a ratio a row must reach or pass (how many times cheaper a case is).
+#[derive(Clone, Copy)]
+pub struct AtLeast(pub f64);
+
+impl AtLeast {
+    /// The table cell: the target and whether `ratio` meets it.
+    pub fn judge(self, ratio: f64) -> String {
+        let verdict = if ratio >= self.0 { "met" } else { "missed" };
+        format!("≥ {} ({verdict})", self.0)
+    }
+}
+
 impl Report {
     /// The report `section` of `suite` (the `cargo xtask bench` subcommand) under `title`;
     /// `method` says what is measured and how, in a paragraph of Markdown.
@@ -159,5 +171,7 @@ mod tests {
     fn targets_say_whether_they_were_met() {
         assert_eq!(Target(1.3).judge(1.29), "≤ 1.3 (met)");
         assert_eq!(Target(4.0).judge(4.2), "≤ 4 (missed)");
+        assert_eq!(AtLeast(3.0).judge(3.1), "≥ 3 (met)");
+        assert_eq!(AtLeast(3.0).judge(1.7), "≥ 3 (missed)");
     }
 }

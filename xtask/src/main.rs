@@ -85,13 +85,19 @@ enum BenchSuite {
     Kernel,
     /// Application-layer checks per second, in process and over the Unix socket.
     App,
-    /// Softirq time per SYN of a SYN flood over a veth: limiter beside a drop-everything XDP
-    /// program, nftables and iptables, from 1 and 10,000 sources unless told otherwise.
+    /// CPU time per SYN of a SYN flood over a veth. By default to a closed port: limiter beside
+    /// a drop-everything XDP program, the kernel alone, nftables and iptables, from 1 and 10,000
+    /// sources unless told otherwise. With `--spoofed`, from a fresh random source per SYN to a
+    /// listening port: limiter's SYN cookies beside the floor, limiter without cookies, the
+    /// kernel's own cookies and iptables SYNPROXY.
     Flood {
-        /// The numbers of source addresses to flood from, one table row each (the bench's
-        /// default: 1 and 10,000).
-        #[arg(long, value_delimiter = ',')]
+        /// The closed-port flood's numbers of source addresses, one table row each (the
+        /// bench's default: 1 and 10,000).
+        #[arg(long, value_delimiter = ',', conflicts_with = "spoofed")]
         sources: Vec<u32>,
+        /// The spoofed flood SYN cookies are for, instead of the closed port.
+        #[arg(long)]
+        spoofed: bool,
     },
 }
 
@@ -101,9 +107,10 @@ fn main() -> Result<()> {
             setup::ensure()?;
             setup::ensure_cargo_deb()?;
             setup::ensure_test_tools()?;
+            setup::ensure_bench_tools()?;
             kernels::setup()?;
             println!(
-                "setup: the pinned nightly, its components, bpf-linker, cargo-deb, the test tools and the boot-test kernels are in place"
+                "setup: the pinned nightly, its components, bpf-linker, cargo-deb, the test and bench tools and the boot-test kernels are in place"
             );
             Ok(())
         }
@@ -122,7 +129,9 @@ fn main() -> Result<()> {
             match suite {
                 BenchSuite::Kernel => test::bench_kernel(page),
                 BenchSuite::App => test::bench_app(page),
-                BenchSuite::Flood { sources } => test::bench_flood(&sources, page),
+                BenchSuite::Flood { sources, spoofed } => {
+                    test::bench_flood(&sources, spoofed, page)
+                }
             }
         }
     }

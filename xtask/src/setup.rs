@@ -143,6 +143,15 @@ pub fn ensure_test_tools() -> Result<()> {
     ensure_tools(TEST_TOOLS)
 }
 
+/// The firewalls `cargo xtask bench flood` measures limiter beside: nftables, and iptables
+/// (its hashlimit, connlimit and SYNPROXY targets).
+const BENCH_TOOLS: &[(&str, &str)] = &[("nft", "nftables"), ("iptables", "iptables")];
+
+/// Installs the Debian packages of whichever [`BENCH_TOOLS`] are missing, in one apt run.
+pub fn ensure_bench_tools() -> Result<()> {
+    ensure_tools(BENCH_TOOLS)
+}
+
 /// Installs, through the package manager, the Debian package of each `(command, package)`
 /// whose command is not on `PATH`; nothing when all are there.
 pub fn ensure_tools(tools: &[(&str, &str)]) -> Result<()> {

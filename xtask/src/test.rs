@@ -133,17 +133,20 @@ fn reported<'a>(bench: &'a mut Command, page: Option<&Path>) -> &'a mut Command 
 }
 
 /// The firewalls it is compared with come from Debian's packages.
-pub fn bench_flood(sources: &[u32], page: Option<&Path>) -> Result<()> {
+pub fn bench_flood(sources: &[u32], spoofed: bool, page: Option<&Path>) -> Result<()> {
     let agent = build::all()?;
     preflight()?;
-    crate::setup::ensure_tools(&[("nft", "nftables"), ("iptables", "iptables")])?;
+    setup::ensure_bench_tools()?;
     let mut bench = cargo("stable");
     bench
-        .args(["bench", "-p", PRIVILEGED, "--bench", "flood"])
+        .args(["bench", "-p", PRIVILEGED, "--bench", "flood", "--"])
         .env("LIMITER_BIN", &agent);
+    if spoofed {
+        bench.arg("--spoofed");
+    }
     if !sources.is_empty() {
         let sources: Vec<String> = sources.iter().map(u32::to_string).collect();
-        bench.args(["--", "--sources", &sources.join(",")]);
+        bench.args(["--sources", &sources.join(",")]);
     }
     status(reported(&mut bench, page))
 }
