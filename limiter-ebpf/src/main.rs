@@ -54,7 +54,7 @@ pub fn limiter_xdp(ctx: XdpContext) -> u32 {
             match cookie::check(ctx.ctx as *mut c_void, &Window::of_xdp(&ctx), &segment) {
                 cookie::Check::Valid => policy::cookie_ack(&segment),
                 cookie::Check::Invalid => policy::bad_cookie(),
-                cookie::Check::NotACookie => Action::Pass,
+                cookie::Check::NotACookie => policy::not_a_cookie(&segment),
             }
         }
         action => action,

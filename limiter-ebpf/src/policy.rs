@@ -492,6 +492,17 @@ pub fn cookie_ack(seg: &Segment) -> Action {
     }
 }
 
+/// An ACK the cookie check found to be no listener's (an established connection's, whose
+/// acknowledgement still matches a fresh hint): the rest of [`ingress`] for it, so that a
+/// client's FIN still marks its flow closing.
+#[inline(always)]
+pub fn not_a_cookie(seg: &Segment) -> Action {
+    if seg.has(TCP_FIN) {
+        return fin(&inbound(seg), Direction::Ingress);
+    }
+    Action::Pass
+}
+
 /// The `SYN_BUCKETS` slot of a source key.
 #[inline(always)]
 fn bucket_of(source: &SourceKey, config: &Config) -> Option<*mut SynBucket> {

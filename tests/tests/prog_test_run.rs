@@ -878,6 +878,28 @@ fn fins_both_ways_close_the_flow() {
 }
 
 #[test]
+fn while_cookies_are_checked_a_clients_fin_acking_a_fresh_hint_still_closes_its_flow() {
+    // The client closes first, before the server sent anything: its FIN acknowledges the
+    // server's ISN + 1, whose hint is fresh, so it is looked at as a cookie's ACK might be;
+    // the check finds no listener's cookie in it, and the FIN must still mark the flow.
+    let k = Kernel::new(&["--syn-cookies", "always"]);
+    let s = syn(v4(2), 1);
+    k.connect(&s);
+    assert_eq!(k.global(), 1);
+    let mut fin = s.with_flags(FIN);
+    fin.seq = s.seq.wrapping_add(1);
+    fin.ack = isn(s.sport).wrapping_add(1);
+    assert_eq!(k.xdp(&fin.build()).action, XDP_PASS);
+    k.tc(&s.reply(FIN).build());
+    assert_eq!(
+        k.global(),
+        0,
+        "the host's FIN after the client's closes the flow"
+    );
+    assert!(k.dp.maps.flows().unwrap().is_empty());
+}
+
+#[test]
 fn a_syn_reusing_a_closing_tuple_keeps_one_slot() {
     let k = Kernel::new(&[]);
     let s = syn(v4(2), 1);
