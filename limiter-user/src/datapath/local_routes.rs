@@ -6,32 +6,26 @@
 //! kernel's answer to `RTM_GETROUTE` for it, given by ifindex, so labels and aliases never
 //! enter into it.
 
-use std::{
-    io,
-    net::{IpAddr, Ipv6Addr},
-};
+use std::net::{IpAddr, Ipv6Addr};
 
 use ipnet::{IpNet, Ipv6Net};
-use netlink_packet_core::{
-    DecodeError, NLM_F_DUMP, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload,
-};
+use netlink_packet_core::{NLM_F_REQUEST, NetlinkPayload};
 use netlink_packet_route::{
     AddressFamily, RouteNetlinkMessage,
     route::{RouteAddress, RouteAttribute, RouteMessage, RouteType},
 };
-use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
+use netlink_sys::{Socket, protocols::NETLINK_ROUTE};
 use thiserror::Error;
+
+use super::netlink::{self, NetlinkError};
 
 /// `RT_TABLE_LOCAL`: where the kernel keeps the routes of the addresses it delivers to itself.
 const LOCAL_TABLE: u32 = 255;
 
 #[derive(Debug, Error)]
 pub enum RoutesError {
-    /// The socket, or the kernel's error answer (as its errno).
-    #[error("rtnetlink socket")]
-    Io(#[from] io::Error),
-    #[error("decoding an rtnetlink answer")]
-    Decode(#[from] DecodeError),
+    #[error("asking the kernel for routes")]
+    Netlink(#[from] NetlinkError),
     /// An answer that is neither a route nor an error.
     #[error("unexpected rtnetlink answer to a route lookup")]
     Unexpected,
@@ -59,38 +53,18 @@ impl LocalAddresses {
 
     /// The `RTN_LOCAL` routes of the LOCAL table, both families.
     pub fn read() -> Result<Self, RoutesError> {
-        let socket = connected()?;
-        let mut header = NetlinkHeader::default();
-        header.flags = NLM_F_REQUEST | NLM_F_DUMP;
-        // AF_UNSPEC: one dump of every family's routes.
-        send(
-            &socket,
-            header,
-            RouteNetlinkMessage::GetRoute(RouteMessage::default()),
-        )?;
         let mut prefixes = Vec::new();
-        let mut buffer = vec![0; 64 * 1024];
-        loop {
-            let size = socket.recv(&mut &mut buffer[..], 0)?;
-            let mut offset = 0;
-            while offset < size {
-                let message =
-                    NetlinkMessage::<RouteNetlinkMessage>::deserialize(&buffer[offset..size])?;
-                let length = message.header.length as usize;
-                match message.payload {
-                    NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewRoute(route)) => {
-                        prefixes.extend(local_prefix(&route));
-                    }
-                    NetlinkPayload::Done(_) => return Ok(Self::new(prefixes)),
-                    NetlinkPayload::Error(error) => return Err(error.to_io().into()),
-                    _ => {}
+        // AF_UNSPEC: one dump of every family's routes.
+        netlink::dump(
+            NETLINK_ROUTE,
+            RouteNetlinkMessage::GetRoute(RouteMessage::default()),
+            |message| {
+                if let RouteNetlinkMessage::NewRoute(route) = message {
+                    prefixes.extend(local_prefix(&route));
                 }
-                if length == 0 {
-                    break;
-                }
-                offset += length;
-            }
-        }
+            },
+        )?;
+        Ok(Self::new(prefixes))
     }
 
     /// Whether `addr` (as flows key it) is one of the host's own.
@@ -130,7 +104,7 @@ pub struct RouteQueries {
 impl RouteQueries {
     pub fn open() -> Result<Self, RoutesError> {
         Ok(Self {
-            socket: connected()?,
+            socket: netlink::connected(NETLINK_ROUTE).map_err(NetlinkError::from)?,
         })
     }
 
@@ -150,44 +124,29 @@ impl RouteQueries {
         route
             .attributes
             .push(RouteAttribute::Destination(RouteAddress::from(addr)));
-        let mut header = NetlinkHeader::default();
-        header.flags = NLM_F_REQUEST;
-        send(&self.socket, header, RouteNetlinkMessage::GetRoute(route))?;
+        netlink::send(
+            &self.socket,
+            NLM_F_REQUEST,
+            RouteNetlinkMessage::GetRoute(route),
+        )
+        .map_err(NetlinkError::from)?;
         let mut buffer = vec![0; 8 * 1024];
-        let size = self.socket.recv(&mut &mut buffer[..], 0)?;
-        let answer = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&buffer[..size])?;
-        match answer.payload {
-            NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewRoute(route)) => {
-                Ok(route.attributes.iter().find_map(|a| match a {
-                    RouteAttribute::Oif(index) => Some(*index),
-                    _ => None,
-                }))
-            }
-            NetlinkPayload::Error(error) if error.code.is_some() => Ok(None),
-            _ => Err(RoutesError::Unexpected),
-        }
+        let mut answer = Err(RoutesError::Unexpected);
+        netlink::receive::<RouteNetlinkMessage>(&self.socket, &mut buffer, |message| {
+            answer = match message.payload {
+                NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewRoute(route)) => {
+                    Ok(route.attributes.iter().find_map(|a| match a {
+                        RouteAttribute::Oif(index) => Some(*index),
+                        _ => None,
+                    }))
+                }
+                NetlinkPayload::Error(error) if error.code.is_some() => Ok(None),
+                _ => Err(RoutesError::Unexpected),
+            };
+            Ok(())
+        })?;
+        answer
     }
-}
-
-/// An rtnetlink socket, bound and connected to the kernel.
-fn connected() -> Result<Socket, RoutesError> {
-    let mut socket = Socket::new(NETLINK_ROUTE)?;
-    socket.bind_auto()?;
-    socket.connect(&SocketAddr::new(0, 0))?;
-    Ok(socket)
-}
-
-fn send(
-    socket: &Socket,
-    header: NetlinkHeader,
-    message: RouteNetlinkMessage,
-) -> Result<(), RoutesError> {
-    let mut request = NetlinkMessage::new(header, NetlinkPayload::from(message));
-    request.finalize();
-    let mut out = vec![0; request.buffer_len()];
-    request.serialize(&mut out);
-    socket.send(&out, 0)?;
-    Ok(())
 }
 
 #[cfg(test)]

@@ -11,6 +11,7 @@ mod loader;
 pub mod local_routes;
 mod mapped;
 mod maps;
+mod netlink;
 pub mod pins;
 mod policy;
 mod programs;

@@ -4,33 +4,28 @@
 //! kept however idle it is; an established connection the flow table lacks is adopted, and
 //! closed (`SOCK_DESTROY`) if it got past a cap unjudged.
 
-use std::{
-    collections::{HashMap, HashSet},
-    io,
-};
+use std::collections::{HashMap, HashSet};
 
 use limiter_common::FlowKey;
-use netlink_packet_core::{
-    NLM_F_ACK, NLM_F_DUMP, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload,
-};
 use netlink_packet_sock_diag::{
     SockDiagDestroy, SockDiagMessage,
     constants::{AF_INET, AF_INET6, IPPROTO_TCP, TCP_ESTABLISHED, TCP_LISTEN},
     inet::{ExtensionFlags, InetRequest, SocketId, StateFlags},
 };
-use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_SOCK_DIAG};
+use netlink_sys::protocols::NETLINK_SOCK_DIAG;
 use thiserror::Error;
 
-use super::keys::mapped;
+use super::{
+    keys::mapped,
+    netlink::{self, NetlinkError},
+};
 
 #[derive(Debug, Error)]
 pub enum SocketsError {
-    #[error("sock_diag netlink socket")]
-    Io(#[from] io::Error),
-    #[error("sock_diag answer: {0}")]
-    Decode(String),
-    #[error("SOCK_DESTROY refused (errno {0}); the kernel needs CONFIG_INET_DIAG_DESTROY")]
-    Destroy(i32),
+    #[error("reading the socket table through sock_diag")]
+    Netlink(#[from] NetlinkError),
+    #[error("SOCK_DESTROY refused; the kernel needs CONFIG_INET_DIAG_DESTROY")]
+    Destroy(#[source] NetlinkError),
     #[error("no established socket for that connection")]
     NoSocket,
 }
@@ -117,45 +112,19 @@ impl SocketTable {
         } else {
             AF_INET6
         };
-        let mut header = NetlinkHeader::default();
-        header.flags = NLM_F_REQUEST | NLM_F_ACK;
-        let mut request = NetlinkMessage::new(
-            header,
-            NetlinkPayload::InnerMessage(SockDiagDestroy::new(SockDiagMessage::InetRequest(
-                InetRequest {
-                    family,
-                    protocol: IPPROTO_TCP,
-                    extensions: ExtensionFlags::empty(),
-                    states: StateFlags::ESTABLISHED,
-                    socket_id: id.clone(),
-                },
-            ))),
-        );
-        request.finalize();
-        let mut out = vec![0; request.buffer_len()];
-        request.serialize(&mut out);
-        let socket = connected()?;
-        socket.send(&out, 0)?;
-        let mut buffer = vec![0; 4096];
-        let size = socket.recv(&mut &mut buffer[..], 0)?;
-        let answer = NetlinkMessage::<SockDiagMessage>::deserialize(&buffer[..size])
-            .map_err(|e| SocketsError::Decode(e.to_string()))?;
-        match answer.payload {
-            NetlinkPayload::Error(error) => match error.code {
-                None => Ok(()),
-                Some(code) => Err(SocketsError::Destroy(-code.get())),
-            },
-            other => Err(SocketsError::Decode(format!("{other:?}"))),
-        }
+        let request = SockDiagDestroy::new(SockDiagMessage::InetRequest(InetRequest {
+            family,
+            protocol: IPPROTO_TCP,
+            extensions: ExtensionFlags::empty(),
+            states: StateFlags::ESTABLISHED,
+            socket_id: id.clone(),
+        }));
+        netlink::acknowledged::<_, SockDiagMessage>(NETLINK_SOCK_DIAG, request).map_err(|e| match e
+        {
+            NetlinkError::Refused(_) => SocketsError::Destroy(e),
+            e => SocketsError::Netlink(e),
+        })
     }
-}
-
-/// A `sock_diag` netlink socket, bound and connected to the kernel.
-fn connected() -> Result<Socket, SocketsError> {
-    let mut socket = Socket::new(NETLINK_SOCK_DIAG)?;
-    socket.bind_auto()?;
-    socket.connect(&SocketAddr::new(0, 0))?;
-    Ok(socket)
 }
 
 /// The states worth reading: everything but the ends of a connection (TIME_WAIT, CLOSE),
@@ -165,52 +134,23 @@ fn wanted_states() -> StateFlags {
 }
 
 fn dump(family: u8, mut each: impl FnMut(u8, &SocketId)) -> Result<(), SocketsError> {
-    let socket = connected()?;
-    let mut header = NetlinkHeader::default();
-    header.flags = NLM_F_REQUEST | NLM_F_DUMP;
-    let mut request = NetlinkMessage::new(
-        header,
-        SockDiagMessage::InetRequest(InetRequest {
-            family,
-            protocol: IPPROTO_TCP,
-            extensions: ExtensionFlags::empty(),
-            states: wanted_states(),
-            socket_id: if family == AF_INET {
-                SocketId::new_v4()
-            } else {
-                SocketId::new_v6()
-            },
-        })
-        .into(),
-    );
-    request.finalize();
-    let mut out = vec![0; request.buffer_len()];
-    request.serialize(&mut out);
-    socket.send(&out, 0)?;
-    let mut buffer = vec![0; 64 * 1024];
-    loop {
-        let size = socket.recv(&mut &mut buffer[..], 0)?;
-        let mut offset = 0;
-        while offset < size {
-            let message = NetlinkMessage::<SockDiagMessage>::deserialize(&buffer[offset..size])
-                .map_err(|e| SocketsError::Decode(e.to_string()))?;
-            let length = message.header.length as usize;
-            match message.payload {
-                NetlinkPayload::InnerMessage(SockDiagMessage::InetResponse(response)) => {
-                    each(response.header.state, &response.header.socket_id);
-                }
-                NetlinkPayload::Done(_) => return Ok(()),
-                NetlinkPayload::Error(error) => {
-                    return Err(SocketsError::Decode(format!("{error:?}")));
-                }
-                _ => {}
-            }
-            if length == 0 {
-                break;
-            }
-            offset += length;
+    let request = SockDiagMessage::InetRequest(InetRequest {
+        family,
+        protocol: IPPROTO_TCP,
+        extensions: ExtensionFlags::empty(),
+        states: wanted_states(),
+        socket_id: if family == AF_INET {
+            SocketId::new_v4()
+        } else {
+            SocketId::new_v6()
+        },
+    });
+    netlink::dump(NETLINK_SOCK_DIAG, request, |message| {
+        if let SockDiagMessage::InetResponse(response) = message {
+            each(response.header.state, &response.header.socket_id);
         }
-    }
+    })?;
+    Ok(())
 }
 
 #[cfg(test)]

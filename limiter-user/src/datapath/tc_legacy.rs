@@ -15,7 +15,6 @@
 
 use std::{
     io,
-    os::fd::{AsRawFd, FromRawFd, OwnedFd},
     path::{Path, PathBuf},
 };
 
@@ -24,6 +23,8 @@ use aya::programs::{
     tc::{self, NlOptions, SchedClassifierLink, TcAttachOptions, TcError, TcHandle},
 };
 use thiserror::Error;
+
+use super::netlink::{self, NetlinkError};
 
 /// The priority of every filter limiter makes. Low numbers run first; 1 puts limiter before
 /// filters made without a priority (the kernel gives those 49152 and up).
@@ -49,7 +50,7 @@ pub enum TcLegacyError {
     QdiscDelete {
         iface: String,
         #[source]
-        source: io::Error,
+        source: NetlinkError,
     },
     #[error("the netlink tc filter of {name} on {iface}")]
     Filter {
@@ -191,7 +192,10 @@ pub fn detach_filter(
 /// Removes the clsact qdisc of `iface` if the record at `path` says limiter created it, then
 /// the record.
 pub fn detach_qdisc(iface: &str, path: &Path) -> Result<(), TcLegacyError> {
-    match netlink::delete_clsact(iface) {
+    let deleted = nix::net::if_::if_nametoindex(iface)
+        .map_err(|errno| NetlinkError::Io(errno.into()))
+        .and_then(netlink::delete_clsact);
+    match deleted {
         Ok(()) => {}
         Err(e)
             if matches!(
@@ -226,102 +230,5 @@ fn remove_record(path: &Path) -> Result<(), TcLegacyError> {
             source: e,
         }),
         _ => Ok(()),
-    }
-}
-
-/// The one netlink request aya 0.14 lacks: deleting a clsact qdisc (`tc qdisc del dev X
-/// clsact`).
-mod netlink {
-    use super::{AsRawFd, FromRawFd, OwnedFd, io};
-
-    /// `TC_H_CLSACT`, the clsact qdisc's parent, and its handle `ffff:0`.
-    const TC_H_CLSACT: u32 = 0xffff_fff1;
-    const CLSACT_HANDLE: u32 = 0xffff_0000;
-
-    #[repr(C)]
-    struct Request {
-        header: libc::nlmsghdr,
-        tcm_family: u8,
-        tcm_pad1: u8,
-        tcm_pad2: u16,
-        tcm_ifindex: i32,
-        tcm_handle: u32,
-        tcm_parent: u32,
-        tcm_info: u32,
-    }
-
-    pub fn delete_clsact(iface: &str) -> io::Result<()> {
-        let name = std::ffi::CString::new(iface).map_err(io::Error::other)?;
-        // SAFETY: a valid C string.
-        let index = unsafe { libc::if_nametoindex(name.as_ptr()) };
-        if index == 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: plain socket creation; the result is checked before use.
-        let fd = unsafe {
-            libc::socket(
-                libc::AF_NETLINK,
-                libc::SOCK_RAW | libc::SOCK_CLOEXEC,
-                libc::NETLINK_ROUTE,
-            )
-        };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: fd is a fresh socket this function owns.
-        let sock = unsafe { OwnedFd::from_raw_fd(fd) };
-        let request = Request {
-            header: libc::nlmsghdr {
-                nlmsg_len: size_of::<Request>() as u32,
-                nlmsg_type: libc::RTM_DELQDISC,
-                nlmsg_flags: (libc::NLM_F_REQUEST | libc::NLM_F_ACK) as u16,
-                nlmsg_seq: 1,
-                nlmsg_pid: 0,
-            },
-            tcm_family: libc::AF_UNSPEC as u8,
-            tcm_pad1: 0,
-            tcm_pad2: 0,
-            tcm_ifindex: index as i32,
-            tcm_handle: CLSACT_HANDLE,
-            tcm_parent: TC_H_CLSACT,
-            tcm_info: 0,
-        };
-        // SAFETY: the request is plain old data of the length given.
-        let sent = unsafe {
-            libc::send(
-                sock.as_raw_fd(),
-                (&raw const request).cast(),
-                size_of::<Request>(),
-                0,
-            )
-        };
-        if sent < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // The acknowledgement: an NLMSG_ERROR whose error field is 0 on success.
-        let mut reply = [0u8; 256];
-        // SAFETY: the buffer is writable for its length.
-        let got =
-            unsafe { libc::recv(sock.as_raw_fd(), reply.as_mut_ptr().cast(), reply.len(), 0) };
-        if got < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        let header = size_of::<libc::nlmsghdr>();
-        if (got as usize) < header + 4 {
-            return Err(io::Error::other("short netlink reply"));
-        }
-        let kind = u16::from_ne_bytes([reply[4], reply[5]]);
-        if kind != libc::NLMSG_ERROR as u16 {
-            return Err(io::Error::other(format!("unexpected netlink reply {kind}")));
-        }
-        let code = i32::from_ne_bytes(
-            reply[header..header + 4]
-                .try_into()
-                .expect("four bytes were checked"),
-        );
-        match code {
-            0 => Ok(()),
-            code => Err(io::Error::from_raw_os_error(-code)),
-        }
     }
 }
