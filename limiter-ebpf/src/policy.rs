@@ -402,14 +402,20 @@ fn syn(seg: &Segment, config: &Config) -> Action {
     };
     // SAFETY: pointer from a successful lookup.
     let word = atomics::load(unsafe { &(*bucket).tat_tag });
-    let own = PerSource::of(&source, config);
+    let tagged = word & BUCKET_TAG_MASK == place.tag;
+    // A source whose slot is another's (or nobody's) and holds no connections meets neither
+    // its rate nor its cap below, so only others pay the override lookup: a flood's new
+    // sources do not.
+    // SAFETY: pointer from a successful lookup.
+    let own = if tagged || atomics::load(unsafe { &(*bucket).holders }) != 0 {
+        PerSource::of(&source, config)
+    } else {
+        PerSource::top(config)
+    };
     let rate = own.rate;
     // The rate first: a SYN over it is refused on its bucket alone. Another source's slot
     // (or one never claimed) is a full bucket, and its SYN reads no clock.
-    if rate.limited()
-        && word & BUCKET_TAG_MASK == place.tag
-        && rate.next(word & !BUCKET_TAG_MASK, rate_now()).is_none()
-    {
+    if rate.limited() && tagged && rate.next(word & !BUCKET_TAG_MASK, rate_now()).is_none() {
         return refuse_rate(seg, bucket, config);
     }
     if let Some(reason) = at_cap(&source, bucket, own.cap, config) {
@@ -580,10 +586,16 @@ impl PerSource {
                     tolerance: limits.syn_tolerance_ns,
                 },
             },
-            None => PerSource {
-                cap: config.max_conn_per_ip,
-                rate: Gcra::of(config),
-            },
+            None => PerSource::top(config),
+        }
+    }
+
+    /// The top level's limits, whatever the overrides.
+    #[inline(always)]
+    fn top(config: &Config) -> PerSource {
+        PerSource {
+            cap: config.max_conn_per_ip,
+            rate: Gcra::of(config),
         }
     }
 }

@@ -192,13 +192,30 @@ fn main() -> anyhow::Result<()> {
         ),
     )];
 
+    // A source that holds a connection pays the override lookup at its SYN (a new source,
+    // the row after, does not). Repeated: such a SYN changes nothing.
+    let holder = syn(SINGLE_RUNS + 2);
+    k.connect(&holder);
+    ko.connect(&holder);
+    let mut again = holder.clone();
+    again.sport += 1;
+    let again = again.build();
+    costs.push((
+        "SYN of a source holding a connection",
+        in_turns(
+            REPEATED_ROUNDS,
+            |_| repeated(limiter(&ko), &again),
+            |_| repeated(limiter(&k), &again),
+        ),
+    ));
+
     // New sources' SYNs, each admitted: one run per fresh frame.
     let syns: Vec<Vec<u8>> = (0..SINGLE_RUNS).map(|i| syn(i).build()).collect();
     // On fresh kernels, so that neither has seen these sources.
     {
         let (plain, overridden) = (Kernel::new(&limits), Kernel::new(&with_overrides));
         costs.push((
-            "admitted SYN",
+            "admitted SYN of a new source",
             in_turns(
                 ROUNDS,
                 |round| single(limiter(&overridden), share(&syns, round)),
