@@ -80,6 +80,14 @@ limit = 3
 kind = "quota"
 limit = 5
 key = "user"
+
+[actions.pub]
+limit = 2
+window = "1h"
+key = "connection"
+strikes-to-disconnect = 3
+max-payload-bytes = 100
+oversize-strikes = 2
 "#;
 
 async fn start_with(listen: bool, escalation: Option<EscalationConfig>) -> Running {
@@ -149,9 +157,9 @@ async fn start() -> Running {
     start_with(false, None).await
 }
 
-/// Until the binary reply carries a monitor flag, a monitored refusal reaches the broker as
-/// the allowance it is enforced as, with the bucket's numbers; and monitored auth refusals
-/// ban nobody.
+/// The verdict reply (`0x81`) carries no monitor flag: a monitored refusal reaches the broker
+/// as the allowance it is enforced as, with the bucket's numbers (the checked reply, `0x84`,
+/// also says what it would have refused); and monitored auth refusals ban nobody.
 #[tokio::test]
 async fn in_monitor_mode_the_broker_is_answered_allowed_and_nobody_is_banned() {
     let escalation = EscalationConfig {
@@ -175,7 +183,67 @@ async fn in_monitor_mode_the_broker_is_answered_allowed_and_nobody_is_banned() {
         let auth = client.check("auth", "192.0.2.7", 1).await.unwrap();
         assert!(auth.allowed, "auth {n}");
     }
+    let flagged = client.check_payload("sends", "tenant", 1, 0).await.unwrap();
+    assert_eq!(flagged.verdict.outcome, Outcome::Allowed);
+    assert_eq!(flagged.would_refuse, Some(Outcome::Limited));
+    let fresh = client.check_payload("sends", "other", 1, 0).await.unwrap();
+    assert_eq!(
+        (fresh.verdict.outcome, fresh.would_refuse),
+        (Outcome::Allowed, None)
+    );
     assert!(server.banner.calls.lock().unwrap().is_empty());
+}
+
+/// Protocol 1.3: refusals and oversize payloads strike a connection until it is answered
+/// `disconnect`, which an old client's check (`0x01`) gets as outcome byte 6, a refusal to
+/// it; the broker's `connection-gone` releases the name.
+#[tokio::test]
+async fn strikes_disconnect_a_connection_and_connection_gone_releases_it() {
+    let server = start().await;
+    let client = Client::connect_unix(&server.socket).await.unwrap();
+    let outcome = async |key: &str, payload: u32| {
+        let checked = client.check_payload("pub", key, 1, payload).await.unwrap();
+        assert_eq!(checked.would_refuse, None, "enforcing");
+        checked.verdict.outcome
+    };
+    assert_eq!(outcome("c1", 10).await, Outcome::Allowed);
+    assert_eq!(
+        outcome("c1", 101).await,
+        Outcome::PayloadTooLarge,
+        "2 strikes"
+    );
+    assert_eq!(
+        outcome("c1", 100).await,
+        Outcome::Allowed,
+        "nothing was spent"
+    );
+    assert_eq!(
+        outcome("c1", 1).await,
+        Outcome::Disconnect,
+        "a refusal: 3 strikes"
+    );
+    assert_eq!(
+        outcome("c2", 1).await,
+        Outcome::Allowed,
+        "another connection"
+    );
+
+    let mut old = raw(&server).await;
+    old.write_all(&check_frame(9, "pub", "c1", 1))
+        .await
+        .unwrap();
+    let (opcode, id, body) = read_reply(&mut old).await;
+    assert_eq!(
+        (opcode, id, body.len()),
+        (0x81, 9, 25),
+        "the 1.0 verdict reply"
+    );
+    assert_eq!(body[0], 6, "outcome 6, disconnect");
+
+    assert!(client.connection_gone("c1").await.unwrap());
+    assert!(!client.connection_gone("c1").await.unwrap());
+    assert_eq!(outcome("c1", 1).await, Outcome::Allowed);
+    server.stop().await;
 }
 
 #[tokio::test]

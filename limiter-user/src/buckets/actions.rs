@@ -12,6 +12,7 @@ use serde::{Deserialize, Deserializer, Serialize, de};
 use super::{
     gcra::Rate,
     quota::{self, Quota},
+    strikes::StrikeRule,
 };
 
 /// How an action counts: a GCRA bucket refilled continuously (`rate`, the default), or a fixed
@@ -65,16 +66,20 @@ pub enum KeyKind {
     Session,
     User,
     Other,
+    /// A connection as the broker names it (an MQTT client id): the key strikes close, and
+    /// one the broker releases when the connection is gone (`connection-gone`).
+    Connection,
 }
 
 impl KeyKind {
-    /// The kind as configured and shown (`ip`, `session`, `user`, `other`).
+    /// The kind as configured and shown (`ip`, `session`, `user`, `other`, `connection`).
     pub fn as_str(self) -> &'static str {
         match self {
             KeyKind::Ip => "ip",
             KeyKind::Session => "session",
             KeyKind::User => "user",
             KeyKind::Other => "other",
+            KeyKind::Connection => "connection",
         }
     }
 }
@@ -82,6 +87,9 @@ impl KeyKind {
 /// Tracked keys per action when the config does not say: at most 130 bytes each
 /// (`store::BYTES_PER_KEY`), so a full action costs under 33 MB.
 pub const DEFAULT_MAX_KEYS: usize = 250_000;
+
+/// `strike-window` when an action sets `strikes-to-disconnect` alone.
+pub const DEFAULT_STRIKE_WINDOW: Duration = Duration::from_secs(10);
 
 /// One `[actions.NAME]` table. Every field is optional so that a table for a built-in action
 /// overrides only what it names; a new action must give `limit` and `window`.
@@ -112,6 +120,15 @@ pub struct ActionConfig {
     pub overrides: Option<BTreeMap<String, u32>>,
     /// `enforce` or `monitor`; default: the top-level `mode`.
     pub mode: Option<Enforcement>,
+    /// A check whose payload is larger is refused (`payload_too_large`) without spending.
+    pub max_payload_bytes: Option<u32>,
+    /// Strikes (refusals; an oversize payload weighs `oversize-strikes`) within
+    /// `strike-window` that close the connection; 0 never closes. Needs `key = "connection"`.
+    pub strikes_to_disconnect: Option<u32>,
+    /// Default 10 s, from a count's first strike.
+    pub strike_window: Option<Window>,
+    /// What one payload over `max-payload-bytes` weighs; default 1.
+    pub oversize_strikes: Option<u32>,
 }
 
 /// A window length read from TOML as either a humantime string or milliseconds.
@@ -168,9 +185,13 @@ pub struct ActionSpec {
     pub overrides: BTreeMap<String, u32>,
     /// The action's own mode; `None` follows the top-level `mode`.
     pub mode: Option<Enforcement>,
+    /// Larger payloads are refused; 0 is no cap.
+    pub max_payload_bytes: u32,
+    /// When strikes close the connection; `None`: never.
+    pub strikes: Option<StrikeRule>,
 }
 
-fn as_millis<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+pub(crate) fn as_millis<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_u64(u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
@@ -225,6 +246,8 @@ pub fn builtin_actions() -> Vec<ActionSpec> {
         shared: false,
         overrides: BTreeMap::new(),
         mode: None,
+        max_payload_bytes: 0,
+        strikes: None,
     };
     vec![
         spec("auth", 10, 60, KeyKind::Ip, true),
@@ -312,6 +335,8 @@ fn apply(
                 shared: fleet,
                 overrides: BTreeMap::new(),
                 mode: None,
+                max_payload_bytes: 0,
+                strikes: None,
             });
             specs.len() - 1
         }
@@ -478,9 +503,89 @@ fn apply_common(
                 "needs the fleet's Redis (cluster.redis)",
             ));
         }
+        Some(true) if spec.key == KeyKind::Connection => {
+            return Err(ConfigError::new(
+                format!("{origin}.shared"),
+                "a connection is one broker's: an action keyed by connection is never shared",
+            ));
+        }
         Some(shared) => spec.shared = shared,
         None => {}
     }
+    if spec.key == KeyKind::Connection {
+        spec.shared = false;
+    }
+    apply_strikes(spec, config, origin)
+}
+
+/// The payload cap and the strikes that close a connection.
+fn apply_strikes(
+    spec: &mut ActionSpec,
+    config: &ActionConfig,
+    origin: &str,
+) -> Result<(), ConfigError> {
+    let error = |field: &str, why: &str| ConfigError::new(format!("{origin}.{field}"), why);
+    if let Some(max) = config.max_payload_bytes {
+        if max == 0 {
+            return Err(error(
+                "max-payload-bytes",
+                "must be at least 1 (leave it out for no cap)",
+            ));
+        }
+        spec.max_payload_bytes = max;
+    }
+    let mut rule = spec.strikes;
+    match config.strikes_to_disconnect {
+        Some(0) => rule = None,
+        Some(to_disconnect) => {
+            rule = Some(StrikeRule {
+                to_disconnect,
+                ..rule.unwrap_or(StrikeRule {
+                    to_disconnect,
+                    window: DEFAULT_STRIKE_WINDOW,
+                    oversize: 1,
+                })
+            })
+        }
+        None => {}
+    }
+    if let Some(window) = config.strike_window {
+        let Some(rule) = rule.as_mut() else {
+            return Err(error(
+                "strike-window",
+                "needs strikes-to-disconnect (at least 1)",
+            ));
+        };
+        if window.0.is_zero() {
+            return Err(error("strike-window", "must be longer than zero"));
+        }
+        rule.window = window.0;
+    }
+    if let Some(oversize) = config.oversize_strikes {
+        let Some(rule) = rule.as_mut() else {
+            return Err(error(
+                "oversize-strikes",
+                "needs strikes-to-disconnect (at least 1)",
+            ));
+        };
+        if oversize == 0 {
+            return Err(error("oversize-strikes", "must be at least 1"));
+        }
+        if spec.max_payload_bytes == 0 {
+            return Err(error(
+                "oversize-strikes",
+                "needs max-payload-bytes: only a payload over it is oversize",
+            ));
+        }
+        rule.oversize = oversize;
+    }
+    if rule.is_some() && spec.key != KeyKind::Connection {
+        return Err(error(
+            "strikes-to-disconnect",
+            "needs key = \"connection\": strikes close the connection the key names",
+        ));
+    }
+    spec.strikes = rule;
     Ok(())
 }
 

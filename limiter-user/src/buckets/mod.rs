@@ -13,6 +13,7 @@ pub mod quota;
 pub mod shared;
 pub mod stats;
 pub mod store;
+pub mod strikes;
 
 pub use actions::{
     ActionConfig, ActionKind, ActionSpec, ConfigError, Enforcement, KeyKind, Window,
@@ -24,6 +25,7 @@ pub use escalation::{BanIncrement, EscalationConfig, EscalationStats};
 pub use shared::{Pending, SharedBuckets, SharedCheck, SharedFuture, SharedLimit};
 pub use stats::ActionStats;
 pub use store::{ActionId, BYTES_PER_KEY, CheckError, Judged, Limiter, LimiterConfig, Submit};
+pub use strikes::StrikeRule;
 
 #[cfg(test)]
 mod tests;

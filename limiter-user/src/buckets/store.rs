@@ -53,6 +53,7 @@ use super::{
     quota::Quota,
     shared::{Pending, SharedBuckets, SharedCheck, SharedLimit},
     stats::{ActionStats, OutcomeCounters},
+    strikes::StrikeBook,
 };
 
 /// Everything the limiter needs to start; see `protocol::AppArgs` for where it comes from.
@@ -109,11 +110,13 @@ pub enum CheckError {
 }
 
 /// The outcomes that refuse.
-const REFUSALS: [Outcome; 4] = [
+const REFUSALS: [Outcome; 6] = [
     Outcome::Limited,
     Outcome::CostExceedsBurst,
     Outcome::CostExceedsLimit,
     Outcome::Closed,
+    Outcome::Disconnect,
+    Outcome::PayloadTooLarge,
 ];
 
 /// The least time between two cap sweeps of one action: a flood of new keys into a full
@@ -228,6 +231,8 @@ struct KeyTable {
     tracked: AtomicUsize,
     /// When the last cap sweep ran (clock ns + 1; 0 = never).
     cap_swept: AtomicU64,
+    /// The strikes of the keys (connections) that have struck, for an action with strikes.
+    strikes: StrikeBook,
 }
 
 /// An action's counters, exported as Prometheus counters, so they outlive any reload that
@@ -425,11 +430,13 @@ impl Limiter {
 
     /// A check, sent to the fleet's shared bucket for a shared action (its answer then comes
     /// later, never later than the store's timeout) and decided at once otherwise.
+    /// `payload_bytes` is the size of what is checked (0 when the caller has none), for an
+    /// action with `max-payload-bytes`.
     pub fn submit(
         self: &Arc<Self>,
         id: &ActionId,
         key: &[u8],
-        cost: u32,
+        (cost, payload_bytes): (u32, u32),
         how: Submit,
     ) -> Result<Pending<Judged>, CheckError> {
         let (consume, escalate) = match how {
@@ -442,6 +449,9 @@ impl Limiter {
         }
         let action = id.current()?;
         let stored = action.store(key)?;
+        if let Some(judged) = self.precheck(action, &stored, payload_bytes, (consume, escalate)) {
+            return Ok(Pending::ready(judged));
+        }
         let limits = *action.limits(&stored);
         let (limit, store) = match (limits.mode, self.shared.as_ref()) {
             (Mode::Limited(rate), Some(store)) if action.shared => (SharedLimit::Rate(rate), store),
@@ -487,6 +497,27 @@ impl Limiter {
                 (None, _) => limiter.decide_locally(action, &stored, cost, consume, escalate),
             }
         })))
+    }
+
+    /// The broker's connection `key` is gone: forgets its buckets and strikes in every action
+    /// keyed by connection. True if any held something.
+    pub fn connection_gone(&self, key: &[u8]) -> bool {
+        let mut changed = false;
+        for action in self.current().iter() {
+            if action.spec.key != KeyKind::Connection {
+                continue;
+            }
+            let Ok(stored) = action.store(key) else {
+                continue;
+            };
+            let table = &action.table;
+            if table.buckets.remove(&stored).is_some() {
+                table.tracked.fetch_sub(1, Ordering::AcqRel);
+                changed = true;
+            }
+            changed |= table.strikes.forget(&stored);
+        }
+        changed
     }
 
     /// Forgets a key's bucket, here and, for a shared action, in the fleet's store.
@@ -593,6 +624,10 @@ impl Limiter {
         let mut removed = 0;
         for action in self.current().iter() {
             removed += action.evict_idle(action.now(&*self.clock));
+            removed += action
+                .table
+                .strikes
+                .sweep(action.spec.strikes.as_ref(), self.clock.now_ns());
         }
         removed + self.escalator.sweep()
     }
@@ -611,10 +646,10 @@ impl Limiter {
                         cost_exceeds_burst: count(Outcome::CostExceedsBurst),
                         cost_exceeds_limit: count(Outcome::CostExceedsLimit),
                         closed: count(Outcome::Closed),
-                        blocked: count(Outcome::Limited)
-                            + count(Outcome::CostExceedsBurst)
-                            + count(Outcome::CostExceedsLimit)
-                            + count(Outcome::Closed),
+                        disconnect: count(Outcome::Disconnect),
+                        payload_too_large: count(Outcome::PayloadTooLarge),
+                        blocked: REFUSALS.iter().map(|&o| count(o)).sum(),
+                        struck_connections: a.table.strikes.tracked(),
                         tracked_keys: a.table.tracked.load(Ordering::Acquire),
                         overflow_checks: a.counters.overflow_checks.load(Ordering::Relaxed),
                         would_refuse: REFUSALS
@@ -696,7 +731,67 @@ impl Limiter {
             return Err(CheckError::ZeroCost);
         }
         let stored = action.store(key)?;
+        if let Some(judged) = self.precheck(action, &stored, 0, (consume, escalate)) {
+            return Ok(judged);
+        }
         Ok(self.decide_locally(action, &stored, cost, consume, escalate))
+    }
+
+    /// The answer a check gets before any bucket is asked: `disconnect` for a connection its
+    /// strikes closed, `payload_too_large` (a strike of its own) for a payload over the cap.
+    fn precheck(
+        &self,
+        action: &Action,
+        stored: &StoredKey,
+        payload_bytes: u32,
+        (consume, escalate): (bool, bool),
+    ) -> Option<Judged> {
+        let spec = &action.spec;
+        if spec.strikes.is_none() && spec.max_payload_bytes == 0 {
+            return None;
+        }
+        let limit = action.limits(stored).local_limit;
+        let flags = (consume, escalate);
+        if spec.strikes.is_some()
+            && action
+                .table
+                .strikes
+                .disconnected(stored, self.clock.now_ns(), consume)
+        {
+            let verdict = Verdict::new(Outcome::Disconnect, limit, 0, NEVER_MS, NEVER_MS);
+            return Some(self.count(action, stored, verdict, flags, true));
+        }
+        if spec.max_payload_bytes > 0 && payload_bytes > spec.max_payload_bytes {
+            // The bucket is not asked: the same payload can never pass.
+            let verdict = Verdict::new(Outcome::PayloadTooLarge, limit, 0, NEVER_MS, 0);
+            return Some(self.count(action, stored, verdict, flags, true));
+        }
+        None
+    }
+
+    /// A spending verdict of an action with strikes, after its strike: `disconnect` once the
+    /// connection has collected enough within the window.
+    fn strike(&self, action: &Action, stored: &StoredKey, verdict: Verdict) -> Verdict {
+        let Some(rule) = &action.spec.strikes else {
+            return verdict;
+        };
+        let weight = match verdict.outcome {
+            Outcome::PayloadTooLarge => rule.oversize,
+            // Already closed: nothing more to count.
+            Outcome::Disconnect => return verdict,
+            outcome if outcome.allowed() => return verdict,
+            _ => 1,
+        };
+        let now = self.clock.now_ns();
+        if action
+            .table
+            .strikes
+            .strike(rule, stored, now, weight, action.spec.max_keys)
+        {
+            Verdict::new(Outcome::Disconnect, verdict.limit, 0, NEVER_MS, NEVER_MS)
+        } else {
+            verdict
+        }
     }
 
     /// The verdict of this agent's own bucket for `key`.
@@ -762,13 +857,15 @@ impl Limiter {
         (consume, escalate): (bool, bool),
         tracked: bool,
     ) -> Judged {
-        let judged = Judged {
+        let mut judged = Judged {
             verdict,
             monitored: action.monitor,
         };
         if !consume {
             return judged;
         }
+        judged.verdict = self.strike(action, stored, verdict);
+        let verdict = judged.verdict;
         action.counters.outcomes.add(verdict.outcome);
         if let Some(outcome) = judged.would_refuse() {
             action.counters.would_refuse.add(outcome);

@@ -27,7 +27,9 @@ use std::{
 };
 
 use futures::{FutureExt, SinkExt, StreamExt, stream::FuturesOrdered};
-use limiter_client::{CodecError, ErrorCode, ParseError, Received, Request, Response, ServerCodec};
+use limiter_client::{
+    Checked, CodecError, ErrorCode, ParseError, Received, Request, Response, ServerCodec,
+};
 use tokio::{
     io::{AsyncRead, AsyncWrite},
     net::{TcpListener, UnixListener},
@@ -38,7 +40,7 @@ use tokio_util::codec::Framed;
 use crate::{
     admission::{AcceptBackoff, Admission, Ticket},
     api::ban_ttl,
-    buckets::{CheckError, Limiter, Pending, Submit},
+    buckets::{CheckError, Judged, Limiter, Pending, Submit},
     errors::error_chain,
     secret::token_matches,
     settings::{ClientLimits, ServeConfig},
@@ -545,11 +547,37 @@ impl Served {
         }
         let response = match request {
             Request::Check { action, key, cost } => {
-                return verdict(id, limiter, &action, &key, cost, Submit::Check);
+                return verdict(
+                    id,
+                    limiter,
+                    (&action, &key),
+                    (cost, 0),
+                    Submit::Check,
+                    plain,
+                );
             }
             Request::Peek { action, key, cost } => {
-                return verdict(id, limiter, &action, &key, cost, Submit::Peek);
+                return verdict(id, limiter, (&action, &key), (cost, 0), Submit::Peek, plain);
             }
+            Request::CheckPayload {
+                action,
+                key,
+                cost,
+                payload_bytes,
+            } => {
+                let weighed = (cost, payload_bytes);
+                return verdict(
+                    id,
+                    limiter,
+                    (&action, &key),
+                    weighed,
+                    Submit::Check,
+                    flagged,
+                );
+            }
+            Request::ConnectionGone { key } => Response::Done {
+                changed: limiter.connection_gone(&key),
+            },
             Request::Reset { action, key } => match limiter.forget(&action, &key) {
                 Err(e) => check_error(e),
                 Ok(changed) => {
@@ -579,20 +607,32 @@ impl Served {
 fn verdict(
     id: u32,
     limiter: &Arc<Limiter>,
-    action: &str,
-    key: &[u8],
-    cost: u32,
+    (action, key): (&str, &[u8]),
+    weighed: (u32, u32),
     how: Submit,
+    reply: fn(Judged) -> Response,
 ) -> Pending<(u32, Response)> {
     match limiter
         .action_id(action)
-        .and_then(|action| limiter.submit(&action, key, cost, how))
+        .and_then(|action| limiter.submit(&action, key, weighed, how))
     {
-        // The binary reply has no monitor flag (yet): a monitored refusal goes out as the
-        // allowance it is enforced as.
-        Ok(judged) => later(id, judged, |j| Response::Verdict(j.enforced())),
+        Ok(judged) => later(id, judged, reply),
         Err(e) => Pending::ready((id, check_error(e))),
     }
+}
+
+/// The verdict reply (`0x81`) has no monitor flag: a monitored refusal goes out as the
+/// allowance it is enforced as.
+fn plain(judged: Judged) -> Response {
+    Response::Verdict(judged.enforced())
+}
+
+/// The checked reply (`0x84`, protocol 1.3) says what a monitored action would have refused.
+fn flagged(judged: Judged) -> Response {
+    Response::Checked(Checked {
+        verdict: judged.enforced(),
+        would_refuse: judged.would_refuse(),
+    })
 }
 
 /// The reply `reply` makes of an answer, now or when it comes.

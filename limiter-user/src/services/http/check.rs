@@ -60,7 +60,14 @@ pub(super) async fn check(
     let limiter = &state.limiter;
     let judged = limiter
         .action_id(&request.action)
-        .and_then(|id| limiter.submit(&id, request.key.as_bytes(), cost, Submit::CheckUnescalated))
+        .and_then(|id| {
+            limiter.submit(
+                &id,
+                request.key.as_bytes(),
+                (cost, 0),
+                Submit::CheckUnescalated,
+            )
+        })
         .map_err(|error| match error {
             CheckError::UnknownAction(action) => Problem::new(
                 StatusCode::NOT_FOUND,
@@ -112,6 +119,13 @@ pub(super) async fn check(
         Outcome::Closed => (
             StatusCode::TOO_MANY_REQUESTS,
             format!("action {:?} refuses every request", answer.action),
+        ),
+        Outcome::Disconnect => (
+            StatusCode::TOO_MANY_REQUESTS,
+            format!(
+                "action {:?} has closed this connection for its strikes",
+                answer.action
+            ),
         ),
         _ => (
             StatusCode::TOO_MANY_REQUESTS,
