@@ -86,6 +86,10 @@ pub struct Options {
     pub acl_default: AclDefault,
     /// `plugin_opt_login_check`: `auto` (default), `broker` or `none`.
     pub login_check: LoginCheck,
+    /// `plugin_opt_strikes`: the agent's action (keyed by `connection`) checked with the
+    /// client id and the payload's size on every PUBLISH; a client it answers `disconnect`
+    /// is kicked. Default: none.
+    pub strikes: Option<String>,
 }
 
 impl Default for Options {
@@ -101,6 +105,7 @@ impl Default for Options {
             timeout: DEFAULT_TIMEOUT,
             acl_default: AclDefault::Auto,
             login_check: LoginCheck::Auto,
+            strikes: None,
         }
     }
 }
@@ -153,6 +158,20 @@ impl Options {
                         _ => return Err(invalid("login_check", "auto, broker or none")),
                     }
                 }
+                "strikes" => {
+                    let valid = !value.is_empty()
+                        && value.len() <= limiter_client::MAX_ACTION_NAME
+                        && value.bytes().all(|b| {
+                            b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.'
+                        });
+                    if !valid {
+                        return Err(invalid(
+                            "strikes",
+                            "an action name (1 to 64 of A-Za-z0-9_.-)",
+                        ));
+                    }
+                    options.strikes = Some(value.to_owned());
+                }
                 _ => return Err(OptionsError::Unknown(key.to_owned())),
             }
         }
@@ -202,8 +221,10 @@ mod tests {
             ("timeout", "250"),
             ("acl_default", "allow"),
             ("login_check", "none"),
+            ("strikes", "publish_conn"),
         ])
         .unwrap();
+        assert_eq!(o.strikes.as_deref(), Some("publish_conn"));
         assert_eq!(o.socket, PathBuf::from("/tmp/x.sock"));
         assert_eq!(
             o.actions,
@@ -238,6 +259,8 @@ mod tests {
             (vec![("sokcet", "/x")], "plugin_opt_sokcet"),
             (vec![("login_check", "off")], "plugin_opt_login_check"),
             (vec![("acl_default", "deny")], "plugin_opt_acl_default"),
+            (vec![("strikes", "")], "plugin_opt_strikes"),
+            (vec![("strikes", "pub conn")], "plugin_opt_strikes"),
         ] {
             let err = Options::parse(pairs).unwrap_err().to_string();
             assert!(err.contains(needle), "{err}");

@@ -591,3 +591,156 @@ fn with_the_plugin_allowing_the_brokers_own_acl_decides() {
         drop(plain);
     }
 }
+
+/// Messages the strikes action lets one connection send in the test.
+const CONN_LIMIT: usize = 5;
+/// Refusals that close a connection.
+const STRIKES: usize = 3;
+
+/// `plugin_opt_strikes`: a client flooding publishes is refused past its connection's limit,
+/// each refusal a strike, and at the third strike it is kicked and what it sends meanwhile is
+/// dropped; another client of the same user is judged by its own connection and keeps
+/// publishing; and once the kicked client's connection is gone (MOSQ_EVT_DISCONNECT), its id
+/// starts afresh.
+#[test]
+fn a_flooding_client_is_disconnected_after_its_strikes_and_another_of_its_user_is_not() {
+    let pair = Pair::new().expect("namespaces");
+    let _peer = limiter_tests::kernel::peer(&pair).unwrap();
+    let pins = PinDir::new();
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("limiter.sock");
+    let config = dir.path().join("limiter.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[actions.publish_conn]\nlimit = {CONN_LIMIT}\nwindow = \"1h\"\n\
+             key = \"connection\"\nstrikes-to-disconnect = {STRIKES}\nstrike-window = \"1h\"\n"
+        ),
+    )
+    .unwrap();
+    let port = mosquitto::PORT.to_string();
+    let agent = AgentProcess::start(
+        &pair.server,
+        &[
+            "--iface",
+            &pair.server_if,
+            "--pin-dir",
+            pins.arg(),
+            "--socket",
+            socket.to_str().unwrap(),
+            "--ports",
+            &port,
+            "--config",
+            config.to_str().unwrap(),
+            "--auth-limit",
+            "1000",
+            "--publish-limit",
+            "1000",
+            "--publish-window",
+            "1h",
+        ],
+    )
+    .unwrap();
+    agent
+        .wait_for("limiter is ready", startup_deadline())
+        .unwrap();
+    let server = IpAddr::V4(SERVER_V4);
+    let broker = Broker::start(
+        &pair.server,
+        server,
+        dir.path(),
+        &[("alice", "a-secret"), ("watcher", "w-secret")],
+        &[
+            ("socket", socket.to_str().unwrap()),
+            ("actions", "auth,publish"),
+            ("strikes", "publish_conn"),
+            ("fail", "closed"),
+            ("timeout", "500"),
+        ],
+    )
+    .unwrap();
+    let good = IpAddr::V4(CLIENT_V4);
+    let run = |args: &[&str], limit_secs: u64| {
+        let program = if args.contains(&"-C") {
+            "mosquitto_sub"
+        } else {
+            "mosquitto_pub"
+        };
+        mosquitto::client(
+            &pair.client,
+            program,
+            good,
+            server,
+            args,
+            Duration::from_secs(limit_secs),
+        )
+        .unwrap()
+    };
+    let pub_args = |id: &'static str, topic: &'static str, repeat: &'static str| {
+        [
+            "-u",
+            "alice",
+            "-P",
+            "a-secret",
+            "-i",
+            id,
+            "-t",
+            topic,
+            "-m",
+            "hi",
+            "--repeat",
+            repeat,
+            "--repeat-delay",
+            "0.05",
+        ]
+    };
+    // The flood's allowance, the calm client's two, and the flooder's id once more afterwards.
+    let expected = CONN_LIMIT + 2 + 1;
+    let (watcher, flood) = std::thread::scope(|scope| {
+        let sub = scope.spawn(|| {
+            let count = (expected + 1).to_string();
+            run(
+                &[
+                    "-u", "watcher", "-P", "w-secret", "-t", "t/#", "-v", "-C", &count, "-W", "12",
+                ],
+                15,
+            )
+        });
+        broker
+            .wait_for("Received SUBSCRIBE", 1, Duration::from_secs(5))
+            .unwrap();
+        let flood = run(&pub_args("flooder", "t/flood", "40"), 8);
+        broker
+            .wait_for(
+                "limiter: publish_conn: disconnecting client flooder",
+                1,
+                Duration::from_secs(5),
+            )
+            .unwrap();
+        let calm = run(&pub_args("calm", "t/calm", "2"), 5);
+        assert!(calm.status.success(), "{}", text(&calm));
+        let again = run(&pub_args("flooder", "t/again", "1"), 5);
+        assert!(again.status.success(), "{}", text(&again));
+        (sub.join().unwrap(), flood)
+    });
+    let received = String::from_utf8_lossy(&watcher.stdout).into_owned();
+    let from = |topic: &str| received.lines().filter(|l| l.starts_with(topic)).count();
+    assert_eq!(
+        (from("t/flood"), from("t/calm"), from("t/again")),
+        (CONN_LIMIT, 2, 1),
+        "the flood is cut at its connection's limit, the calm client is not, and the flooder's \
+         id starts afresh once gone; received:\n{received}\nbroker log:\n{}",
+        broker.log()
+    );
+    assert!(
+        !flood.status.success(),
+        "the flooder's connection was closed under it: {}",
+        text(&flood)
+    );
+    assert_eq!(
+        broker.count("limiter: publish_conn: disconnecting client"),
+        1,
+        "only the flooder, once: {}",
+        broker.log()
+    );
+}
