@@ -193,6 +193,45 @@ impl Client {
         }
     }
 
+    /// Takes one of `key`'s sessions in the concurrency `action`, named `session`: allowed
+    /// while fewer than the limit are held, `limited` otherwise. This connection holds it
+    /// until [`release`](Self::release), or until the connection ends (the agent then frees
+    /// every session it held). Protocol 1.3.
+    pub async fn acquire(
+        &self,
+        action: &str,
+        key: impl AsRef<[u8]>,
+        session: impl AsRef<[u8]>,
+    ) -> Result<Verdict, ClientError> {
+        let request = Request::Acquire {
+            action: action.to_owned(),
+            key: Bytes::copy_from_slice(key.as_ref()),
+            session: Bytes::copy_from_slice(session.as_ref()),
+        };
+        match self.call(request).await? {
+            Response::Verdict(v) => Ok(v),
+            other => Err(unexpected("acquire", &other)),
+        }
+    }
+
+    /// Gives back a session this connection acquired; `true` if it held it.
+    pub async fn release(
+        &self,
+        action: &str,
+        key: impl AsRef<[u8]>,
+        session: impl AsRef<[u8]>,
+    ) -> Result<bool, ClientError> {
+        let request = Request::Release {
+            action: action.to_owned(),
+            key: Bytes::copy_from_slice(key.as_ref()),
+            session: Bytes::copy_from_slice(session.as_ref()),
+        };
+        match self.call(request).await? {
+            Response::Done { changed } => Ok(changed),
+            other => Err(unexpected("release", &other)),
+        }
+    }
+
     /// Forgets `key`'s bucket, so its next check finds it full. `true` if the key had a
     /// bucket to forget.
     pub async fn reset(&self, action: &str, key: impl AsRef<[u8]>) -> Result<bool, ClientError> {

@@ -228,6 +228,16 @@ mod tests {
         round_trip_request(Request::ConnectionGone {
             key: Bytes::from_static(b"client-7"),
         });
+        round_trip_request(Request::Acquire {
+            action: "sessions".into(),
+            key: Bytes::from_static(b"alice"),
+            session: Bytes::from_static(b"0x7f00aa"),
+        });
+        round_trip_request(Request::Release {
+            action: "sessions".into(),
+            key: Bytes::from_static(b"alice"),
+            session: Bytes::from_static(b"0x7f00aa"),
+        });
     }
 
     #[test]

@@ -38,6 +38,10 @@ pub mod op {
     /// A connection the broker named in its keys is gone:
     /// [`Request::ConnectionGone`](crate::Request::ConnectionGone).
     pub const CONNECTION_GONE: u8 = 0x09;
+    /// Take a session: [`Request::Acquire`](crate::Request::Acquire).
+    pub const ACQUIRE: u8 = 0x0A;
+    /// Give a session back: [`Request::Release`](crate::Request::Release).
+    pub const RELEASE: u8 = 0x0B;
     /// The reply to a check or peek: [`Response::Verdict`](crate::Response::Verdict).
     pub const VERDICT: u8 = 0x81;
     /// The reply to reset, ban and unban: [`Response::Done`](crate::Response::Done).
@@ -134,6 +138,27 @@ pub enum Request {
         /// The connection's name, as the broker's checks gave it.
         key: Bytes,
     },
+    /// Take one of `key`'s sessions in the concurrency `action`, named `session` (e.g. the
+    /// broker's client handle); held by this protocol connection until released or the
+    /// connection ends. Answered with a [`Response::Verdict`]. Protocol 1.3.
+    Acquire {
+        /// A concurrency action's name.
+        action: String,
+        /// Whose sessions (e.g. a user name).
+        key: Bytes,
+        /// The broker's name for this session, 1 to [`MAX_KEY_LEN`] bytes.
+        session: Bytes,
+    },
+    /// Give back a session this connection acquired; answered with [`Response::Done`].
+    /// Protocol 1.3.
+    Release {
+        /// A concurrency action's name.
+        action: String,
+        /// Whose sessions.
+        key: Bytes,
+        /// The name it was acquired with.
+        session: Bytes,
+    },
 }
 
 /// What the agent answers. Each request has one expected reply kind, or
@@ -188,6 +213,8 @@ pub enum ErrorCode {
     /// [`Request::Authenticate`] with a token that is not the agent's; the connection stays
     /// as trusted as it was.
     BadToken = 9,
+    /// An acquire or release of an action that is not of kind `concurrency` (protocol 1.3).
+    WrongKind = 10,
 }
 
 impl ErrorCode {
@@ -203,6 +230,7 @@ impl ErrorCode {
             7 => ErrorCode::BanFailed,
             8 => ErrorCode::NotPermitted,
             9 => ErrorCode::BadToken,
+            10 => ErrorCode::WrongKind,
             _ => return None,
         })
     }
@@ -350,6 +378,8 @@ pub(crate) fn parse_request(opcode: u8, body: Bytes) -> Result<Request, ParseErr
         op::AUTHENTICATE => "authenticate",
         op::CHECK_PAYLOAD => "check-payload",
         op::CONNECTION_GONE => "connection-gone",
+        op::ACQUIRE => "acquire",
+        op::RELEASE => "release",
         other => {
             return Err(ParseError {
                 code: ErrorCode::UnknownOpcode,
@@ -381,6 +411,30 @@ pub(crate) fn parse_request(opcode: u8, body: Bytes) -> Result<Request, ParseErr
             }
         }
         op::CONNECTION_GONE => Request::ConnectionGone { key: f.key()? },
+        op::ACQUIRE | op::RELEASE => {
+            let action = f.action()?;
+            let key = f.key()?;
+            let len = usize::from(f.u16("the session length")?);
+            if len == 0 || len > MAX_KEY_LEN {
+                return Err(ParseError::malformed(format!(
+                    "a session name is 1 to {MAX_KEY_LEN} bytes, not {len}"
+                )));
+            }
+            let session = f.bytes("the session name", len)?;
+            if opcode == op::ACQUIRE {
+                Request::Acquire {
+                    action,
+                    key,
+                    session,
+                }
+            } else {
+                Request::Release {
+                    action,
+                    key,
+                    session,
+                }
+            }
+        }
         op::RESET => Request::Reset {
             action: f.action()?,
             key: f.key()?,
@@ -476,6 +530,25 @@ pub(crate) fn put_request(dst: &mut BytesMut, request: &Request) -> u8 {
             dst.put_slice(key);
             op::CONNECTION_GONE
         }
+        Request::Acquire {
+            action,
+            key,
+            session,
+        }
+        | Request::Release {
+            action,
+            key,
+            session,
+        } => {
+            put_target(dst, action, key);
+            dst.put_u16(session.len() as u16);
+            dst.put_slice(session);
+            if matches!(request, Request::Acquire { .. }) {
+                op::ACQUIRE
+            } else {
+                op::RELEASE
+            }
+        }
     }
 }
 
@@ -496,6 +569,17 @@ pub(crate) fn validate_request(request: &Request) -> Result<(), ParseError> {
             Some((action, key))
         }
         Request::Reset { action, key } => Some((action, key)),
+        Request::Acquire { session, .. } | Request::Release { session, .. }
+            if session.is_empty() || session.len() > MAX_KEY_LEN =>
+        {
+            return Err(ParseError::malformed(format!(
+                "a session name is 1 to {MAX_KEY_LEN} bytes, not {}",
+                session.len()
+            )));
+        }
+        Request::Acquire { action, key, .. } | Request::Release { action, key, .. } => {
+            Some((action, key))
+        }
         Request::ConnectionGone { key } if key.is_empty() || key.len() > MAX_KEY_LEN => {
             return Err(ParseError {
                 code: ErrorCode::InvalidKey,

@@ -81,6 +81,11 @@ kind = "quota"
 limit = 5
 key = "user"
 
+[actions.sessions]
+kind = "concurrency"
+limit = 2
+key = "user"
+
 [actions.pub]
 limit = 2
 window = "1h"
@@ -1013,5 +1018,89 @@ async fn ten_thousand_idle_connections_cannot_blind_the_socket_or_the_tcp_listen
         Held::AcceptedOn(addr.port()),
     )
     .await;
+    server.stop().await;
+}
+
+/// Protocol 1.3: a concurrency action holds at most its limit of a key's sessions at once,
+/// whichever connection acquires them; a release makes room, and a connection that ends
+/// (a broker killed) frees every session it held.
+#[tokio::test]
+async fn sessions_are_limited_released_and_freed_with_the_connection_that_held_them() {
+    let server = start().await;
+    let broker = Client::connect_unix(&server.socket).await.unwrap();
+    let other = Client::connect_unix(&server.socket).await.unwrap();
+    let outcome = |v: limiter_client::Verdict| v.outcome;
+    assert_eq!(
+        outcome(broker.acquire("sessions", "alice", "s1").await.unwrap()),
+        Outcome::Allowed
+    );
+    assert_eq!(
+        outcome(broker.acquire("sessions", "alice", "s1").await.unwrap()),
+        Outcome::Allowed,
+        "held already, not counted twice"
+    );
+    assert_eq!(
+        outcome(broker.acquire("sessions", "alice", "s2").await.unwrap()),
+        Outcome::Allowed
+    );
+    assert_eq!(
+        outcome(other.acquire("sessions", "alice", "s3").await.unwrap()),
+        Outcome::Limited,
+        "a third session at limit 2"
+    );
+    assert_eq!(
+        outcome(other.acquire("sessions", "bob", "s3").await.unwrap()),
+        Outcome::Allowed,
+        "another key"
+    );
+    assert!(
+        !other.release("sessions", "alice", "s1").await.unwrap(),
+        "not this connection's"
+    );
+    assert!(broker.release("sessions", "alice", "s1").await.unwrap());
+    assert_eq!(
+        outcome(other.acquire("sessions", "alice", "s3").await.unwrap()),
+        Outcome::Allowed
+    );
+    assert_eq!(
+        outcome(other.acquire("sessions", "alice", "s4").await.unwrap()),
+        Outcome::Limited
+    );
+    // A check of sessions takes none: it asks whether one more would fit.
+    assert_eq!(
+        other.check("sessions", "alice", 1).await.unwrap().outcome,
+        Outcome::Limited
+    );
+    let wrong = other.acquire("export", "alice", "s5").await;
+    assert!(
+        matches!(
+            wrong,
+            Err(ClientError::Server {
+                code: ErrorCode::WrongKind,
+                ..
+            })
+        ),
+        "{wrong:?}"
+    );
+    // The first broker's connection ends: its session s2 is freed.
+    drop(broker);
+    let mut freed = false;
+    for _ in 0..200 {
+        if other.check("sessions", "alice", 1).await.unwrap().allowed {
+            freed = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(freed, "the ended connection's session was never freed");
+    assert_eq!(
+        outcome(other.acquire("sessions", "alice", "s4").await.unwrap()),
+        Outcome::Allowed
+    );
+    assert_eq!(
+        outcome(other.acquire("sessions", "alice", "s5").await.unwrap()),
+        Outcome::Limited,
+        "exactly one was freed"
+    );
     server.stop().await;
 }

@@ -276,6 +276,9 @@ pub struct ActionCounts {
     /// Connections with strikes on record (within their window, or closed by them).
     #[serde(default)]
     pub struck_connections: usize,
+    /// Keys holding at least one session (a concurrency action).
+    #[serde(default)]
+    pub session_keys: usize,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -23,6 +23,8 @@ pub enum ActionKind {
     #[default]
     Rate,
     Quota,
+    /// At most `limit` sessions held at once per key, acquired and released by the broker.
+    Concurrency,
 }
 
 impl ActionKind {
@@ -30,6 +32,7 @@ impl ActionKind {
         match self {
             ActionKind::Rate => "rate",
             ActionKind::Quota => "quota",
+            ActionKind::Concurrency => "concurrency",
         }
     }
 }
@@ -204,6 +207,8 @@ pub enum Mode {
     Closed,
     Limited(Rate),
     Quota(Quota),
+    /// At most this many sessions per key.
+    Sessions(u32),
 }
 
 impl ActionSpec {
@@ -222,6 +227,7 @@ impl ActionSpec {
         let limited = match self.kind {
             ActionKind::Rate => Rate::new(self.limit, self.window, self.burst).map(Mode::Limited),
             ActionKind::Quota => Quota::new(self.limit, self.window).map(Mode::Quota),
+            ActionKind::Concurrency => (self.limit > 0).then_some(Mode::Sessions(self.limit)),
         };
         match limited {
             Some(mode) => mode,
@@ -326,6 +332,7 @@ fn apply(
                 window: match kind {
                     ActionKind::Rate => config.window.ok_or_else(|| missing("window"))?.0,
                     ActionKind::Quota => quota::DAY,
+                    ActionKind::Concurrency => Duration::ZERO,
                 },
                 burst: 0,
                 key: config.key.unwrap_or(KeyKind::Other),
@@ -351,6 +358,7 @@ fn apply(
         spec.kind = kind;
         spec.window = match kind {
             ActionKind::Quota => quota::DAY,
+            ActionKind::Concurrency => Duration::ZERO,
             ActionKind::Rate => {
                 config
                     .window
@@ -367,6 +375,9 @@ fn apply(
     }
     if spec.kind == ActionKind::Quota {
         return apply_quota(spec, config, origin, fleet);
+    }
+    if spec.kind == ActionKind::Concurrency {
+        return apply_concurrency(spec, config, origin, fleet);
     }
     if config.period.is_some() {
         return Err(ConfigError::new(
@@ -436,7 +447,7 @@ fn apply_overrides(
         }
         let fine = match spec.kind {
             ActionKind::Rate => spec.window.as_nanos() / u128::from(limit) >= 1,
-            ActionKind::Quota => true,
+            ActionKind::Quota | ActionKind::Concurrency => true,
         };
         if !fine {
             return Err(ConfigError::new(
@@ -586,6 +597,37 @@ fn apply_strikes(
         ));
     }
     spec.strikes = rule;
+    Ok(())
+}
+
+/// Sessions per key: a limit, and no window, period or burst; held on this agent only.
+fn apply_concurrency(
+    spec: &mut ActionSpec,
+    config: &ActionConfig,
+    origin: &str,
+    fleet: bool,
+) -> Result<(), ConfigError> {
+    for (field, set) in [
+        ("window", config.window.is_some()),
+        ("period", config.period.is_some()),
+        ("burst", config.burst.is_some()),
+    ] {
+        if set {
+            return Err(ConfigError::new(
+                format!("{origin}.{field}"),
+                "a concurrency action has only a limit: sessions held at once per key",
+            ));
+        }
+    }
+    if config.shared == Some(true) {
+        return Err(ConfigError::new(
+            format!("{origin}.shared"),
+            "sessions are held on each agent: a concurrency action is not shared in a fleet",
+        ));
+    }
+    spec.burst = spec.limit;
+    apply_common(spec, config, origin, fleet)?;
+    spec.shared = false;
     Ok(())
 }
 

@@ -51,6 +51,7 @@ use super::{
     gcra::Rate,
     keys::{self, KeyError, StoredKey},
     quota::Quota,
+    sessions::{SessionCounts, SessionOwner},
     shared::{Pending, SharedBuckets, SharedCheck, SharedLimit},
     stats::{ActionStats, OutcomeCounters},
     strikes::StrikeBook,
@@ -107,6 +108,18 @@ pub enum CheckError {
     },
     #[error("a cost must be at least 1")]
     ZeroCost,
+    #[error("action {0:?} is not of kind concurrency: it has no sessions")]
+    NotConcurrency(String),
+}
+
+/// A concurrency action's verdict: `held` sessions of `max` after the request (or before a
+/// refused one); a refused session waits for a release, whose time nobody knows.
+fn sessions_verdict(fits: bool, max: u32, held: u32) -> Verdict {
+    if fits {
+        Verdict::new(Outcome::Allowed, max, max.saturating_sub(held), 0, 0)
+    } else {
+        Verdict::new(Outcome::Limited, max, 0, NEVER_MS, NEVER_MS)
+    }
 }
 
 /// The outcomes that refuse.
@@ -190,7 +203,7 @@ impl Limits {
                         local_limit = share;
                     }
                 }
-                Mode::Unlimited | Mode::Closed => {}
+                Mode::Unlimited | Mode::Closed | Mode::Sessions(_) => {}
             }
         }
         Self {
@@ -233,6 +246,8 @@ struct KeyTable {
     cap_swept: AtomicU64,
     /// The strikes of the keys (connections) that have struck, for an action with strikes.
     strikes: StrikeBook,
+    /// Each key's sessions held, for a concurrency action.
+    sessions: Arc<SessionCounts>,
 }
 
 /// An action's counters, exported as Prometheus counters, so they outlive any reload that
@@ -499,6 +514,59 @@ impl Limiter {
         })))
     }
 
+    /// Takes one of `key`'s sessions in the concurrency action `action`, held by `owner` (the
+    /// protocol connection) until released or `owner` is dropped. A session `owner` holds
+    /// already is answered as allowed and not counted again.
+    pub fn acquire(
+        &self,
+        owner: &mut SessionOwner,
+        action: &str,
+        key: &[u8],
+        session: &[u8],
+    ) -> Result<Judged, CheckError> {
+        let action = self.action(action)?;
+        if action.spec.kind != ActionKind::Concurrency {
+            return Err(CheckError::NotConcurrency(action.spec.name.clone()));
+        }
+        let stored = action.store(key)?;
+        let max = match action.limits(&stored).local {
+            Mode::Sessions(max) => max,
+            // Limit 0: sessions are not limited, nor counted.
+            _ => {
+                let verdict = Verdict::new(Outcome::Unlimited, 0, u32::MAX, 0, 0);
+                return Ok(self.count(&action, &stored, verdict, (true, false), true));
+            }
+        };
+        let counts = &action.table.sessions;
+        let (fits, held) = if owner.holds(&action.name, &stored, session) {
+            (true, counts.held(&stored))
+        } else {
+            let (fits, held) = counts.acquire(&stored, max, action.monitor);
+            if fits || action.monitor {
+                owner.add(&action.name, &stored, session, counts);
+            }
+            (fits, held)
+        };
+        let verdict = sessions_verdict(fits, max, held);
+        Ok(self.count(&action, &stored, verdict, (true, false), true))
+    }
+
+    /// Gives back a session `owner` acquired; false if it held none of that name.
+    pub fn release(
+        &self,
+        owner: &mut SessionOwner,
+        action: &str,
+        key: &[u8],
+        session: &[u8],
+    ) -> Result<bool, CheckError> {
+        let action = self.action(action)?;
+        if action.spec.kind != ActionKind::Concurrency {
+            return Err(CheckError::NotConcurrency(action.spec.name.clone()));
+        }
+        let stored = action.store(key)?;
+        Ok(owner.release(&action.name, &stored, session))
+    }
+
     /// The broker's connection `key` is gone: forgets its buckets and strikes in every action
     /// keyed by connection. True if any held something.
     pub fn connection_gone(&self, key: &[u8]) -> bool {
@@ -650,6 +718,7 @@ impl Limiter {
                         payload_too_large: count(Outcome::PayloadTooLarge),
                         blocked: REFUSALS.iter().map(|&o| count(o)).sum(),
                         struck_connections: a.table.strikes.tracked(),
+                        session_keys: a.table.sessions.keys(),
                         tracked_keys: a.table.tracked.load(Ordering::Acquire),
                         overflow_checks: a.counters.overflow_checks.load(Ordering::Relaxed),
                         would_refuse: REFUSALS
@@ -809,6 +878,11 @@ impl Limiter {
         let verdict = match limits.local {
             Mode::Unlimited => Verdict::new(Outcome::Unlimited, 0, u32::MAX, 0, 0),
             Mode::Closed => Verdict::new(Outcome::Closed, 0, 0, NEVER_MS, NEVER_MS),
+            // A check of sessions asks whether one more would fit, and takes none.
+            Mode::Sessions(max) => {
+                let held = action.table.sessions.held(stored);
+                sessions_verdict(held < max, max, held)
+            }
             Mode::Limited(rate) => return self.settle(action, (&rate, limit), stored, cost, flags),
             Mode::Quota(quota) => return self.settle(action, (&quota, limit), stored, cost, flags),
         };
@@ -957,7 +1031,7 @@ impl Action {
         // counts its quota on the calendar too.
         match self.spec.kind {
             ActionKind::Quota => clock.unix_ns(),
-            ActionKind::Rate => clock.now_ns(),
+            ActionKind::Rate | ActionKind::Concurrency => clock.now_ns(),
         }
     }
 
@@ -966,7 +1040,7 @@ impl Action {
         match &self.limits(key).local {
             Mode::Limited(rate) => rate.is_idle(state, now),
             Mode::Quota(quota) => quota.is_idle(state, now),
-            Mode::Unlimited | Mode::Closed => true,
+            Mode::Unlimited | Mode::Closed | Mode::Sessions(_) => true,
         }
     }
 

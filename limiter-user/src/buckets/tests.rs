@@ -1010,3 +1010,79 @@ fn strike_settings_are_checked_naming_the_key() {
     );
     assert!(!x.shared, "a connection is never shared, even in a fleet");
 }
+
+const SESSIONS: &str = "[actions.logins]\nkind = \"concurrency\"\nlimit = 2\nkey = \"user\"\n\
+    [actions.logins.overrides]\n\"service\" = 3\n";
+
+#[test]
+fn sessions_are_held_per_key_up_to_the_limit_and_given_back_by_their_owner() {
+    let (_, _, limiter) = limiter_with(SESSIONS, None);
+    let mut broker = SessionOwner::default();
+    let take = |owner: &mut SessionOwner, key: &str, session: &str| {
+        limiter
+            .acquire(owner, "logins", key.as_bytes(), session.as_bytes())
+            .unwrap()
+            .enforced()
+            .outcome
+    };
+    assert_eq!(take(&mut broker, "alice", "1"), Outcome::Allowed);
+    assert_eq!(take(&mut broker, "alice", "2"), Outcome::Allowed);
+    assert_eq!(take(&mut broker, "alice", "3"), Outcome::Limited);
+    for session in ["1", "2", "3"] {
+        assert_eq!(
+            take(&mut broker, "service", session),
+            Outcome::Allowed,
+            "its own limit"
+        );
+    }
+    assert_eq!(take(&mut broker, "service", "4"), Outcome::Limited);
+    assert!(
+        limiter
+            .release(&mut broker, "logins", b"alice", b"1")
+            .unwrap()
+    );
+    assert!(
+        !limiter
+            .release(&mut broker, "logins", b"alice", b"1")
+            .unwrap()
+    );
+    assert_eq!(take(&mut broker, "alice", "3"), Outcome::Allowed);
+    assert_eq!(stats_of(&limiter, "logins").counts.session_keys, 2);
+    drop(broker);
+    assert_eq!(stats_of(&limiter, "logins").counts.session_keys, 0);
+    assert_eq!(
+        limiter.acquire(&mut SessionOwner::default(), "auth", b"10.0.0.1", b"1"),
+        Err(CheckError::NotConcurrency("auth".into()))
+    );
+}
+
+#[test]
+fn monitored_sessions_are_all_taken_and_the_refusal_judged() {
+    let (_, limiter) = with_mode(SESSIONS, Enforcement::Monitor);
+    let mut broker = SessionOwner::default();
+    let judged: Vec<Judged> = (0..3)
+        .map(|n| {
+            limiter
+                .acquire(&mut broker, "logins", b"alice", n.to_string().as_bytes())
+                .unwrap()
+        })
+        .collect();
+    assert!(judged.iter().all(|j| j.enforced().allowed));
+    assert_eq!(judged[2].would_refuse(), Some(Outcome::Limited));
+    assert_eq!(broker.len(), 3);
+}
+
+#[test]
+fn a_concurrency_action_has_only_a_limit() {
+    for (extra, setting) in [
+        ("window = \"1s\"\n", "actions.logins.window"),
+        ("burst = 3\n", "actions.logins.burst"),
+        ("period = \"1d\"\n", "actions.logins.period"),
+    ] {
+        let text = format!("[actions.logins]\nkind = \"concurrency\"\nlimit = 2\n{extra}");
+        let table = toml::from_str::<toml::Table>(&text).unwrap();
+        let actions: BTreeMap<String, ActionConfig> = table["actions"].clone().try_into().unwrap();
+        let error = resolve_actions(&actions, &[], false).unwrap_err();
+        assert_eq!(error.setting, setting, "{text}: {error}");
+    }
+}

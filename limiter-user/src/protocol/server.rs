@@ -40,7 +40,7 @@ use tokio_util::codec::Framed;
 use crate::{
     admission::{AcceptBackoff, Admission, Ticket},
     api::ban_ttl,
-    buckets::{CheckError, Judged, Limiter, Pending, Submit},
+    buckets::{CheckError, Judged, Limiter, Pending, SessionOwner, Submit},
     errors::error_chain,
     secret::token_matches,
     settings::{ClientLimits, ServeConfig},
@@ -329,6 +329,8 @@ impl Served {
         let mut wait = clients.header_timeout;
         // Replies still waiting on Redis, and those behind them, which keep their order.
         let mut waiting = Waiting::new();
+        // The sessions this connection acquired: freed when it ends, however it ends.
+        let mut sessions = SessionOwner::default();
         loop {
             let first = tokio::select! {
                 () = &mut evicted => {
@@ -359,7 +361,13 @@ impl Served {
             ticket.proven();
             wait = clients.idle_timeout;
             if !self
-                .answer_buffered(&mut framed, first, &mut peer, clients, &mut waiting)
+                .answer_buffered(
+                    &mut framed,
+                    first,
+                    (&mut peer, &mut sessions),
+                    clients,
+                    &mut waiting,
+                )
                 .await
             {
                 return;
@@ -374,7 +382,7 @@ impl Served {
         &self,
         framed: &mut Framed<S, ServerCodec>,
         first: Result<Received<Request>, CodecError>,
-        peer: &mut Peer,
+        (peer, sessions): (&mut Peer, &mut SessionOwner),
         clients: ClientLimits,
         waiting: &mut Waiting,
     ) -> bool
@@ -384,7 +392,7 @@ impl Served {
         let mut next = Some(first);
         while let Some(item) = next.take() {
             let (reply, fatal) = match item {
-                Ok(received) => (self.answer(received, peer), false),
+                Ok(received) => (self.answer(received, peer, sessions), false),
                 Err(CodecError::TooLarge { len, max }) => (
                     Pending::ready((
                         0,
@@ -488,6 +496,7 @@ fn check_error(e: CheckError) -> Response {
         CheckError::UnknownAction(_) => ErrorCode::UnknownAction,
         CheckError::InvalidKey { .. } => ErrorCode::InvalidKey,
         CheckError::ZeroCost => ErrorCode::InvalidCost,
+        CheckError::NotConcurrency(_) => ErrorCode::WrongKind,
     };
     error(code, e.to_string())
 }
@@ -514,7 +523,12 @@ impl Served {
 
     /// The reply to one request: at once, or once the fleet's Redis has answered. An accepted
     /// token makes the connection trusted.
-    fn answer(&self, received: Received<Request>, peer: &mut Peer) -> Pending<(u32, Response)> {
+    fn answer(
+        &self,
+        received: Received<Request>,
+        peer: &mut Peer,
+        sessions: &mut SessionOwner,
+    ) -> Pending<(u32, Response)> {
         let limiter = &self.limiter;
         let id = received.id;
         let request = match received.message {
@@ -577,6 +591,22 @@ impl Served {
             }
             Request::ConnectionGone { key } => Response::Done {
                 changed: limiter.connection_gone(&key),
+            },
+            Request::Acquire {
+                action,
+                key,
+                session,
+            } => match limiter.acquire(sessions, &action, &key, &session) {
+                Ok(judged) => Response::Verdict(judged.enforced()),
+                Err(e) => check_error(e),
+            },
+            Request::Release {
+                action,
+                key,
+                session,
+            } => match limiter.release(sessions, &action, &key, &session) {
+                Ok(changed) => Response::Done { changed },
+                Err(e) => check_error(e),
             },
             Request::Reset { action, key } => match limiter.forget(&action, &key) {
                 Err(e) => check_error(e),

@@ -76,6 +76,7 @@ pub(super) async fn check(
             .with("field", "action"),
             CheckError::InvalidKey { source, .. } => Problem::bad_request("key", source),
             CheckError::ZeroCost => Problem::bad_request("cost", "must be at least 1"),
+            e @ CheckError::NotConcurrency(_) => Problem::bad_request("action", e),
         })?
         .await;
     // In monitor mode a refusal is answered as the allowance it becomes, and says so.
