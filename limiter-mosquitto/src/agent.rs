@@ -137,6 +137,48 @@ impl Agent {
             .unwrap_or(Err(NoAnswer::Timeout))
     }
 
+    /// Takes a session of `user` in the concurrency `action`: `Ok(true)` taken, `Ok(false)`
+    /// the user has all its sessions. The plugin's one connection holds it, so a broker that
+    /// dies frees them all.
+    pub fn acquire(&self, action: String, user: String, session: String) -> Result<bool, NoAnswer> {
+        let (tx, rx) = mpsc::sync_channel(1);
+        let client = Arc::clone(&self.client);
+        let socket = self.socket.clone();
+        let timeout = self.timeout;
+        self.runtime.spawn(async move {
+            let answer = tokio::time::timeout(timeout, async {
+                let c = connected(&client, &socket).await?;
+                let verdict = c.acquire(&action, user, session).await;
+                forget_if_broken(&client, &verdict).await;
+                verdict
+            })
+            .await;
+            let _ = tx.send(match answer {
+                Ok(Ok(v)) => Ok(v.allowed),
+                Ok(Err(e)) => Err(NoAnswer::Failed(e)),
+                Err(_) => Err(NoAnswer::Timeout),
+            });
+        });
+        rx.recv_timeout(self.timeout)
+            .unwrap_or(Err(NoAnswer::Timeout))
+    }
+
+    /// Gives a session back, without waiting: the client is gone already.
+    pub fn release(&self, action: String, user: String, session: String) {
+        let client = Arc::clone(&self.client);
+        let socket = self.socket.clone();
+        let timeout = self.timeout;
+        self.runtime.spawn(async move {
+            let _ = tokio::time::timeout(timeout, async {
+                let c = connected(&client, &socket).await?;
+                let released = c.release(&action, user, session).await;
+                forget_if_broken(&client, &released).await;
+                released
+            })
+            .await;
+        });
+    }
+
     /// Tells the agent a client's connection is gone, without waiting: its strikes are
     /// released, and nothing of the broker's depends on the answer.
     pub fn connection_gone(&self, client_id: String) {

@@ -90,6 +90,9 @@ pub struct Options {
     /// client id and the payload's size on every PUBLISH; a client it answers `disconnect`
     /// is kicked. Default: none.
     pub strikes: Option<String>,
+    /// `plugin_opt_sessions`: the agent's concurrency action keyed by username, a session
+    /// taken at each CONNECT with a username and released at its disconnect. Default: none.
+    pub sessions: Option<String>,
 }
 
 impl Default for Options {
@@ -106,6 +109,7 @@ impl Default for Options {
             acl_default: AclDefault::Auto,
             login_check: LoginCheck::Auto,
             strikes: None,
+            sessions: None,
         }
     }
 }
@@ -158,19 +162,21 @@ impl Options {
                         _ => return Err(invalid("login_check", "auto, broker or none")),
                     }
                 }
-                "strikes" => {
+                "strikes" | "sessions" => {
                     let valid = !value.is_empty()
                         && value.len() <= limiter_client::MAX_ACTION_NAME
                         && value.bytes().all(|b| {
                             b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.'
                         });
+                    let (key, slot) = if key == "strikes" {
+                        ("strikes", &mut options.strikes)
+                    } else {
+                        ("sessions", &mut options.sessions)
+                    };
                     if !valid {
-                        return Err(invalid(
-                            "strikes",
-                            "an action name (1 to 64 of A-Za-z0-9_.-)",
-                        ));
+                        return Err(invalid(key, "an action name (1 to 64 of A-Za-z0-9_.-)"));
                     }
-                    options.strikes = Some(value.to_owned());
+                    *slot = Some(value.to_owned());
                 }
                 _ => return Err(OptionsError::Unknown(key.to_owned())),
             }
@@ -222,9 +228,11 @@ mod tests {
             ("acl_default", "allow"),
             ("login_check", "none"),
             ("strikes", "publish_conn"),
+            ("sessions", "logins"),
         ])
         .unwrap();
         assert_eq!(o.strikes.as_deref(), Some("publish_conn"));
+        assert_eq!(o.sessions.as_deref(), Some("logins"));
         assert_eq!(o.socket, PathBuf::from("/tmp/x.sock"));
         assert_eq!(
             o.actions,
@@ -261,6 +269,7 @@ mod tests {
             (vec![("acl_default", "deny")], "plugin_opt_acl_default"),
             (vec![("strikes", "")], "plugin_opt_strikes"),
             (vec![("strikes", "pub conn")], "plugin_opt_strikes"),
+            (vec![("sessions", "")], "plugin_opt_sessions"),
         ] {
             let err = Options::parse(pairs).unwrap_err().to_string();
             assert!(err.contains(needle), "{err}");

@@ -57,6 +57,8 @@ struct Plugin {
     kicked: Mutex<HashSet<usize>>,
     /// Whom to kick at the next tick: the handle (a client already gone is skipped) and id.
     to_kick: Mutex<Vec<(usize, CString)>>,
+    /// The user of each client holding a session of `plugin_opt_sessions`, by handle.
+    sessions: Mutex<HashMap<usize, String>>,
 }
 
 /// Runs `f`, turning a panic into `on_panic` (and a log line) instead of unwinding into C.
@@ -238,6 +240,7 @@ pub unsafe extern "C" fn mosquitto_plugin_init(
             deferred: Mutex::new(HashMap::new()),
             kicked: Mutex::new(HashSet::new()),
             to_kick: Mutex::new(Vec::new()),
+            sessions: Mutex::new(HashMap::new()),
         }));
         // SAFETY: the broker passes a valid place for the userdata pointer.
         unsafe { *userdata = plugin.cast() };
@@ -266,12 +269,13 @@ pub unsafe extern "C" fn mosquitto_plugin_init(
         log(
             ffi::MOSQ_LOG_INFO,
             &format!(
-                "limiter: asking the agent at {} (auth {}, publish {}, subscribe {}, strikes {}; fail {:?}, timeout {:?}); allowed logins {:?}, allowed ACL checks {:?}",
+                "limiter: asking the agent at {} (auth {}, publish {}, subscribe {}, strikes {}, sessions {}; fail {:?}, timeout {:?}); allowed logins {:?}, allowed ACL checks {:?}",
                 o.socket.display(),
                 o.actions.auth,
                 o.actions.publish,
                 o.actions.subscribe,
                 o.strikes.as_deref().unwrap_or("off"),
+                o.sessions.as_deref().unwrap_or("off"),
                 o.fail,
                 o.timeout,
                 p.login,
@@ -353,42 +357,96 @@ unsafe extern "C" fn on_basic_auth(
         // Whatever `auth` does not refuse gets the answer the broker needs to decide as it would
         // without the plugin.
         let pass = code(plugin.passes.login, ffi::MOSQ_ERR_AUTH);
-        if !plugin.options.actions.auth {
-            return pass;
+        let addr = address(event.client).filter(|_| plugin.options.actions.auth);
+        if let Some(addr) = addr
+            && let Err(rc) = check_auth(plugin, addr, pass)
+        {
+            return rc;
         }
-        let Some(addr) = address(event.client) else {
-            return pass;
-        };
-        match plugin.agent.check("auth", addr.to_string()) {
-            Ok(true) => {}
-            Ok(false) => {
-                log(
-                    ffi::MOSQ_LOG_NOTICE,
-                    &format!("limiter: auth refused for {addr}"),
-                );
-                return ffi::MOSQ_ERR_AUTH;
-            }
-            Err(why) => {
-                let rc = unanswered(
-                    plugin,
-                    &format!("auth of {addr}"),
-                    &why,
-                    ffi::MOSQ_ERR_AUTH,
-                    pass,
-                );
-                if rc == ffi::MOSQ_ERR_AUTH {
-                    return rc;
-                }
-            }
+        if let Some(action) = &plugin.options.sessions
+            && let Err(rc) = acquire_session(plugin, action, event.client)
+        {
+            return rc;
         }
         // Only a deferred login meets a password check after this one, whose refusal to report.
-        if plugin.passes.login == Pass::Defer
+        if let Some(addr) = addr
+            && plugin.passes.login == Pass::Defer
             && let Ok(mut deferred) = plugin.deferred.lock()
         {
             deferred.insert(event.client as usize, addr);
         }
         pass
     })
+}
+
+/// `auth` for the client's address: `Err` with the code to answer when the login is refused.
+fn check_auth(plugin: &Plugin, addr: IpAddr, pass: c_int) -> Result<(), c_int> {
+    match plugin.agent.check("auth", addr.to_string()) {
+        Ok(true) => {}
+        Ok(false) => {
+            log(
+                ffi::MOSQ_LOG_NOTICE,
+                &format!("limiter: auth refused for {addr}"),
+            );
+            return Err(ffi::MOSQ_ERR_AUTH);
+        }
+        Err(why) => {
+            let rc = unanswered(
+                plugin,
+                &format!("auth of {addr}"),
+                &why,
+                ffi::MOSQ_ERR_AUTH,
+                pass,
+            );
+            if rc == ffi::MOSQ_ERR_AUTH {
+                return Err(rc);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The session a login with a username takes in the `sessions` action, named by the client's
+/// handle (unique among live clients, unlike a client id a takeover reuses): `Err` with the
+/// code to answer when the user has all its sessions. Released at the client's disconnect.
+fn acquire_session(plugin: &Plugin, action: &str, client: *mut Client) -> Result<(), c_int> {
+    let Some(user) = username(client) else {
+        return Ok(());
+    };
+    let handle = client as usize;
+    let session = format!("{handle:#x}");
+    match plugin
+        .agent
+        .acquire(action.to_owned(), user.clone(), session)
+    {
+        Ok(true) => {
+            if let Ok(mut sessions) = plugin.sessions.lock() {
+                sessions.insert(handle, user);
+            }
+            Ok(())
+        }
+        Ok(false) => {
+            log(
+                ffi::MOSQ_LOG_NOTICE,
+                &format!("limiter: {action}: user {user} has all its sessions; login refused"),
+            );
+            Err(ffi::MOSQ_ERR_AUTH)
+        }
+        Err(why) => {
+            let rc = unanswered(
+                plugin,
+                &format!("{action} of user {user}"),
+                &why,
+                ffi::MOSQ_ERR_AUTH,
+                ffi::MOSQ_ERR_SUCCESS,
+            );
+            if rc == ffi::MOSQ_ERR_SUCCESS {
+                Ok(())
+            } else {
+                Err(rc)
+            }
+        }
+    }
 }
 
 /// # Safety
@@ -538,8 +596,20 @@ unsafe extern "C" fn on_disconnect(
         let plugin = unsafe { &*userdata.cast::<Plugin>() };
         // SAFETY: the broker passes its disconnect event for this callback.
         let event = unsafe { &*data.cast::<EvtDisconnect>() };
+        let handle = event.client as usize;
         if let Ok(mut kicked) = plugin.kicked.lock() {
-            kicked.remove(&(event.client as usize));
+            kicked.remove(&handle);
+        }
+        if let Some(action) = &plugin.options.sessions
+            && let Some(user) = plugin
+                .sessions
+                .lock()
+                .ok()
+                .and_then(|mut s| s.remove(&handle))
+        {
+            plugin
+                .agent
+                .release(action.clone(), user, format!("{handle:#x}"));
         }
         if plugin.options.strikes.is_some() {
             // SAFETY: the live client handle of this event; NULL or its NUL-terminated id.

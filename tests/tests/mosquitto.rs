@@ -744,3 +744,138 @@ fn a_flooding_client_is_disconnected_after_its_strikes_and_another_of_its_user_i
         broker.log()
     );
 }
+
+/// `plugin_opt_sessions`: with `logins` at 2 sessions per user, a third session of alice is
+/// refused at CONNECT, allowed again once one of hers disconnects; bob is not affected; and a
+/// broker killed outright frees every session it held (its connection to the agent drops), so
+/// a new broker's clients get all of alice's sessions at once.
+#[test]
+fn a_third_session_of_a_user_is_refused_until_one_disconnects_and_a_killed_broker_frees_them() {
+    let pair = Pair::new().expect("namespaces");
+    let _peer = limiter_tests::kernel::peer(&pair).unwrap();
+    let pins = PinDir::new();
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("limiter.sock");
+    let config = dir.path().join("limiter.toml");
+    std::fs::write(
+        &config,
+        "[actions.logins]\nkind = \"concurrency\"\nlimit = 2\nkey = \"user\"\n",
+    )
+    .unwrap();
+    let port = mosquitto::PORT.to_string();
+    let agent = AgentProcess::start(
+        &pair.server,
+        &[
+            "--iface",
+            &pair.server_if,
+            "--pin-dir",
+            pins.arg(),
+            "--socket",
+            socket.to_str().unwrap(),
+            "--ports",
+            &port,
+            "--config",
+            config.to_str().unwrap(),
+            "--auth-limit",
+            "1000",
+        ],
+    )
+    .unwrap();
+    agent
+        .wait_for("limiter is ready", startup_deadline())
+        .unwrap();
+    let server = IpAddr::V4(SERVER_V4);
+    let good = IpAddr::V4(CLIENT_V4);
+    let users = [("alice", "a-secret"), ("bob", "b-secret")];
+    let opts = [
+        ("socket", socket.to_str().unwrap()),
+        ("actions", "auth"),
+        ("sessions", "logins"),
+        ("fail", "closed"),
+        ("timeout", "500"),
+    ];
+    let start_broker = |name: &str| {
+        let sub = dir.path().join(name);
+        std::fs::create_dir(&sub).unwrap();
+        Broker::start(&pair.server, server, &sub, &users, &opts).unwrap()
+    };
+    let hold = |broker: &Broker, user: &str, password: &str, id: &str| {
+        let child = mosquitto::spawn_client(
+            &pair.client,
+            "mosquitto_sub",
+            good,
+            server,
+            &["-u", user, "-P", password, "-i", id, "-t", "t/x"],
+        )
+        .unwrap();
+        broker
+            .wait_for(&format!(" as {id} "), 1, Duration::from_secs(5))
+            .unwrap();
+        child
+    };
+    let login = |user: &str, password: &str| {
+        let out = mosquitto::client(
+            &pair.client,
+            "mosquitto_pub",
+            good,
+            server,
+            &["-u", user, "-P", password, "-t", "t/x", "-m", "x"],
+            Duration::from_secs(5),
+        )
+        .unwrap();
+        (out.status.success(), text(&out))
+    };
+
+    let broker = start_broker("first");
+    let mut first = hold(&broker, "alice", "a-secret", "alice-1");
+    let mut second = hold(&broker, "alice", "a-secret", "alice-2");
+    let (ok, out) = login("alice", "a-secret");
+    assert!(
+        !ok && out.contains("not authorised"),
+        "a third session: {out}"
+    );
+    assert_eq!(
+        broker.count("limiter: logins: user alice has all its sessions"),
+        1,
+        "{}",
+        broker.log()
+    );
+    let (ok, out) = login("bob", "b-secret");
+    assert!(ok, "bob has sessions of his own: {out}");
+
+    first.kill().unwrap();
+    first.wait().unwrap();
+    broker
+        .wait_for(
+            "Client alice-1 closed its connection",
+            1,
+            Duration::from_secs(5),
+        )
+        .unwrap();
+    // The release goes to the agent as the broker notices; a login soon after gets the room.
+    let mut again = (false, String::new());
+    for _ in 0..20 {
+        again = login("alice", "a-secret");
+        if again.0 {
+            break;
+        }
+    }
+    assert!(again.0, "one of alice's sessions was freed: {}", again.1);
+
+    // The broker dies with alice-2's session held; the agent frees it with the connection.
+    drop(broker);
+    second.kill().unwrap();
+    second.wait().unwrap();
+    let broker = start_broker("second");
+    let mut a = hold(&broker, "alice", "a-secret", "alice-3");
+    let mut b = hold(&broker, "alice", "a-secret", "alice-4");
+    let (ok, out) = login("alice", "a-secret");
+    assert!(
+        !ok && out.contains("not authorised"),
+        "and exactly those: {out}"
+    );
+    for child in [&mut a, &mut b] {
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+}
