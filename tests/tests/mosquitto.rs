@@ -600,7 +600,8 @@ const STRIKES: usize = 3;
 /// `plugin_opt_strikes`: a client flooding publishes is refused past its connection's limit,
 /// each refusal a strike, and at the third strike it is kicked and what it sends meanwhile is
 /// dropped; another client of the same user is judged by its own connection and keeps
-/// publishing; and once the kicked client's connection is gone (MOSQ_EVT_DISCONNECT), its id
+/// publishing; a payload over `max-payload-bytes` weighing all the strikes closes its client
+/// at once; and once the kicked client's connection is gone (MOSQ_EVT_DISCONNECT), its id
 /// starts afresh.
 #[test]
 fn a_flooding_client_is_disconnected_after_its_strikes_and_another_of_its_user_is_not() {
@@ -614,7 +615,8 @@ fn a_flooding_client_is_disconnected_after_its_strikes_and_another_of_its_user_i
         &config,
         format!(
             "[actions.publish_conn]\nlimit = {CONN_LIMIT}\nwindow = \"1h\"\n\
-             key = \"connection\"\nstrikes-to-disconnect = {STRIKES}\nstrike-window = \"1h\"\n"
+             key = \"connection\"\nstrikes-to-disconnect = {STRIKES}\nstrike-window = \"1h\"\n\
+             max-payload-bytes = 64\noversize-strikes = {STRIKES}\n"
         ),
     )
     .unwrap();
@@ -717,6 +719,21 @@ fn a_flooding_client_is_disconnected_after_its_strikes_and_another_of_its_user_i
                 Duration::from_secs(5),
             )
             .unwrap();
+        // One payload over max-payload-bytes weighs all the strikes: that client goes at once.
+        let big = "x".repeat(65);
+        run(
+            &[
+                "-u", "alice", "-P", "a-secret", "-i", "big", "-t", "t/big", "-m", &big,
+            ],
+            5,
+        );
+        broker
+            .wait_for(
+                "limiter: publish_conn: disconnecting client big",
+                1,
+                Duration::from_secs(5),
+            )
+            .unwrap();
         let calm = run(&pub_args("calm", "t/calm", "2"), 5);
         assert!(calm.status.success(), "{}", text(&calm));
         let again = run(&pub_args("flooder", "t/again", "1"), 5);
@@ -726,8 +743,13 @@ fn a_flooding_client_is_disconnected_after_its_strikes_and_another_of_its_user_i
     let received = String::from_utf8_lossy(&watcher.stdout).into_owned();
     let from = |topic: &str| received.lines().filter(|l| l.starts_with(topic)).count();
     assert_eq!(
-        (from("t/flood"), from("t/calm"), from("t/again")),
-        (CONN_LIMIT, 2, 1),
+        (
+            from("t/flood"),
+            from("t/big"),
+            from("t/calm"),
+            from("t/again")
+        ),
+        (CONN_LIMIT, 0, 2, 1),
         "the flood is cut at its connection's limit, the calm client is not, and the flooder's \
          id starts afresh once gone; received:\n{received}\nbroker log:\n{}",
         broker.log()
@@ -739,8 +761,8 @@ fn a_flooding_client_is_disconnected_after_its_strikes_and_another_of_its_user_i
     );
     assert_eq!(
         broker.count("limiter: publish_conn: disconnecting client"),
-        1,
-        "only the flooder, once: {}",
+        2,
+        "the flooder and the oversize client, once each: {}",
         broker.log()
     );
 }
