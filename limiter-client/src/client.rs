@@ -24,7 +24,7 @@ use tokio_util::codec::{FramedRead, FramedWrite};
 use crate::{
     codec::{ClientCodec, CodecError, DEFAULT_MAX_FRAME},
     frame::{ErrorCode, Request, Response, validate_request},
-    verdict::{Escalation, Verdict},
+    verdict::{Checked, Escalation, Verdict},
 };
 
 /// Requests in flight per connection. Bounded so that a client that stops reading cannot make
@@ -158,6 +158,80 @@ impl Client {
         }
     }
 
+    /// [`check`](Self::check) with the size of the payload being checked, for actions with
+    /// `max-payload-bytes` and strikes (protocol 1.3): the verdict may be
+    /// [`Outcome::Disconnect`](crate::Outcome::Disconnect), and says what a monitored action
+    /// would have refused. An agent before 1.3 answers [`ErrorCode::UnknownOpcode`](crate::ErrorCode::UnknownOpcode).
+    pub async fn check_payload(
+        &self,
+        action: &str,
+        key: impl AsRef<[u8]>,
+        cost: u32,
+        payload_bytes: u32,
+    ) -> Result<Checked, ClientError> {
+        let request = Request::CheckPayload {
+            action: action.to_owned(),
+            key: Bytes::copy_from_slice(key.as_ref()),
+            cost,
+            payload_bytes,
+        };
+        match self.call(request).await? {
+            Response::Checked(c) => Ok(c),
+            other => Err(unexpected("check-payload", &other)),
+        }
+    }
+
+    /// Tells the agent that the broker's connection `key` (a key of its actions keyed by
+    /// `connection`) is gone, so its buckets and strikes are forgotten; `true` if it had any.
+    pub async fn connection_gone(&self, key: impl AsRef<[u8]>) -> Result<bool, ClientError> {
+        let request = Request::ConnectionGone {
+            key: Bytes::copy_from_slice(key.as_ref()),
+        };
+        match self.call(request).await? {
+            Response::Done { changed } => Ok(changed),
+            other => Err(unexpected("connection-gone", &other)),
+        }
+    }
+
+    /// Takes one of `key`'s sessions in the concurrency `action`, named `session`: allowed
+    /// while fewer than the limit are held, `limited` otherwise. This connection holds it
+    /// until [`release`](Self::release), or until the connection ends (the agent then frees
+    /// every session it held). Protocol 1.3.
+    pub async fn acquire(
+        &self,
+        action: &str,
+        key: impl AsRef<[u8]>,
+        session: impl AsRef<[u8]>,
+    ) -> Result<Verdict, ClientError> {
+        let request = Request::Acquire {
+            action: action.to_owned(),
+            key: Bytes::copy_from_slice(key.as_ref()),
+            session: Bytes::copy_from_slice(session.as_ref()),
+        };
+        match self.call(request).await? {
+            Response::Verdict(v) => Ok(v),
+            other => Err(unexpected("acquire", &other)),
+        }
+    }
+
+    /// Gives back a session this connection acquired; `true` if it held it.
+    pub async fn release(
+        &self,
+        action: &str,
+        key: impl AsRef<[u8]>,
+        session: impl AsRef<[u8]>,
+    ) -> Result<bool, ClientError> {
+        let request = Request::Release {
+            action: action.to_owned(),
+            key: Bytes::copy_from_slice(key.as_ref()),
+            session: Bytes::copy_from_slice(session.as_ref()),
+        };
+        match self.call(request).await? {
+            Response::Done { changed } => Ok(changed),
+            other => Err(unexpected("release", &other)),
+        }
+    }
+
     /// Forgets `key`'s bucket, so its next check finds it full. `true` if the key had a
     /// bucket to forget.
     pub async fn reset(&self, action: &str, key: impl AsRef<[u8]>) -> Result<bool, ClientError> {
@@ -232,6 +306,7 @@ fn unexpected(sent: &'static str, got: &Response) -> ClientError {
             Response::Verdict(_) => "verdict",
             Response::Done { .. } => "done",
             Response::Escalation(_) => "escalation",
+            Response::Checked(_) => "checked",
             Response::Error { .. } => "error",
         },
     }

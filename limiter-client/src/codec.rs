@@ -175,7 +175,7 @@ mod tests {
     use std::{net::IpAddr, time::Duration};
 
     use super::*;
-    use crate::{Escalation, Outcome, Verdict};
+    use crate::{Checked, Escalation, Outcome, Verdict};
 
     fn round_trip_request(request: Request) {
         let mut buf = BytesMut::new();
@@ -219,6 +219,56 @@ mod tests {
         round_trip_request(Request::Authenticate {
             token: Bytes::from_static(b"s3cret"),
         });
+        round_trip_request(Request::CheckPayload {
+            action: "publish".into(),
+            key: Bytes::from_static(b"client-7"),
+            cost: 1,
+            payload_bytes: 70_000,
+        });
+        round_trip_request(Request::ConnectionGone {
+            key: Bytes::from_static(b"client-7"),
+        });
+        round_trip_request(Request::Acquire {
+            action: "sessions".into(),
+            key: Bytes::from_static(b"alice"),
+            session: Bytes::from_static(b"0x7f00aa"),
+        });
+        round_trip_request(Request::Release {
+            action: "sessions".into(),
+            key: Bytes::from_static(b"alice"),
+            session: Bytes::from_static(b"0x7f00aa"),
+        });
+    }
+
+    #[test]
+    fn a_check_payload_is_a_check_with_the_size_behind_its_cost() {
+        let mut buf = BytesMut::new();
+        let request = Request::CheckPayload {
+            action: "pub".into(),
+            key: Bytes::from_static(b"c1"),
+            cost: 1,
+            payload_bytes: 0x0001_0000,
+        };
+        ClientCodec::new(DEFAULT_MAX_FRAME)
+            .encode((5, &request), &mut buf)
+            .unwrap();
+        assert_eq!(
+            hex(&buf),
+            "00000015080000000503707562000263310000000100010000"
+        );
+        // The monitor flag byte: 0 is none, an allowance is never a refusal to report.
+        let mut reply = BytesMut::new();
+        reply.extend_from_slice(&hex_bytes(
+            "0000001f8400000005000000000a000000090000000000000000000000000000177001",
+        ));
+        assert!(
+            ClientCodec::new(DEFAULT_MAX_FRAME)
+                .decode(&mut reply)
+                .unwrap()
+                .unwrap()
+                .message
+                .is_err()
+        );
     }
 
     #[test]
@@ -228,6 +278,15 @@ mod tests {
             Response::Done { changed: true },
             Response::Escalation(Escalation::Counted { failures: 3 }),
             Response::Escalation(Escalation::Banned),
+            Response::Verdict(Verdict::new(Outcome::Disconnect, 10, 0, 6000, 60000)),
+            Response::Checked(Checked {
+                verdict: Verdict::new(Outcome::Allowed, 10, 0, 0, 60000),
+                would_refuse: Some(Outcome::Limited),
+            }),
+            Response::Checked(Checked {
+                verdict: Verdict::new(Outcome::PayloadTooLarge, 10, 3, 0, 600),
+                would_refuse: None,
+            }),
             Response::Error {
                 code: ErrorCode::UnknownAction,
                 message: "unknown action \"x\"".into(),
@@ -277,6 +336,13 @@ mod tests {
             "0000001e 81 00000001 00 0000000a 00000009 0000000000000000 0000000000001770"
                 .replace(' ', "")
         );
+    }
+
+    fn hex_bytes(text: &str) -> Vec<u8> {
+        (0..text.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&text[i..i + 2], 16).unwrap())
+            .collect()
     }
 
     fn hex(bytes: &[u8]) -> String {

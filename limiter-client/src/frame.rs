@@ -5,7 +5,7 @@ use std::{net::IpAddr, time::Duration};
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 
-use crate::verdict::{Escalation, Outcome, Verdict};
+use crate::verdict::{Checked, Escalation, Outcome, Verdict};
 
 /// Longest action name. Names travel behind a one-byte length, and the agent refuses to
 /// configure a name it could not be asked about.
@@ -32,12 +32,24 @@ pub mod op {
     pub const UNBAN: u8 = 0x06;
     /// Present the admin token: [`Request::Authenticate`](crate::Request::Authenticate).
     pub const AUTHENTICATE: u8 = 0x07;
+    /// A check carrying the payload's size, answered with the monitor flag:
+    /// [`Request::CheckPayload`](crate::Request::CheckPayload).
+    pub const CHECK_PAYLOAD: u8 = 0x08;
+    /// A connection the broker named in its keys is gone:
+    /// [`Request::ConnectionGone`](crate::Request::ConnectionGone).
+    pub const CONNECTION_GONE: u8 = 0x09;
+    /// Take a session: [`Request::Acquire`](crate::Request::Acquire).
+    pub const ACQUIRE: u8 = 0x0A;
+    /// Give a session back: [`Request::Release`](crate::Request::Release).
+    pub const RELEASE: u8 = 0x0B;
     /// The reply to a check or peek: [`Response::Verdict`](crate::Response::Verdict).
     pub const VERDICT: u8 = 0x81;
     /// The reply to reset, ban and unban: [`Response::Done`](crate::Response::Done).
     pub const DONE: u8 = 0x82;
     /// The reply to an auth failure: [`Response::Escalation`](crate::Response::Escalation).
     pub const ESCALATION: u8 = 0x83;
+    /// The reply to a check-payload: [`Response::Checked`](crate::Response::Checked).
+    pub const CHECKED: u8 = 0x84;
     /// The reply to anything that failed: [`Response::Error`](crate::Response::Error).
     pub const ERROR: u8 = 0xFF;
 }
@@ -106,6 +118,47 @@ pub enum Request {
         /// The token, 1 to [`MAX_TOKEN_LEN`] bytes.
         token: Bytes,
     },
+    /// [`Request::Check`] with the size of what is being checked (a publish's payload), for
+    /// actions with `max-payload-bytes`, answered with a [`Response::Checked`], which also
+    /// says what a monitored action would have refused. Protocol 1.3.
+    CheckPayload {
+        /// The action's configured name.
+        action: String,
+        /// Whose bucket.
+        key: Bytes,
+        /// Tokens to spend; at least 1.
+        cost: u32,
+        /// The payload's size in bytes; 0 when there is none (an empty payload is never too
+        /// large).
+        payload_bytes: u32,
+    },
+    /// The broker's connection named `key` (in actions keyed by `connection`) is gone: its
+    /// buckets and strikes are forgotten. Answered with [`Response::Done`]. Protocol 1.3.
+    ConnectionGone {
+        /// The connection's name, as the broker's checks gave it.
+        key: Bytes,
+    },
+    /// Take one of `key`'s sessions in the concurrency `action`, named `session` (e.g. the
+    /// broker's client handle); held by this protocol connection until released or the
+    /// connection ends. Answered with a [`Response::Verdict`]. Protocol 1.3.
+    Acquire {
+        /// A concurrency action's name.
+        action: String,
+        /// Whose sessions (e.g. a user name).
+        key: Bytes,
+        /// The broker's name for this session, 1 to [`MAX_KEY_LEN`] bytes.
+        session: Bytes,
+    },
+    /// Give back a session this connection acquired; answered with [`Response::Done`].
+    /// Protocol 1.3.
+    Release {
+        /// A concurrency action's name.
+        action: String,
+        /// Whose sessions.
+        key: Bytes,
+        /// The name it was acquired with.
+        session: Bytes,
+    },
 }
 
 /// What the agent answers. Each request has one expected reply kind, or
@@ -121,6 +174,8 @@ pub enum Response {
     },
     /// What a reported auth failure led to.
     Escalation(Escalation),
+    /// The answer to a check-payload: the verdict and the monitor flag.
+    Checked(Checked),
     /// The request failed; the connection stays open unless `code` is
     /// [`ErrorCode::FrameTooLarge`].
     Error {
@@ -158,6 +213,8 @@ pub enum ErrorCode {
     /// [`Request::Authenticate`] with a token that is not the agent's; the connection stays
     /// as trusted as it was.
     BadToken = 9,
+    /// An acquire or release of an action that is not of kind `concurrency` (protocol 1.3).
+    WrongKind = 10,
 }
 
 impl ErrorCode {
@@ -173,6 +230,7 @@ impl ErrorCode {
             7 => ErrorCode::BanFailed,
             8 => ErrorCode::NotPermitted,
             9 => ErrorCode::BadToken,
+            10 => ErrorCode::WrongKind,
             _ => return None,
         })
     }
@@ -283,6 +341,19 @@ impl Fields {
         }
     }
 
+    fn verdict(&mut self) -> Result<Verdict, ParseError> {
+        let raw = self.u8("the outcome")?;
+        let outcome = Outcome::from_wire(raw)
+            .ok_or_else(|| ParseError::malformed(format!("unknown outcome {raw}")))?;
+        Ok(Verdict::new(
+            outcome,
+            self.u32("the limit")?,
+            self.u32("remaining")?,
+            self.u64("retry_after_ms")?,
+            self.u64("reset_after_ms")?,
+        ))
+    }
+
     fn end(self) -> Result<(), ParseError> {
         if self.body.has_remaining() {
             return Err(ParseError::malformed(format!(
@@ -305,6 +376,10 @@ pub(crate) fn parse_request(opcode: u8, body: Bytes) -> Result<Request, ParseErr
         op::BAN => "ban",
         op::UNBAN => "unban",
         op::AUTHENTICATE => "authenticate",
+        op::CHECK_PAYLOAD => "check-payload",
+        op::CONNECTION_GONE => "connection-gone",
+        op::ACQUIRE => "acquire",
+        op::RELEASE => "release",
         other => {
             return Err(ParseError {
                 code: ErrorCode::UnknownOpcode,
@@ -314,7 +389,7 @@ pub(crate) fn parse_request(opcode: u8, body: Bytes) -> Result<Request, ParseErr
     };
     let mut f = Fields { body, what };
     let request = match opcode {
-        op::CHECK | op::PEEK => {
+        op::CHECK | op::PEEK | op::CHECK_PAYLOAD => {
             let action = f.action()?;
             let key = f.key()?;
             let cost = f.u32("the cost")?;
@@ -324,10 +399,40 @@ pub(crate) fn parse_request(opcode: u8, body: Bytes) -> Result<Request, ParseErr
                     message: "a cost must be at least 1".into(),
                 });
             }
-            if opcode == op::CHECK {
-                Request::Check { action, key, cost }
+            match opcode {
+                op::CHECK => Request::Check { action, key, cost },
+                op::PEEK => Request::Peek { action, key, cost },
+                _ => Request::CheckPayload {
+                    action,
+                    key,
+                    cost,
+                    payload_bytes: f.u32("the payload size")?,
+                },
+            }
+        }
+        op::CONNECTION_GONE => Request::ConnectionGone { key: f.key()? },
+        op::ACQUIRE | op::RELEASE => {
+            let action = f.action()?;
+            let key = f.key()?;
+            let len = usize::from(f.u16("the session length")?);
+            if len == 0 || len > MAX_KEY_LEN {
+                return Err(ParseError::malformed(format!(
+                    "a session name is 1 to {MAX_KEY_LEN} bytes, not {len}"
+                )));
+            }
+            let session = f.bytes("the session name", len)?;
+            if opcode == op::ACQUIRE {
+                Request::Acquire {
+                    action,
+                    key,
+                    session,
+                }
             } else {
-                Request::Peek { action, key, cost }
+                Request::Release {
+                    action,
+                    key,
+                    session,
+                }
             }
         }
         op::RESET => Request::Reset {
@@ -409,13 +514,52 @@ pub(crate) fn put_request(dst: &mut BytesMut, request: &Request) -> u8 {
             dst.put_slice(token);
             op::AUTHENTICATE
         }
+        Request::CheckPayload {
+            action,
+            key,
+            cost,
+            payload_bytes,
+        } => {
+            put_target(dst, action, key);
+            dst.put_u32(*cost);
+            dst.put_u32(*payload_bytes);
+            op::CHECK_PAYLOAD
+        }
+        Request::ConnectionGone { key } => {
+            dst.put_u16(key.len() as u16);
+            dst.put_slice(key);
+            op::CONNECTION_GONE
+        }
+        Request::Acquire {
+            action,
+            key,
+            session,
+        }
+        | Request::Release {
+            action,
+            key,
+            session,
+        } => {
+            put_target(dst, action, key);
+            dst.put_u16(session.len() as u16);
+            dst.put_slice(session);
+            if matches!(request, Request::Acquire { .. }) {
+                op::ACQUIRE
+            } else {
+                op::RELEASE
+            }
+        }
     }
 }
 
 /// Checks what the wire cannot carry before anything is sent.
 pub(crate) fn validate_request(request: &Request) -> Result<(), ParseError> {
     let target = match request {
-        Request::Check { action, key, cost } | Request::Peek { action, key, cost } => {
+        Request::Check { action, key, cost }
+        | Request::Peek { action, key, cost }
+        | Request::CheckPayload {
+            action, key, cost, ..
+        } => {
             if *cost == 0 {
                 return Err(ParseError {
                     code: ErrorCode::InvalidCost,
@@ -425,6 +569,23 @@ pub(crate) fn validate_request(request: &Request) -> Result<(), ParseError> {
             Some((action, key))
         }
         Request::Reset { action, key } => Some((action, key)),
+        Request::Acquire { session, .. } | Request::Release { session, .. }
+            if session.is_empty() || session.len() > MAX_KEY_LEN =>
+        {
+            return Err(ParseError::malformed(format!(
+                "a session name is 1 to {MAX_KEY_LEN} bytes, not {}",
+                session.len()
+            )));
+        }
+        Request::Acquire { action, key, .. } | Request::Release { action, key, .. } => {
+            Some((action, key))
+        }
+        Request::ConnectionGone { key } if key.is_empty() || key.len() > MAX_KEY_LEN => {
+            return Err(ParseError {
+                code: ErrorCode::InvalidKey,
+                message: format!("a key is 1 to {MAX_KEY_LEN} bytes, not {}", key.len()),
+            });
+        }
         Request::Authenticate { token } if token.is_empty() || token.len() > MAX_TOKEN_LEN => {
             return Err(ParseError::malformed(format!(
                 "a token is 1 to {MAX_TOKEN_LEN} bytes, not {}",
@@ -463,14 +624,23 @@ fn escalation_wire(escalation: Escalation) -> (u8, u32) {
 
 /// Writes the body of a response and returns its opcode.
 pub(crate) fn put_response(dst: &mut BytesMut, response: &Response) -> u8 {
+    let put_verdict = |dst: &mut BytesMut, v: &Verdict| {
+        dst.put_u8(v.outcome as u8);
+        dst.put_u32(v.limit);
+        dst.put_u32(v.remaining);
+        dst.put_u64(v.retry_after_ms);
+        dst.put_u64(v.reset_after_ms);
+    };
     match response {
         Response::Verdict(v) => {
-            dst.put_u8(v.outcome as u8);
-            dst.put_u32(v.limit);
-            dst.put_u32(v.remaining);
-            dst.put_u64(v.retry_after_ms);
-            dst.put_u64(v.reset_after_ms);
+            put_verdict(dst, v);
             op::VERDICT
+        }
+        Response::Checked(c) => {
+            put_verdict(dst, &c.verdict);
+            // Outcome 0 (allowed) is never a refusal, so it stands for "none".
+            dst.put_u8(c.would_refuse.map_or(0, |o| o as u8));
+            op::CHECKED
         }
         Response::Done { changed } => {
             dst.put_u8(u8::from(*changed));
@@ -499,6 +669,7 @@ pub(crate) fn parse_response(opcode: u8, body: Bytes) -> Result<Response, ParseE
         op::VERDICT => "verdict",
         op::DONE => "done",
         op::ESCALATION => "escalation",
+        op::CHECKED => "checked",
         op::ERROR => "error",
         other => {
             return Err(ParseError {
@@ -509,17 +680,24 @@ pub(crate) fn parse_response(opcode: u8, body: Bytes) -> Result<Response, ParseE
     };
     let mut f = Fields { body, what };
     let response = match opcode {
-        op::VERDICT => {
-            let raw = f.u8("the outcome")?;
-            let outcome = Outcome::from_wire(raw)
-                .ok_or_else(|| ParseError::malformed(format!("unknown outcome {raw}")))?;
-            Response::Verdict(Verdict::new(
-                outcome,
-                f.u32("the limit")?,
-                f.u32("remaining")?,
-                f.u64("retry_after_ms")?,
-                f.u64("reset_after_ms")?,
-            ))
+        op::VERDICT => Response::Verdict(f.verdict()?),
+        op::CHECKED => {
+            let verdict = f.verdict()?;
+            let raw = f.u8("the monitor flag")?;
+            let would_refuse = match raw {
+                0 => None,
+                raw => Some(
+                    Outcome::from_wire(raw)
+                        .filter(|o| !o.allowed())
+                        .ok_or_else(|| {
+                            ParseError::malformed(format!("{raw} is no refusal to monitor"))
+                        })?,
+                ),
+            };
+            Response::Checked(Checked {
+                verdict,
+                would_refuse,
+            })
         }
         op::DONE => Response::Done {
             changed: f.u8("the changed flag")? != 0,

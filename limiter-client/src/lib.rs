@@ -54,4 +54,4 @@ pub use codec::{ClientCodec, CodecError, DEFAULT_MAX_FRAME, Received, ServerCode
 pub use frame::{
     ErrorCode, MAX_ACTION_NAME, MAX_KEY_LEN, MAX_TOKEN_LEN, ParseError, Request, Response, op,
 };
-pub use verdict::{Escalation, NEVER_MS, Outcome, Verdict};
+pub use verdict::{Checked, Escalation, NEVER_MS, Outcome, Verdict};

@@ -17,10 +17,16 @@ pub enum Outcome {
     Closed = 4,
     /// The cost is larger than a quota's whole allowance per period: waiting will not help.
     CostExceedsLimit = 5,
+    /// The connection has collected its strikes (refusals, oversize payloads) within the
+    /// action's strike window: the broker closes it and drops what it sends until then.
+    /// Protocol 1.3; a client of an earlier version treats it as a refusal.
+    Disconnect = 6,
+    /// The payload is larger than the action's `max-payload-bytes`: drop it. Protocol 1.3.
+    PayloadTooLarge = 7,
 }
 
 impl Outcome {
-    /// Whether the request may go ahead. Two outcomes allow, four refuse; callers that only
+    /// Whether the request may go ahead. Two outcomes allow, the others refuse; callers that only
     /// need yes or no should not have to know which are which.
     pub fn allowed(self) -> bool {
         matches!(self, Outcome::Allowed | Outcome::Unlimited)
@@ -35,6 +41,8 @@ impl Outcome {
             3 => Outcome::CostExceedsBurst,
             4 => Outcome::Closed,
             5 => Outcome::CostExceedsLimit,
+            6 => Outcome::Disconnect,
+            7 => Outcome::PayloadTooLarge,
             _ => return None,
         })
     }
@@ -49,6 +57,8 @@ impl Outcome {
             Outcome::CostExceedsBurst => "cost_exceeds_burst",
             Outcome::Closed => "closed",
             Outcome::CostExceedsLimit => "cost_exceeds_limit",
+            Outcome::Disconnect => "disconnect",
+            Outcome::PayloadTooLarge => "payload_too_large",
         }
     }
 }
@@ -101,6 +111,17 @@ impl Verdict {
     }
 }
 
+/// The answer to a [`check_payload`](crate::Client::check_payload): the verdict to act on,
+/// and, for an action in monitor mode, the refusal enforcement would have made (the verdict
+/// itself then allows).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Checked {
+    /// What the broker acts on.
+    pub verdict: Verdict,
+    /// `Some` only in monitor mode, when enforcing would have refused with this outcome.
+    pub would_refuse: Option<Outcome>,
+}
+
 /// What one reported authentication failure led to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Escalation {
@@ -140,6 +161,9 @@ mod tests {
             }
         }
         assert_eq!(Outcome::from_wire(5), Some(Outcome::CostExceedsLimit));
-        assert_eq!(Outcome::from_wire(6), None);
+        assert_eq!(Outcome::from_wire(6), Some(Outcome::Disconnect));
+        assert_eq!(Outcome::from_wire(7), Some(Outcome::PayloadTooLarge));
+        assert_eq!(Outcome::from_wire(8), None);
+        assert!(!Outcome::Disconnect.allowed() && !Outcome::PayloadTooLarge.allowed());
     }
 }

@@ -14,7 +14,7 @@ use std::{
     time::Duration,
 };
 
-use limiter_client::{Client, ClientError};
+use limiter_client::{Client, ClientError, Outcome};
 use tokio::{runtime::Runtime, sync::Mutex};
 
 /// Why there is no verdict; the caller applies its fail mode either way, and logs this.
@@ -31,6 +31,29 @@ impl std::fmt::Display for NoAnswer {
         match self {
             NoAnswer::Timeout => f.write_str("no answer within the timeout"),
             NoAnswer::Failed(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+/// What a connection's strikes action says about one message.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Strike {
+    /// Let it through (in monitor mode, with what enforcement would have answered).
+    Pass { would_refuse: Option<Outcome> },
+    /// Drop the message.
+    Drop,
+    /// Drop it and close the connection.
+    Disconnect,
+}
+
+impl Strike {
+    /// The plugin's decision for a verdict; an outcome this plugin does not know is a refusal,
+    /// as the protocol says.
+    pub fn of(outcome: Outcome, would_refuse: Option<Outcome>) -> Self {
+        match outcome {
+            Outcome::Disconnect => Strike::Disconnect,
+            o if o.allowed() => Strike::Pass { would_refuse },
+            _ => Strike::Drop,
         }
     }
 }
@@ -84,6 +107,95 @@ impl Agent {
             .unwrap_or(Err(NoAnswer::Timeout))
     }
 
+    /// Spends one token of the strikes `action` for the connection `client_id`, giving the
+    /// payload's size: whether to pass, drop, or drop and disconnect.
+    pub fn check_connection(
+        &self,
+        action: String,
+        client_id: String,
+        payload_bytes: u32,
+    ) -> Result<Strike, NoAnswer> {
+        let (tx, rx) = mpsc::sync_channel(1);
+        let client = Arc::clone(&self.client);
+        let socket = self.socket.clone();
+        let timeout = self.timeout;
+        self.runtime.spawn(async move {
+            let answer = tokio::time::timeout(timeout, async {
+                let c = connected(&client, &socket).await?;
+                let checked = c.check_payload(&action, client_id, 1, payload_bytes).await;
+                forget_if_broken(&client, &checked).await;
+                checked
+            })
+            .await;
+            let _ = tx.send(match answer {
+                Ok(Ok(c)) => Ok(Strike::of(c.verdict.outcome, c.would_refuse)),
+                Ok(Err(e)) => Err(NoAnswer::Failed(e)),
+                Err(_) => Err(NoAnswer::Timeout),
+            });
+        });
+        rx.recv_timeout(self.timeout)
+            .unwrap_or(Err(NoAnswer::Timeout))
+    }
+
+    /// Takes a session of `user` in the concurrency `action`: `Ok(true)` taken, `Ok(false)`
+    /// the user has all its sessions. The plugin's one connection holds it, so a broker that
+    /// dies frees them all.
+    pub fn acquire(&self, action: String, user: String, session: String) -> Result<bool, NoAnswer> {
+        let (tx, rx) = mpsc::sync_channel(1);
+        let client = Arc::clone(&self.client);
+        let socket = self.socket.clone();
+        let timeout = self.timeout;
+        self.runtime.spawn(async move {
+            let answer = tokio::time::timeout(timeout, async {
+                let c = connected(&client, &socket).await?;
+                let verdict = c.acquire(&action, user, session).await;
+                forget_if_broken(&client, &verdict).await;
+                verdict
+            })
+            .await;
+            let _ = tx.send(match answer {
+                Ok(Ok(v)) => Ok(v.allowed),
+                Ok(Err(e)) => Err(NoAnswer::Failed(e)),
+                Err(_) => Err(NoAnswer::Timeout),
+            });
+        });
+        rx.recv_timeout(self.timeout)
+            .unwrap_or(Err(NoAnswer::Timeout))
+    }
+
+    /// Gives a session back, without waiting: the client is gone already.
+    pub fn release(&self, action: String, user: String, session: String) {
+        let client = Arc::clone(&self.client);
+        let socket = self.socket.clone();
+        let timeout = self.timeout;
+        self.runtime.spawn(async move {
+            let _ = tokio::time::timeout(timeout, async {
+                let c = connected(&client, &socket).await?;
+                let released = c.release(&action, user, session).await;
+                forget_if_broken(&client, &released).await;
+                released
+            })
+            .await;
+        });
+    }
+
+    /// Tells the agent a client's connection is gone, without waiting: its strikes are
+    /// released, and nothing of the broker's depends on the answer.
+    pub fn connection_gone(&self, client_id: String) {
+        let client = Arc::clone(&self.client);
+        let socket = self.socket.clone();
+        let timeout = self.timeout;
+        self.runtime.spawn(async move {
+            let _ = tokio::time::timeout(timeout, async {
+                let c = connected(&client, &socket).await?;
+                let gone = c.connection_gone(client_id).await;
+                forget_if_broken(&client, &gone).await;
+                gone
+            })
+            .await;
+        });
+    }
+
     /// Reports a failed password by `addr` without waiting: the broker has already refused
     /// the login, and only the escalation count depends on it.
     pub fn report_auth_failure(&self, addr: IpAddr) {
@@ -134,6 +246,26 @@ async fn forget_if_broken<T>(client: &Mutex<Option<Client>>, result: &Result<T, 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_disconnect_kicks_and_every_other_refusal_drops() {
+        assert_eq!(Strike::of(Outcome::Disconnect, None), Strike::Disconnect);
+        for refusal in [
+            Outcome::Limited,
+            Outcome::PayloadTooLarge,
+            Outcome::Closed,
+            Outcome::CostExceedsBurst,
+        ] {
+            assert_eq!(Strike::of(refusal, None), Strike::Drop, "{refusal:?}");
+        }
+        let monitored = Strike::of(Outcome::Allowed, Some(Outcome::Disconnect));
+        assert_eq!(
+            monitored,
+            Strike::Pass {
+                would_refuse: Some(Outcome::Disconnect)
+            }
+        );
+    }
 
     #[test]
     fn an_unreachable_agent_is_a_failure_not_a_hang() {

@@ -1,7 +1,7 @@
 //! The part of mosquitto 2.0's plugin API this plugin uses, declared by hand from Debian's
 //! `mosquitto-dev` headers (`mosquitto_broker.h`, `mosquitto_plugin.h`) and `mosquitto.h`.
 //!
-//! Hand-declared rather than generated with bindgen: it is six functions, three event structs
+//! Hand-declared rather than generated with bindgen: it is seven functions, three event structs
 //! and a few constants, and a bindgen build dependency (clang-sys, libclang at build time)
 //! would cost every build more than these lines cost to check against the headers. The
 //! functions are exported by the broker binary itself and resolved when it loads the plugin,
@@ -69,6 +69,7 @@ pub type Callback =
 // enum mosquitto_plugin_event
 pub const MOSQ_EVT_ACL_CHECK: c_int = 2;
 pub const MOSQ_EVT_BASIC_AUTH: c_int = 3;
+pub const MOSQ_EVT_TICK: c_int = 9;
 pub const MOSQ_EVT_DISCONNECT: c_int = 10;
 
 // enum mosq_err_t
@@ -106,4 +107,7 @@ unsafe extern "C" {
     pub fn mosquitto_client_address(client: *const Client) -> *const c_char;
     pub fn mosquitto_client_id(client: *const Client) -> *const c_char;
     pub fn mosquitto_client_username(client: *const Client) -> *const c_char;
+    /// Disconnects the client with this id at once (its DISCONNECT event fires inside the
+    /// call); `with_will` false sends no last will.
+    pub fn mosquitto_kick_client_by_clientid(clientid: *const c_char, with_will: bool) -> c_int;
 }

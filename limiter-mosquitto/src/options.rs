@@ -86,6 +86,13 @@ pub struct Options {
     pub acl_default: AclDefault,
     /// `plugin_opt_login_check`: `auto` (default), `broker` or `none`.
     pub login_check: LoginCheck,
+    /// `plugin_opt_strikes`: the agent's action (keyed by `connection`) checked with the
+    /// client id and the payload's size on every PUBLISH; a client it answers `disconnect`
+    /// is kicked. Default: none.
+    pub strikes: Option<String>,
+    /// `plugin_opt_sessions`: the agent's concurrency action keyed by username, a session
+    /// taken at each CONNECT with a username and released at its disconnect. Default: none.
+    pub sessions: Option<String>,
 }
 
 impl Default for Options {
@@ -101,6 +108,8 @@ impl Default for Options {
             timeout: DEFAULT_TIMEOUT,
             acl_default: AclDefault::Auto,
             login_check: LoginCheck::Auto,
+            strikes: None,
+            sessions: None,
         }
     }
 }
@@ -153,6 +162,22 @@ impl Options {
                         _ => return Err(invalid("login_check", "auto, broker or none")),
                     }
                 }
+                "strikes" | "sessions" => {
+                    let valid = !value.is_empty()
+                        && value.len() <= limiter_client::MAX_ACTION_NAME
+                        && value.bytes().all(|b| {
+                            b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.'
+                        });
+                    let (key, slot) = if key == "strikes" {
+                        ("strikes", &mut options.strikes)
+                    } else {
+                        ("sessions", &mut options.sessions)
+                    };
+                    if !valid {
+                        return Err(invalid(key, "an action name (1 to 64 of A-Za-z0-9_.-)"));
+                    }
+                    *slot = Some(value.to_owned());
+                }
                 _ => return Err(OptionsError::Unknown(key.to_owned())),
             }
         }
@@ -202,8 +227,12 @@ mod tests {
             ("timeout", "250"),
             ("acl_default", "allow"),
             ("login_check", "none"),
+            ("strikes", "publish_conn"),
+            ("sessions", "logins"),
         ])
         .unwrap();
+        assert_eq!(o.strikes.as_deref(), Some("publish_conn"));
+        assert_eq!(o.sessions.as_deref(), Some("logins"));
         assert_eq!(o.socket, PathBuf::from("/tmp/x.sock"));
         assert_eq!(
             o.actions,
@@ -238,6 +267,9 @@ mod tests {
             (vec![("sokcet", "/x")], "plugin_opt_sokcet"),
             (vec![("login_check", "off")], "plugin_opt_login_check"),
             (vec![("acl_default", "deny")], "plugin_opt_acl_default"),
+            (vec![("strikes", "")], "plugin_opt_strikes"),
+            (vec![("strikes", "pub conn")], "plugin_opt_strikes"),
+            (vec![("sessions", "")], "plugin_opt_sessions"),
         ] {
             let err = Options::parse(pairs).unwrap_err().to_string();
             assert!(err.contains(needle), "{err}");

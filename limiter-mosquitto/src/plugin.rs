@@ -13,11 +13,19 @@
 //! remembered client that disconnects without an id is reported as an auth failure; one this
 //! plugin refused itself is not remembered, so it is never counted twice.
 //!
+//! **Strikes.** With `plugin_opt_strikes ACTION`, every PUBLISH is also checked against that
+//! action keyed by the client's id, with the payload's size. A `disconnect` verdict drops the
+//! message and marks the client kicked: from then on every ACL check of that client is denied
+//! without asking. The kick itself waits for the next `MOSQ_EVT_TICK` (the main loop, between
+//! packets): `mosquitto_kick_client_by_clientid` runs the whole disconnect inside the call,
+//! which the middle of the client's own PUBLISH, still being handled, must not meet. Its
+//! `MOSQ_EVT_DISCONNECT` (every client's) tells the agent the connection is gone.
+//!
 //! No panic may unwind into the broker (undefined behaviour across `extern "C"`): every
 //! export and callback runs inside [`guard`], which turns a panic into an error code.
 
 use std::{
-    collections::HashMap,
+    collections::{HashMap, HashSet},
     ffi::{CStr, CString, OsStr, c_char, c_int, c_void},
     net::IpAddr,
     os::unix::ffi::OsStrExt,
@@ -27,7 +35,7 @@ use std::{
 };
 
 use crate::{
-    agent::Agent,
+    agent::{Agent, Strike},
     broker_conf::{self, BrokerConf, ConfError},
     ffi::{self, Client, EvtAclCheck, EvtBasicAuth, EvtDisconnect, Opt, PluginId},
     options::{FailMode, Options},
@@ -44,6 +52,13 @@ struct Plugin {
     /// Clients whose login this plugin deferred, by handle, with their address: those the
     /// password check then refuses are reported on disconnect.
     deferred: Mutex<HashMap<usize, IpAddr>>,
+    /// Clients the strikes action closed, by handle: each of their ACL checks is denied until
+    /// their disconnect.
+    kicked: Mutex<HashSet<usize>>,
+    /// Whom to kick at the next tick: the handle (a client already gone is skipped) and id.
+    to_kick: Mutex<Vec<(usize, CString)>>,
+    /// The user of each client holding a session of `plugin_opt_sessions`, by handle.
+    sessions: Mutex<HashMap<usize, String>>,
 }
 
 /// Runs `f`, turning a panic into `on_panic` (and a log line) instead of unwinding into C.
@@ -223,6 +238,9 @@ pub unsafe extern "C" fn mosquitto_plugin_init(
             passes,
             agent,
             deferred: Mutex::new(HashMap::new()),
+            kicked: Mutex::new(HashSet::new()),
+            to_kick: Mutex::new(Vec::new()),
+            sessions: Mutex::new(HashMap::new()),
         }));
         // SAFETY: the broker passes a valid place for the userdata pointer.
         unsafe { *userdata = plugin.cast() };
@@ -251,11 +269,13 @@ pub unsafe extern "C" fn mosquitto_plugin_init(
         log(
             ffi::MOSQ_LOG_INFO,
             &format!(
-                "limiter: asking the agent at {} (auth {}, publish {}, subscribe {}; fail {:?}, timeout {:?}); allowed logins {:?}, allowed ACL checks {:?}",
+                "limiter: asking the agent at {} (auth {}, publish {}, subscribe {}, strikes {}, sessions {}; fail {:?}, timeout {:?}); allowed logins {:?}, allowed ACL checks {:?}",
                 o.socket.display(),
                 o.actions.auth,
                 o.actions.publish,
                 o.actions.subscribe,
+                o.strikes.as_deref().unwrap_or("off"),
+                o.sessions.as_deref().unwrap_or("off"),
                 o.fail,
                 o.timeout,
                 p.login,
@@ -266,10 +286,11 @@ pub unsafe extern "C" fn mosquitto_plugin_init(
     })
 }
 
-const CALLBACKS: [(c_int, ffi::Callback); 3] = [
+const CALLBACKS: [(c_int, ffi::Callback); 4] = [
     (ffi::MOSQ_EVT_BASIC_AUTH, on_basic_auth),
     (ffi::MOSQ_EVT_ACL_CHECK, on_acl_check),
     (ffi::MOSQ_EVT_DISCONNECT, on_disconnect),
+    (ffi::MOSQ_EVT_TICK, on_tick),
 ];
 
 /// Unregisters the callbacks and frees the plugin.
@@ -336,42 +357,96 @@ unsafe extern "C" fn on_basic_auth(
         // Whatever `auth` does not refuse gets the answer the broker needs to decide as it would
         // without the plugin.
         let pass = code(plugin.passes.login, ffi::MOSQ_ERR_AUTH);
-        if !plugin.options.actions.auth {
-            return pass;
+        let addr = address(event.client).filter(|_| plugin.options.actions.auth);
+        if let Some(addr) = addr
+            && let Err(rc) = check_auth(plugin, addr, pass)
+        {
+            return rc;
         }
-        let Some(addr) = address(event.client) else {
-            return pass;
-        };
-        match plugin.agent.check("auth", addr.to_string()) {
-            Ok(true) => {}
-            Ok(false) => {
-                log(
-                    ffi::MOSQ_LOG_NOTICE,
-                    &format!("limiter: auth refused for {addr}"),
-                );
-                return ffi::MOSQ_ERR_AUTH;
-            }
-            Err(why) => {
-                let rc = unanswered(
-                    plugin,
-                    &format!("auth of {addr}"),
-                    &why,
-                    ffi::MOSQ_ERR_AUTH,
-                    pass,
-                );
-                if rc == ffi::MOSQ_ERR_AUTH {
-                    return rc;
-                }
-            }
+        if let Some(action) = &plugin.options.sessions
+            && let Err(rc) = acquire_session(plugin, action, event.client)
+        {
+            return rc;
         }
         // Only a deferred login meets a password check after this one, whose refusal to report.
-        if plugin.passes.login == Pass::Defer
+        if let Some(addr) = addr
+            && plugin.passes.login == Pass::Defer
             && let Ok(mut deferred) = plugin.deferred.lock()
         {
             deferred.insert(event.client as usize, addr);
         }
         pass
     })
+}
+
+/// `auth` for the client's address: `Err` with the code to answer when the login is refused.
+fn check_auth(plugin: &Plugin, addr: IpAddr, pass: c_int) -> Result<(), c_int> {
+    match plugin.agent.check("auth", addr.to_string()) {
+        Ok(true) => {}
+        Ok(false) => {
+            log(
+                ffi::MOSQ_LOG_NOTICE,
+                &format!("limiter: auth refused for {addr}"),
+            );
+            return Err(ffi::MOSQ_ERR_AUTH);
+        }
+        Err(why) => {
+            let rc = unanswered(
+                plugin,
+                &format!("auth of {addr}"),
+                &why,
+                ffi::MOSQ_ERR_AUTH,
+                pass,
+            );
+            if rc == ffi::MOSQ_ERR_AUTH {
+                return Err(rc);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The session a login with a username takes in the `sessions` action, named by the client's
+/// handle (unique among live clients, unlike a client id a takeover reuses): `Err` with the
+/// code to answer when the user has all its sessions. Released at the client's disconnect.
+fn acquire_session(plugin: &Plugin, action: &str, client: *mut Client) -> Result<(), c_int> {
+    let Some(user) = username(client) else {
+        return Ok(());
+    };
+    let handle = client as usize;
+    let session = format!("{handle:#x}");
+    match plugin
+        .agent
+        .acquire(action.to_owned(), user.clone(), session)
+    {
+        Ok(true) => {
+            if let Ok(mut sessions) = plugin.sessions.lock() {
+                sessions.insert(handle, user);
+            }
+            Ok(())
+        }
+        Ok(false) => {
+            log(
+                ffi::MOSQ_LOG_NOTICE,
+                &format!("limiter: {action}: user {user} has all its sessions; login refused"),
+            );
+            Err(ffi::MOSQ_ERR_AUTH)
+        }
+        Err(why) => {
+            let rc = unanswered(
+                plugin,
+                &format!("{action} of user {user}"),
+                &why,
+                ffi::MOSQ_ERR_AUTH,
+                ffi::MOSQ_ERR_SUCCESS,
+            );
+            if rc == ffi::MOSQ_ERR_SUCCESS {
+                Ok(())
+            } else {
+                Err(rc)
+            }
+        }
+    }
 }
 
 /// # Safety
@@ -387,6 +462,16 @@ unsafe extern "C" fn on_acl_check(
         // SAFETY: the broker passes its ACL-check event for this callback.
         let event = unsafe { &*data.cast::<EvtAclCheck>() };
         let pass = code(plugin.passes.acl, ffi::MOSQ_ERR_ACL_DENIED);
+        let handle = event.client as usize;
+        if plugin.kicked.lock().is_ok_and(|k| k.contains(&handle)) {
+            return ffi::MOSQ_ERR_ACL_DENIED;
+        }
+        if event.access == ffi::MOSQ_ACL_WRITE
+            && let Some(action) = &plugin.options.strikes
+            && let Err(rc) = strike(plugin, action, event)
+        {
+            return rc;
+        }
         let action = match event.access {
             ffi::MOSQ_ACL_WRITE if plugin.options.actions.publish => "publish",
             ffi::MOSQ_ACL_SUBSCRIBE if plugin.options.actions.subscribe => "subscribe",
@@ -416,6 +501,89 @@ unsafe extern "C" fn on_acl_check(
     })
 }
 
+/// A PUBLISH through the strikes action: `Err` with the code to answer when it is dropped.
+fn strike(plugin: &Plugin, action: &str, event: &EvtAclCheck) -> Result<(), c_int> {
+    // SAFETY: the live client handle of this event.
+    let id_ptr = unsafe { ffi::mosquitto_client_id(event.client) };
+    // SAFETY: NULL or the broker's NUL-terminated id, alive for this callback.
+    let Some(id) = (unsafe { string(id_ptr) }) else {
+        return Ok(());
+    };
+    match plugin
+        .agent
+        .check_connection(action.to_owned(), id.clone(), event.payloadlen)
+    {
+        Ok(Strike::Pass { would_refuse: None }) => Ok(()),
+        Ok(Strike::Pass {
+            would_refuse: Some(outcome),
+        }) => {
+            log(
+                ffi::MOSQ_LOG_NOTICE,
+                &format!(
+                    "limiter: monitor mode: {action} would have answered {} for client {id}",
+                    outcome.as_str()
+                ),
+            );
+            Ok(())
+        }
+        Ok(Strike::Drop) => Err(ffi::MOSQ_ERR_ACL_DENIED),
+        Ok(Strike::Disconnect) => {
+            let handle = event.client as usize;
+            let first = plugin.kicked.lock().is_ok_and(|mut k| k.insert(handle));
+            if first
+                && let Ok(cid) = CString::new(id.as_bytes())
+                && let Ok(mut queue) = plugin.to_kick.lock()
+            {
+                log(
+                    ffi::MOSQ_LOG_NOTICE,
+                    &format!("limiter: {action}: disconnecting client {id} for its strikes"),
+                );
+                queue.push((handle, cid));
+            }
+            Err(ffi::MOSQ_ERR_ACL_DENIED)
+        }
+        Err(why) => {
+            let rc = unanswered(
+                plugin,
+                &format!("{action} of client {id}"),
+                &why,
+                ffi::MOSQ_ERR_ACL_DENIED,
+                ffi::MOSQ_ERR_SUCCESS,
+            );
+            if rc == ffi::MOSQ_ERR_SUCCESS {
+                Ok(())
+            } else {
+                Err(rc)
+            }
+        }
+    }
+}
+
+/// Kicks the clients the strikes action closed, between packets.
+///
+/// # Safety
+/// Called by the broker with a `mosquitto_evt_tick` and the plugin as userdata.
+unsafe extern "C" fn on_tick(_event: c_int, _data: *mut c_void, userdata: *mut c_void) -> c_int {
+    guard(ffi::MOSQ_ERR_SUCCESS, || {
+        // SAFETY: userdata is the plugin registered with this callback, alive until cleanup.
+        let plugin = unsafe { &*userdata.cast::<Plugin>() };
+        let due = match plugin.to_kick.lock() {
+            Ok(mut queue) if !queue.is_empty() => std::mem::take(&mut *queue),
+            _ => return ffi::MOSQ_ERR_SUCCESS,
+        };
+        for (handle, id) in due {
+            // A client that left meanwhile is no longer kicked, and its id may be another's.
+            if !plugin.kicked.lock().is_ok_and(|k| k.contains(&handle)) {
+                continue;
+            }
+            // No lock is held: the kick runs this plugin's disconnect callback inside it.
+            // SAFETY: a NUL-terminated id; the broker looks it up and copies nothing.
+            unsafe { ffi::mosquitto_kick_client_by_clientid(id.as_ptr(), false) };
+        }
+        ffi::MOSQ_ERR_SUCCESS
+    })
+}
+
 /// # Safety
 /// Called by the broker with a `mosquitto_evt_disconnect` and the plugin as userdata.
 unsafe extern "C" fn on_disconnect(
@@ -428,6 +596,27 @@ unsafe extern "C" fn on_disconnect(
         let plugin = unsafe { &*userdata.cast::<Plugin>() };
         // SAFETY: the broker passes its disconnect event for this callback.
         let event = unsafe { &*data.cast::<EvtDisconnect>() };
+        let handle = event.client as usize;
+        if let Ok(mut kicked) = plugin.kicked.lock() {
+            kicked.remove(&handle);
+        }
+        if let Some(action) = &plugin.options.sessions
+            && let Some(user) = plugin
+                .sessions
+                .lock()
+                .ok()
+                .and_then(|mut s| s.remove(&handle))
+        {
+            plugin
+                .agent
+                .release(action.clone(), user, format!("{handle:#x}"));
+        }
+        if plugin.options.strikes.is_some() {
+            // SAFETY: the live client handle of this event; NULL or its NUL-terminated id.
+            if let Some(id) = unsafe { string(ffi::mosquitto_client_id(event.client)) } {
+                plugin.agent.connection_gone(id);
+            }
+        }
         let Some(addr) = plugin
             .deferred
             .lock()

@@ -80,6 +80,19 @@ limit = 3
 kind = "quota"
 limit = 5
 key = "user"
+
+[actions.sessions]
+kind = "concurrency"
+limit = 2
+key = "user"
+
+[actions.pub]
+limit = 2
+window = "1h"
+key = "connection"
+strikes-to-disconnect = 3
+max-payload-bytes = 100
+oversize-strikes = 2
 "#;
 
 async fn start_with(listen: bool, escalation: Option<EscalationConfig>) -> Running {
@@ -149,9 +162,9 @@ async fn start() -> Running {
     start_with(false, None).await
 }
 
-/// Until the binary reply carries a monitor flag, a monitored refusal reaches the broker as
-/// the allowance it is enforced as, with the bucket's numbers; and monitored auth refusals
-/// ban nobody.
+/// The verdict reply (`0x81`) carries no monitor flag: a monitored refusal reaches the broker
+/// as the allowance it is enforced as, with the bucket's numbers (the checked reply, `0x84`,
+/// also says what it would have refused); and monitored auth refusals ban nobody.
 #[tokio::test]
 async fn in_monitor_mode_the_broker_is_answered_allowed_and_nobody_is_banned() {
     let escalation = EscalationConfig {
@@ -175,7 +188,67 @@ async fn in_monitor_mode_the_broker_is_answered_allowed_and_nobody_is_banned() {
         let auth = client.check("auth", "192.0.2.7", 1).await.unwrap();
         assert!(auth.allowed, "auth {n}");
     }
+    let flagged = client.check_payload("sends", "tenant", 1, 0).await.unwrap();
+    assert_eq!(flagged.verdict.outcome, Outcome::Allowed);
+    assert_eq!(flagged.would_refuse, Some(Outcome::Limited));
+    let fresh = client.check_payload("sends", "other", 1, 0).await.unwrap();
+    assert_eq!(
+        (fresh.verdict.outcome, fresh.would_refuse),
+        (Outcome::Allowed, None)
+    );
     assert!(server.banner.calls.lock().unwrap().is_empty());
+}
+
+/// Protocol 1.3: refusals and oversize payloads strike a connection until it is answered
+/// `disconnect`, which an old client's check (`0x01`) gets as outcome byte 6, a refusal to
+/// it; the broker's `connection-gone` releases the name.
+#[tokio::test]
+async fn strikes_disconnect_a_connection_and_connection_gone_releases_it() {
+    let server = start().await;
+    let client = Client::connect_unix(&server.socket).await.unwrap();
+    let outcome = async |key: &str, payload: u32| {
+        let checked = client.check_payload("pub", key, 1, payload).await.unwrap();
+        assert_eq!(checked.would_refuse, None, "enforcing");
+        checked.verdict.outcome
+    };
+    assert_eq!(outcome("c1", 10).await, Outcome::Allowed);
+    assert_eq!(
+        outcome("c1", 101).await,
+        Outcome::PayloadTooLarge,
+        "2 strikes"
+    );
+    assert_eq!(
+        outcome("c1", 100).await,
+        Outcome::Allowed,
+        "nothing was spent"
+    );
+    assert_eq!(
+        outcome("c1", 1).await,
+        Outcome::Disconnect,
+        "a refusal: 3 strikes"
+    );
+    assert_eq!(
+        outcome("c2", 1).await,
+        Outcome::Allowed,
+        "another connection"
+    );
+
+    let mut old = raw(&server).await;
+    old.write_all(&check_frame(9, "pub", "c1", 1))
+        .await
+        .unwrap();
+    let (opcode, id, body) = read_reply(&mut old).await;
+    assert_eq!(
+        (opcode, id, body.len()),
+        (0x81, 9, 25),
+        "the 1.0 verdict reply"
+    );
+    assert_eq!(body[0], 6, "outcome 6, disconnect");
+
+    assert!(client.connection_gone("c1").await.unwrap());
+    assert!(!client.connection_gone("c1").await.unwrap());
+    assert_eq!(outcome("c1", 1).await, Outcome::Allowed);
+    server.stop().await;
 }
 
 #[tokio::test]
@@ -945,5 +1018,89 @@ async fn ten_thousand_idle_connections_cannot_blind_the_socket_or_the_tcp_listen
         Held::AcceptedOn(addr.port()),
     )
     .await;
+    server.stop().await;
+}
+
+/// Protocol 1.3: a concurrency action holds at most its limit of a key's sessions at once,
+/// whichever connection acquires them; a release makes room, and a connection that ends
+/// (a broker killed) frees every session it held.
+#[tokio::test]
+async fn sessions_are_limited_released_and_freed_with_the_connection_that_held_them() {
+    let server = start().await;
+    let broker = Client::connect_unix(&server.socket).await.unwrap();
+    let other = Client::connect_unix(&server.socket).await.unwrap();
+    let outcome = |v: limiter_client::Verdict| v.outcome;
+    assert_eq!(
+        outcome(broker.acquire("sessions", "alice", "s1").await.unwrap()),
+        Outcome::Allowed
+    );
+    assert_eq!(
+        outcome(broker.acquire("sessions", "alice", "s1").await.unwrap()),
+        Outcome::Allowed,
+        "held already, not counted twice"
+    );
+    assert_eq!(
+        outcome(broker.acquire("sessions", "alice", "s2").await.unwrap()),
+        Outcome::Allowed
+    );
+    assert_eq!(
+        outcome(other.acquire("sessions", "alice", "s3").await.unwrap()),
+        Outcome::Limited,
+        "a third session at limit 2"
+    );
+    assert_eq!(
+        outcome(other.acquire("sessions", "bob", "s3").await.unwrap()),
+        Outcome::Allowed,
+        "another key"
+    );
+    assert!(
+        !other.release("sessions", "alice", "s1").await.unwrap(),
+        "not this connection's"
+    );
+    assert!(broker.release("sessions", "alice", "s1").await.unwrap());
+    assert_eq!(
+        outcome(other.acquire("sessions", "alice", "s3").await.unwrap()),
+        Outcome::Allowed
+    );
+    assert_eq!(
+        outcome(other.acquire("sessions", "alice", "s4").await.unwrap()),
+        Outcome::Limited
+    );
+    // A check of sessions takes none: it asks whether one more would fit.
+    assert_eq!(
+        other.check("sessions", "alice", 1).await.unwrap().outcome,
+        Outcome::Limited
+    );
+    let wrong = other.acquire("export", "alice", "s5").await;
+    assert!(
+        matches!(
+            wrong,
+            Err(ClientError::Server {
+                code: ErrorCode::WrongKind,
+                ..
+            })
+        ),
+        "{wrong:?}"
+    );
+    // The first broker's connection ends: its session s2 is freed.
+    drop(broker);
+    let mut freed = false;
+    for _ in 0..200 {
+        if other.check("sessions", "alice", 1).await.unwrap().allowed {
+            freed = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(freed, "the ended connection's session was never freed");
+    assert_eq!(
+        outcome(other.acquire("sessions", "alice", "s4").await.unwrap()),
+        Outcome::Allowed
+    );
+    assert_eq!(
+        outcome(other.acquire("sessions", "alice", "s5").await.unwrap()),
+        Outcome::Limited,
+        "exactly one was freed"
+    );
     server.stop().await;
 }

@@ -229,3 +229,23 @@ pub fn client_at(
         .output()
         .with_context(|| format!("running {program} (Debian package mosquitto-clients)"))
 }
+
+/// Starts a mosquitto client (`mosquitto_sub`, to hold a session) in `ns`, bound to `from`,
+/// connecting to `broker` at [`PORT`]; the caller kills it.
+pub fn spawn_client(
+    ns: &Netns,
+    program: &str,
+    from: std::net::IpAddr,
+    broker: std::net::IpAddr,
+    args: &[&str],
+) -> Result<Child> {
+    ns.command(program)?
+        .args(["-h", &broker.to_string(), "-p", &PORT.to_string()])
+        .args(["-A", &from.to_string()])
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .with_context(|| format!("starting {program} (Debian package mosquitto-clients)"))
+}

@@ -591,3 +591,313 @@ fn with_the_plugin_allowing_the_brokers_own_acl_decides() {
         drop(plain);
     }
 }
+
+/// Messages the strikes action lets one connection send in the test.
+const CONN_LIMIT: usize = 5;
+/// Refusals that close a connection.
+const STRIKES: usize = 3;
+
+/// `plugin_opt_strikes`: a client flooding publishes is refused past its connection's limit,
+/// each refusal a strike, and at the third strike it is kicked and what it sends meanwhile is
+/// dropped; another client of the same user is judged by its own connection and keeps
+/// publishing; a payload over `max-payload-bytes` weighing all the strikes closes its client
+/// at once; and once the kicked client's connection is gone (MOSQ_EVT_DISCONNECT), its id
+/// starts afresh.
+#[test]
+fn a_flooding_client_is_disconnected_after_its_strikes_and_another_of_its_user_is_not() {
+    let pair = Pair::new().expect("namespaces");
+    let _peer = limiter_tests::kernel::peer(&pair).unwrap();
+    let pins = PinDir::new();
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("limiter.sock");
+    let config = dir.path().join("limiter.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[actions.publish_conn]\nlimit = {CONN_LIMIT}\nwindow = \"1h\"\n\
+             key = \"connection\"\nstrikes-to-disconnect = {STRIKES}\nstrike-window = \"1h\"\n\
+             max-payload-bytes = 64\noversize-strikes = {STRIKES}\n"
+        ),
+    )
+    .unwrap();
+    let port = mosquitto::PORT.to_string();
+    let agent = AgentProcess::start(
+        &pair.server,
+        &[
+            "--iface",
+            &pair.server_if,
+            "--pin-dir",
+            pins.arg(),
+            "--socket",
+            socket.to_str().unwrap(),
+            "--ports",
+            &port,
+            "--config",
+            config.to_str().unwrap(),
+            "--auth-limit",
+            "1000",
+            "--publish-limit",
+            "1000",
+            "--publish-window",
+            "1h",
+        ],
+    )
+    .unwrap();
+    agent
+        .wait_for("limiter is ready", startup_deadline())
+        .unwrap();
+    let server = IpAddr::V4(SERVER_V4);
+    let broker = Broker::start(
+        &pair.server,
+        server,
+        dir.path(),
+        &[("alice", "a-secret"), ("watcher", "w-secret")],
+        &[
+            ("socket", socket.to_str().unwrap()),
+            ("actions", "auth,publish"),
+            ("strikes", "publish_conn"),
+            ("fail", "closed"),
+            ("timeout", "500"),
+        ],
+    )
+    .unwrap();
+    let good = IpAddr::V4(CLIENT_V4);
+    let run = |args: &[&str], limit_secs: u64| {
+        let program = if args.contains(&"-C") {
+            "mosquitto_sub"
+        } else {
+            "mosquitto_pub"
+        };
+        mosquitto::client(
+            &pair.client,
+            program,
+            good,
+            server,
+            args,
+            Duration::from_secs(limit_secs),
+        )
+        .unwrap()
+    };
+    let pub_args = |id: &'static str, topic: &'static str, repeat: &'static str| {
+        [
+            "-u",
+            "alice",
+            "-P",
+            "a-secret",
+            "-i",
+            id,
+            "-t",
+            topic,
+            "-m",
+            "hi",
+            "--repeat",
+            repeat,
+            "--repeat-delay",
+            "0.05",
+        ]
+    };
+    // The flood's allowance, the calm client's two, and the flooder's id once more afterwards.
+    let expected = CONN_LIMIT + 2 + 1;
+    let (watcher, flood) = std::thread::scope(|scope| {
+        let sub = scope.spawn(|| {
+            let count = (expected + 1).to_string();
+            run(
+                &[
+                    "-u", "watcher", "-P", "w-secret", "-t", "t/#", "-v", "-C", &count, "-W", "12",
+                ],
+                15,
+            )
+        });
+        broker
+            .wait_for("Received SUBSCRIBE", 1, Duration::from_secs(5))
+            .unwrap();
+        let flood = run(&pub_args("flooder", "t/flood", "40"), 8);
+        broker
+            .wait_for(
+                "limiter: publish_conn: disconnecting client flooder",
+                1,
+                Duration::from_secs(5),
+            )
+            .unwrap();
+        // One payload over max-payload-bytes weighs all the strikes: that client goes at once.
+        let big = "x".repeat(65);
+        run(
+            &[
+                "-u", "alice", "-P", "a-secret", "-i", "big", "-t", "t/big", "-m", &big,
+            ],
+            5,
+        );
+        broker
+            .wait_for(
+                "limiter: publish_conn: disconnecting client big",
+                1,
+                Duration::from_secs(5),
+            )
+            .unwrap();
+        let calm = run(&pub_args("calm", "t/calm", "2"), 5);
+        assert!(calm.status.success(), "{}", text(&calm));
+        let again = run(&pub_args("flooder", "t/again", "1"), 5);
+        assert!(again.status.success(), "{}", text(&again));
+        (sub.join().unwrap(), flood)
+    });
+    let received = String::from_utf8_lossy(&watcher.stdout).into_owned();
+    let from = |topic: &str| received.lines().filter(|l| l.starts_with(topic)).count();
+    assert_eq!(
+        (
+            from("t/flood"),
+            from("t/big"),
+            from("t/calm"),
+            from("t/again")
+        ),
+        (CONN_LIMIT, 0, 2, 1),
+        "the flood is cut at its connection's limit, the calm client is not, and the flooder's \
+         id starts afresh once gone; received:\n{received}\nbroker log:\n{}",
+        broker.log()
+    );
+    assert!(
+        !flood.status.success(),
+        "the flooder's connection was closed under it: {}",
+        text(&flood)
+    );
+    assert_eq!(
+        broker.count("limiter: publish_conn: disconnecting client"),
+        2,
+        "the flooder and the oversize client, once each: {}",
+        broker.log()
+    );
+}
+
+/// `plugin_opt_sessions`: with `logins` at 2 sessions per user, a third session of alice is
+/// refused at CONNECT, allowed again once one of hers disconnects; bob is not affected; and a
+/// broker killed outright frees every session it held (its connection to the agent drops), so
+/// a new broker's clients get all of alice's sessions at once.
+#[test]
+fn a_third_session_of_a_user_is_refused_until_one_disconnects_and_a_killed_broker_frees_them() {
+    let pair = Pair::new().expect("namespaces");
+    let _peer = limiter_tests::kernel::peer(&pair).unwrap();
+    let pins = PinDir::new();
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("limiter.sock");
+    let config = dir.path().join("limiter.toml");
+    std::fs::write(
+        &config,
+        "[actions.logins]\nkind = \"concurrency\"\nlimit = 2\nkey = \"user\"\n",
+    )
+    .unwrap();
+    let port = mosquitto::PORT.to_string();
+    let agent = AgentProcess::start(
+        &pair.server,
+        &[
+            "--iface",
+            &pair.server_if,
+            "--pin-dir",
+            pins.arg(),
+            "--socket",
+            socket.to_str().unwrap(),
+            "--ports",
+            &port,
+            "--config",
+            config.to_str().unwrap(),
+            "--auth-limit",
+            "1000",
+        ],
+    )
+    .unwrap();
+    agent
+        .wait_for("limiter is ready", startup_deadline())
+        .unwrap();
+    let server = IpAddr::V4(SERVER_V4);
+    let good = IpAddr::V4(CLIENT_V4);
+    let users = [("alice", "a-secret"), ("bob", "b-secret")];
+    let opts = [
+        ("socket", socket.to_str().unwrap()),
+        ("actions", "auth"),
+        ("sessions", "logins"),
+        ("fail", "closed"),
+        ("timeout", "500"),
+    ];
+    let start_broker = |name: &str| {
+        let sub = dir.path().join(name);
+        std::fs::create_dir(&sub).unwrap();
+        Broker::start(&pair.server, server, &sub, &users, &opts).unwrap()
+    };
+    let hold = |broker: &Broker, user: &str, password: &str, id: &str| {
+        let child = mosquitto::spawn_client(
+            &pair.client,
+            "mosquitto_sub",
+            good,
+            server,
+            &["-u", user, "-P", password, "-i", id, "-t", "t/x"],
+        )
+        .unwrap();
+        broker
+            .wait_for(&format!(" as {id} "), 1, Duration::from_secs(5))
+            .unwrap();
+        child
+    };
+    let login = |user: &str, password: &str| {
+        let out = mosquitto::client(
+            &pair.client,
+            "mosquitto_pub",
+            good,
+            server,
+            &["-u", user, "-P", password, "-t", "t/x", "-m", "x"],
+            Duration::from_secs(5),
+        )
+        .unwrap();
+        (out.status.success(), text(&out))
+    };
+
+    let broker = start_broker("first");
+    let mut first = hold(&broker, "alice", "a-secret", "alice-1");
+    let mut second = hold(&broker, "alice", "a-secret", "alice-2");
+    let (ok, out) = login("alice", "a-secret");
+    assert!(
+        !ok && out.contains("not authorised"),
+        "a third session: {out}"
+    );
+    assert_eq!(
+        broker.count("limiter: logins: user alice has all its sessions"),
+        1,
+        "{}",
+        broker.log()
+    );
+    let (ok, out) = login("bob", "b-secret");
+    assert!(ok, "bob has sessions of his own: {out}");
+
+    first.kill().unwrap();
+    first.wait().unwrap();
+    broker
+        .wait_for(
+            "Client alice-1 closed its connection",
+            1,
+            Duration::from_secs(5),
+        )
+        .unwrap();
+    // The release goes to the agent as the broker notices; a login soon after gets the room.
+    let mut again = (false, String::new());
+    for _ in 0..20 {
+        again = login("alice", "a-secret");
+        if again.0 {
+            break;
+        }
+    }
+    assert!(again.0, "one of alice's sessions was freed: {}", again.1);
+
+    // The broker dies with alice-2's session held; the agent frees it with the connection.
+    drop(broker);
+    second.kill().unwrap();
+    second.wait().unwrap();
+    let broker = start_broker("second");
+    let mut a = hold(&broker, "alice", "a-secret", "alice-3");
+    let mut b = hold(&broker, "alice", "a-secret", "alice-4");
+    let (ok, out) = login("alice", "a-secret");
+    assert!(
+        !ok && out.contains("not authorised"),
+        "and exactly those: {out}"
+    );
+    for child in [&mut a, &mut b] {
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+}

@@ -237,7 +237,7 @@ pub struct ActionView {
     pub window_ms: u64,
     /// A rate's bucket capacity; for a quota, its limit.
     pub burst: u32,
-    /// What the keys identify: `ip`, `session`, `user` or `other`.
+    /// What the keys identify: `ip`, `session`, `user`, `other` or `connection`.
     pub key: String,
     pub max_keys: usize,
     pub escalate: bool,
@@ -258,7 +258,13 @@ pub struct ActionCounts {
     pub cost_exceeds_burst: u64,
     pub cost_exceeds_limit: u64,
     pub closed: u64,
-    /// Every refusal: limited + cost_exceeds_burst + cost_exceeds_limit + closed.
+    /// Checks of connections their strikes closed (the one that closed it included).
+    #[serde(default)]
+    pub disconnect: u64,
+    #[serde(default)]
+    pub payload_too_large: u64,
+    /// Every refusal: limited + cost_exceeds_burst + cost_exceeds_limit + closed + disconnect
+    /// + payload_too_large.
     pub blocked: u64,
     pub tracked_keys: usize,
     /// Checks for new keys made while the action was at its key cap with every bucket still
@@ -267,6 +273,12 @@ pub struct ActionCounts {
     /// Refusals monitor mode answered as allowances (counted in `blocked` too, as judged).
     #[serde(default)]
     pub would_refuse: u64,
+    /// Connections with strikes on record (within their window, or closed by them).
+    #[serde(default)]
+    pub struck_connections: usize,
+    /// Keys holding at least one session (a concurrency action).
+    #[serde(default)]
+    pub session_keys: usize,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

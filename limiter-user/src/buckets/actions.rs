@@ -12,6 +12,7 @@ use serde::{Deserialize, Deserializer, Serialize, de};
 use super::{
     gcra::Rate,
     quota::{self, Quota},
+    strikes::StrikeRule,
 };
 
 /// How an action counts: a GCRA bucket refilled continuously (`rate`, the default), or a fixed
@@ -22,6 +23,8 @@ pub enum ActionKind {
     #[default]
     Rate,
     Quota,
+    /// At most `limit` sessions held at once per key, acquired and released by the broker.
+    Concurrency,
 }
 
 impl ActionKind {
@@ -29,6 +32,7 @@ impl ActionKind {
         match self {
             ActionKind::Rate => "rate",
             ActionKind::Quota => "quota",
+            ActionKind::Concurrency => "concurrency",
         }
     }
 }
@@ -65,16 +69,20 @@ pub enum KeyKind {
     Session,
     User,
     Other,
+    /// A connection as the broker names it (an MQTT client id): the key strikes close, and
+    /// one the broker releases when the connection is gone (`connection-gone`).
+    Connection,
 }
 
 impl KeyKind {
-    /// The kind as configured and shown (`ip`, `session`, `user`, `other`).
+    /// The kind as configured and shown (`ip`, `session`, `user`, `other`, `connection`).
     pub fn as_str(self) -> &'static str {
         match self {
             KeyKind::Ip => "ip",
             KeyKind::Session => "session",
             KeyKind::User => "user",
             KeyKind::Other => "other",
+            KeyKind::Connection => "connection",
         }
     }
 }
@@ -82,6 +90,9 @@ impl KeyKind {
 /// Tracked keys per action when the config does not say: at most 130 bytes each
 /// (`store::BYTES_PER_KEY`), so a full action costs under 33 MB.
 pub const DEFAULT_MAX_KEYS: usize = 250_000;
+
+/// `strike-window` when an action sets `strikes-to-disconnect` alone.
+pub const DEFAULT_STRIKE_WINDOW: Duration = Duration::from_secs(10);
 
 /// One `[actions.NAME]` table. Every field is optional so that a table for a built-in action
 /// overrides only what it names; a new action must give `limit` and `window`.
@@ -112,6 +123,15 @@ pub struct ActionConfig {
     pub overrides: Option<BTreeMap<String, u32>>,
     /// `enforce` or `monitor`; default: the top-level `mode`.
     pub mode: Option<Enforcement>,
+    /// A check whose payload is larger is refused (`payload_too_large`) without spending.
+    pub max_payload_bytes: Option<u32>,
+    /// Strikes (refusals; an oversize payload weighs `oversize-strikes`) within
+    /// `strike-window` that close the connection; 0 never closes. Needs `key = "connection"`.
+    pub strikes_to_disconnect: Option<u32>,
+    /// Default 10 s, from a count's first strike.
+    pub strike_window: Option<Window>,
+    /// What one payload over `max-payload-bytes` weighs; default 1.
+    pub oversize_strikes: Option<u32>,
 }
 
 /// A window length read from TOML as either a humantime string or milliseconds.
@@ -168,9 +188,13 @@ pub struct ActionSpec {
     pub overrides: BTreeMap<String, u32>,
     /// The action's own mode; `None` follows the top-level `mode`.
     pub mode: Option<Enforcement>,
+    /// Larger payloads are refused; 0 is no cap.
+    pub max_payload_bytes: u32,
+    /// When strikes close the connection; `None`: never.
+    pub strikes: Option<StrikeRule>,
 }
 
-fn as_millis<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+pub(crate) fn as_millis<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_u64(u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
@@ -183,6 +207,8 @@ pub enum Mode {
     Closed,
     Limited(Rate),
     Quota(Quota),
+    /// At most this many sessions per key.
+    Sessions(u32),
 }
 
 impl ActionSpec {
@@ -201,6 +227,7 @@ impl ActionSpec {
         let limited = match self.kind {
             ActionKind::Rate => Rate::new(self.limit, self.window, self.burst).map(Mode::Limited),
             ActionKind::Quota => Quota::new(self.limit, self.window).map(Mode::Quota),
+            ActionKind::Concurrency => (self.limit > 0).then_some(Mode::Sessions(self.limit)),
         };
         match limited {
             Some(mode) => mode,
@@ -225,6 +252,8 @@ pub fn builtin_actions() -> Vec<ActionSpec> {
         shared: false,
         overrides: BTreeMap::new(),
         mode: None,
+        max_payload_bytes: 0,
+        strikes: None,
     };
     vec![
         spec("auth", 10, 60, KeyKind::Ip, true),
@@ -303,6 +332,7 @@ fn apply(
                 window: match kind {
                     ActionKind::Rate => config.window.ok_or_else(|| missing("window"))?.0,
                     ActionKind::Quota => quota::DAY,
+                    ActionKind::Concurrency => Duration::ZERO,
                 },
                 burst: 0,
                 key: config.key.unwrap_or(KeyKind::Other),
@@ -312,6 +342,8 @@ fn apply(
                 shared: fleet,
                 overrides: BTreeMap::new(),
                 mode: None,
+                max_payload_bytes: 0,
+                strikes: None,
             });
             specs.len() - 1
         }
@@ -326,6 +358,7 @@ fn apply(
         spec.kind = kind;
         spec.window = match kind {
             ActionKind::Quota => quota::DAY,
+            ActionKind::Concurrency => Duration::ZERO,
             ActionKind::Rate => {
                 config
                     .window
@@ -342,6 +375,9 @@ fn apply(
     }
     if spec.kind == ActionKind::Quota {
         return apply_quota(spec, config, origin, fleet);
+    }
+    if spec.kind == ActionKind::Concurrency {
+        return apply_concurrency(spec, config, origin, fleet);
     }
     if config.period.is_some() {
         return Err(ConfigError::new(
@@ -411,7 +447,7 @@ fn apply_overrides(
         }
         let fine = match spec.kind {
             ActionKind::Rate => spec.window.as_nanos() / u128::from(limit) >= 1,
-            ActionKind::Quota => true,
+            ActionKind::Quota | ActionKind::Concurrency => true,
         };
         if !fine {
             return Err(ConfigError::new(
@@ -478,9 +514,120 @@ fn apply_common(
                 "needs the fleet's Redis (cluster.redis)",
             ));
         }
+        Some(true) if spec.key == KeyKind::Connection => {
+            return Err(ConfigError::new(
+                format!("{origin}.shared"),
+                "a connection is one broker's: an action keyed by connection is never shared",
+            ));
+        }
         Some(shared) => spec.shared = shared,
         None => {}
     }
+    if spec.key == KeyKind::Connection {
+        spec.shared = false;
+    }
+    apply_strikes(spec, config, origin)
+}
+
+/// The payload cap and the strikes that close a connection.
+fn apply_strikes(
+    spec: &mut ActionSpec,
+    config: &ActionConfig,
+    origin: &str,
+) -> Result<(), ConfigError> {
+    let error = |field: &str, why: &str| ConfigError::new(format!("{origin}.{field}"), why);
+    if let Some(max) = config.max_payload_bytes {
+        if max == 0 {
+            return Err(error(
+                "max-payload-bytes",
+                "must be at least 1 (leave it out for no cap)",
+            ));
+        }
+        spec.max_payload_bytes = max;
+    }
+    let mut rule = spec.strikes;
+    match config.strikes_to_disconnect {
+        Some(0) => rule = None,
+        Some(to_disconnect) => {
+            rule = Some(StrikeRule {
+                to_disconnect,
+                ..rule.unwrap_or(StrikeRule {
+                    to_disconnect,
+                    window: DEFAULT_STRIKE_WINDOW,
+                    oversize: 1,
+                })
+            })
+        }
+        None => {}
+    }
+    if let Some(window) = config.strike_window {
+        let Some(rule) = rule.as_mut() else {
+            return Err(error(
+                "strike-window",
+                "needs strikes-to-disconnect (at least 1)",
+            ));
+        };
+        if window.0.is_zero() {
+            return Err(error("strike-window", "must be longer than zero"));
+        }
+        rule.window = window.0;
+    }
+    if let Some(oversize) = config.oversize_strikes {
+        let Some(rule) = rule.as_mut() else {
+            return Err(error(
+                "oversize-strikes",
+                "needs strikes-to-disconnect (at least 1)",
+            ));
+        };
+        if oversize == 0 {
+            return Err(error("oversize-strikes", "must be at least 1"));
+        }
+        if spec.max_payload_bytes == 0 {
+            return Err(error(
+                "oversize-strikes",
+                "needs max-payload-bytes: only a payload over it is oversize",
+            ));
+        }
+        rule.oversize = oversize;
+    }
+    if rule.is_some() && spec.key != KeyKind::Connection {
+        return Err(error(
+            "strikes-to-disconnect",
+            "needs key = \"connection\": strikes close the connection the key names",
+        ));
+    }
+    spec.strikes = rule;
+    Ok(())
+}
+
+/// Sessions per key: a limit, and no window, period or burst; held on this agent only.
+fn apply_concurrency(
+    spec: &mut ActionSpec,
+    config: &ActionConfig,
+    origin: &str,
+    fleet: bool,
+) -> Result<(), ConfigError> {
+    for (field, set) in [
+        ("window", config.window.is_some()),
+        ("period", config.period.is_some()),
+        ("burst", config.burst.is_some()),
+    ] {
+        if set {
+            return Err(ConfigError::new(
+                format!("{origin}.{field}"),
+                "a concurrency action has only a limit: sessions held at once per key",
+            ));
+        }
+    }
+    if config.shared == Some(true) {
+        return Err(ConfigError::new(
+            format!("{origin}.shared"),
+            "sessions are held on each agent: a concurrency action is not shared in a fleet",
+        ));
+    }
+    spec.burst = spec.limit;
+    apply_common(spec, config, origin, fleet)?;
+    spec.shared = false;
     Ok(())
 }
 

@@ -159,8 +159,10 @@ pub fn store(kind: KeyKind, raw: &[u8]) -> Result<StoredKey, KeyError> {
         }
         // Only the digest is kept: a token in memory or in /rate_limits is a credential.
         KeyKind::Session => Ok(StoredKey::digest(raw)),
-        KeyKind::User | KeyKind::Other if raw.len() <= 32 => Ok(StoredKey::raw(raw)),
-        KeyKind::User | KeyKind::Other => Ok(StoredKey::digest(raw)),
+        KeyKind::User | KeyKind::Other | KeyKind::Connection if raw.len() <= 32 => {
+            Ok(StoredKey::raw(raw))
+        }
+        KeyKind::User | KeyKind::Other | KeyKind::Connection => Ok(StoredKey::digest(raw)),
     }
 }
 
@@ -193,7 +195,7 @@ pub fn display(kind: KeyKind, stored: &StoredKey) -> String {
         KeyKind::Ip => stored
             .address()
             .map_or_else(|| hex(&stored.bytes()), |a| a.to_string()),
-        KeyKind::Session | KeyKind::User | KeyKind::Other => {
+        KeyKind::Session | KeyKind::User | KeyKind::Other | KeyKind::Connection => {
             String::from_utf8_lossy(&stored.bytes()).into_owned()
         }
     }

@@ -51,8 +51,10 @@ use super::{
     gcra::Rate,
     keys::{self, KeyError, StoredKey},
     quota::Quota,
+    sessions::{SessionCounts, SessionOwner},
     shared::{Pending, SharedBuckets, SharedCheck, SharedLimit},
     stats::{ActionStats, OutcomeCounters},
+    strikes::StrikeBook,
 };
 
 /// Everything the limiter needs to start; see `protocol::AppArgs` for where it comes from.
@@ -106,14 +108,28 @@ pub enum CheckError {
     },
     #[error("a cost must be at least 1")]
     ZeroCost,
+    #[error("action {0:?} is not of kind concurrency: it has no sessions")]
+    NotConcurrency(String),
+}
+
+/// A concurrency action's verdict: `held` sessions of `max` after the request (or before a
+/// refused one); a refused session waits for a release, whose time nobody knows.
+fn sessions_verdict(fits: bool, max: u32, held: u32) -> Verdict {
+    if fits {
+        Verdict::new(Outcome::Allowed, max, max.saturating_sub(held), 0, 0)
+    } else {
+        Verdict::new(Outcome::Limited, max, 0, NEVER_MS, NEVER_MS)
+    }
 }
 
 /// The outcomes that refuse.
-const REFUSALS: [Outcome; 4] = [
+const REFUSALS: [Outcome; 6] = [
     Outcome::Limited,
     Outcome::CostExceedsBurst,
     Outcome::CostExceedsLimit,
     Outcome::Closed,
+    Outcome::Disconnect,
+    Outcome::PayloadTooLarge,
 ];
 
 /// The least time between two cap sweeps of one action: a flood of new keys into a full
@@ -187,7 +203,7 @@ impl Limits {
                         local_limit = share;
                     }
                 }
-                Mode::Unlimited | Mode::Closed => {}
+                Mode::Unlimited | Mode::Closed | Mode::Sessions(_) => {}
             }
         }
         Self {
@@ -228,6 +244,10 @@ struct KeyTable {
     tracked: AtomicUsize,
     /// When the last cap sweep ran (clock ns + 1; 0 = never).
     cap_swept: AtomicU64,
+    /// The strikes of the keys (connections) that have struck, for an action with strikes.
+    strikes: StrikeBook,
+    /// Each key's sessions held, for a concurrency action.
+    sessions: Arc<SessionCounts>,
 }
 
 /// An action's counters, exported as Prometheus counters, so they outlive any reload that
@@ -425,11 +445,13 @@ impl Limiter {
 
     /// A check, sent to the fleet's shared bucket for a shared action (its answer then comes
     /// later, never later than the store's timeout) and decided at once otherwise.
+    /// `payload_bytes` is the size of what is checked (0 when the caller has none), for an
+    /// action with `max-payload-bytes`.
     pub fn submit(
         self: &Arc<Self>,
         id: &ActionId,
         key: &[u8],
-        cost: u32,
+        (cost, payload_bytes): (u32, u32),
         how: Submit,
     ) -> Result<Pending<Judged>, CheckError> {
         let (consume, escalate) = match how {
@@ -442,6 +464,9 @@ impl Limiter {
         }
         let action = id.current()?;
         let stored = action.store(key)?;
+        if let Some(judged) = self.precheck(action, &stored, payload_bytes, (consume, escalate)) {
+            return Ok(Pending::ready(judged));
+        }
         let limits = *action.limits(&stored);
         let (limit, store) = match (limits.mode, self.shared.as_ref()) {
             (Mode::Limited(rate), Some(store)) if action.shared => (SharedLimit::Rate(rate), store),
@@ -487,6 +512,80 @@ impl Limiter {
                 (None, _) => limiter.decide_locally(action, &stored, cost, consume, escalate),
             }
         })))
+    }
+
+    /// Takes one of `key`'s sessions in the concurrency action `action`, held by `owner` (the
+    /// protocol connection) until released or `owner` is dropped. A session `owner` holds
+    /// already is answered as allowed and not counted again.
+    pub fn acquire(
+        &self,
+        owner: &mut SessionOwner,
+        action: &str,
+        key: &[u8],
+        session: &[u8],
+    ) -> Result<Judged, CheckError> {
+        let action = self.action(action)?;
+        if action.spec.kind != ActionKind::Concurrency {
+            return Err(CheckError::NotConcurrency(action.spec.name.clone()));
+        }
+        let stored = action.store(key)?;
+        let max = match action.limits(&stored).local {
+            Mode::Sessions(max) => max,
+            // Limit 0: sessions are not limited, nor counted.
+            _ => {
+                let verdict = Verdict::new(Outcome::Unlimited, 0, u32::MAX, 0, 0);
+                return Ok(self.count(&action, &stored, verdict, (true, false), true));
+            }
+        };
+        let counts = &action.table.sessions;
+        let (fits, held) = if owner.holds(&action.name, &stored, session) {
+            (true, counts.held(&stored))
+        } else {
+            let (fits, held) = counts.acquire(&stored, max, action.monitor);
+            if fits || action.monitor {
+                owner.add(&action.name, &stored, session, counts);
+            }
+            (fits, held)
+        };
+        let verdict = sessions_verdict(fits, max, held);
+        Ok(self.count(&action, &stored, verdict, (true, false), true))
+    }
+
+    /// Gives back a session `owner` acquired; false if it held none of that name.
+    pub fn release(
+        &self,
+        owner: &mut SessionOwner,
+        action: &str,
+        key: &[u8],
+        session: &[u8],
+    ) -> Result<bool, CheckError> {
+        let action = self.action(action)?;
+        if action.spec.kind != ActionKind::Concurrency {
+            return Err(CheckError::NotConcurrency(action.spec.name.clone()));
+        }
+        let stored = action.store(key)?;
+        Ok(owner.release(&action.name, &stored, session))
+    }
+
+    /// The broker's connection `key` is gone: forgets its buckets and strikes in every action
+    /// keyed by connection. True if any held something.
+    pub fn connection_gone(&self, key: &[u8]) -> bool {
+        let mut changed = false;
+        for action in self.current().iter() {
+            if action.spec.key != KeyKind::Connection {
+                continue;
+            }
+            let Ok(stored) = action.store(key) else {
+                continue;
+            };
+            let table = &action.table;
+            if table.buckets.remove(&stored).is_some() {
+                table.tracked.fetch_sub(1, Ordering::AcqRel);
+                changed = true;
+            }
+            changed |= table.strikes.forget(&stored);
+        }
+        changed
     }
 
     /// Forgets a key's bucket, here and, for a shared action, in the fleet's store.
@@ -593,6 +692,10 @@ impl Limiter {
         let mut removed = 0;
         for action in self.current().iter() {
             removed += action.evict_idle(action.now(&*self.clock));
+            removed += action
+                .table
+                .strikes
+                .sweep(action.spec.strikes.as_ref(), self.clock.now_ns());
         }
         removed + self.escalator.sweep()
     }
@@ -611,10 +714,11 @@ impl Limiter {
                         cost_exceeds_burst: count(Outcome::CostExceedsBurst),
                         cost_exceeds_limit: count(Outcome::CostExceedsLimit),
                         closed: count(Outcome::Closed),
-                        blocked: count(Outcome::Limited)
-                            + count(Outcome::CostExceedsBurst)
-                            + count(Outcome::CostExceedsLimit)
-                            + count(Outcome::Closed),
+                        disconnect: count(Outcome::Disconnect),
+                        payload_too_large: count(Outcome::PayloadTooLarge),
+                        blocked: REFUSALS.iter().map(|&o| count(o)).sum(),
+                        struck_connections: a.table.strikes.tracked(),
+                        session_keys: a.table.sessions.keys(),
                         tracked_keys: a.table.tracked.load(Ordering::Acquire),
                         overflow_checks: a.counters.overflow_checks.load(Ordering::Relaxed),
                         would_refuse: REFUSALS
@@ -696,7 +800,67 @@ impl Limiter {
             return Err(CheckError::ZeroCost);
         }
         let stored = action.store(key)?;
+        if let Some(judged) = self.precheck(action, &stored, 0, (consume, escalate)) {
+            return Ok(judged);
+        }
         Ok(self.decide_locally(action, &stored, cost, consume, escalate))
+    }
+
+    /// The answer a check gets before any bucket is asked: `disconnect` for a connection its
+    /// strikes closed, `payload_too_large` (a strike of its own) for a payload over the cap.
+    fn precheck(
+        &self,
+        action: &Action,
+        stored: &StoredKey,
+        payload_bytes: u32,
+        (consume, escalate): (bool, bool),
+    ) -> Option<Judged> {
+        let spec = &action.spec;
+        if spec.strikes.is_none() && spec.max_payload_bytes == 0 {
+            return None;
+        }
+        let limit = action.limits(stored).local_limit;
+        let flags = (consume, escalate);
+        if spec.strikes.is_some()
+            && action
+                .table
+                .strikes
+                .disconnected(stored, self.clock.now_ns(), consume)
+        {
+            let verdict = Verdict::new(Outcome::Disconnect, limit, 0, NEVER_MS, NEVER_MS);
+            return Some(self.count(action, stored, verdict, flags, true));
+        }
+        if spec.max_payload_bytes > 0 && payload_bytes > spec.max_payload_bytes {
+            // The bucket is not asked: the same payload can never pass.
+            let verdict = Verdict::new(Outcome::PayloadTooLarge, limit, 0, NEVER_MS, 0);
+            return Some(self.count(action, stored, verdict, flags, true));
+        }
+        None
+    }
+
+    /// A spending verdict of an action with strikes, after its strike: `disconnect` once the
+    /// connection has collected enough within the window.
+    fn strike(&self, action: &Action, stored: &StoredKey, verdict: Verdict) -> Verdict {
+        let Some(rule) = &action.spec.strikes else {
+            return verdict;
+        };
+        let weight = match verdict.outcome {
+            Outcome::PayloadTooLarge => rule.oversize,
+            // Already closed: nothing more to count.
+            Outcome::Disconnect => return verdict,
+            outcome if outcome.allowed() => return verdict,
+            _ => 1,
+        };
+        let now = self.clock.now_ns();
+        if action
+            .table
+            .strikes
+            .strike(rule, stored, now, weight, action.spec.max_keys)
+        {
+            Verdict::new(Outcome::Disconnect, verdict.limit, 0, NEVER_MS, NEVER_MS)
+        } else {
+            verdict
+        }
     }
 
     /// The verdict of this agent's own bucket for `key`.
@@ -714,6 +878,11 @@ impl Limiter {
         let verdict = match limits.local {
             Mode::Unlimited => Verdict::new(Outcome::Unlimited, 0, u32::MAX, 0, 0),
             Mode::Closed => Verdict::new(Outcome::Closed, 0, 0, NEVER_MS, NEVER_MS),
+            // A check of sessions asks whether one more would fit, and takes none.
+            Mode::Sessions(max) => {
+                let held = action.table.sessions.held(stored);
+                sessions_verdict(held < max, max, held)
+            }
             Mode::Limited(rate) => return self.settle(action, (&rate, limit), stored, cost, flags),
             Mode::Quota(quota) => return self.settle(action, (&quota, limit), stored, cost, flags),
         };
@@ -762,13 +931,15 @@ impl Limiter {
         (consume, escalate): (bool, bool),
         tracked: bool,
     ) -> Judged {
-        let judged = Judged {
+        let mut judged = Judged {
             verdict,
             monitored: action.monitor,
         };
         if !consume {
             return judged;
         }
+        judged.verdict = self.strike(action, stored, verdict);
+        let verdict = judged.verdict;
         action.counters.outcomes.add(verdict.outcome);
         if let Some(outcome) = judged.would_refuse() {
             action.counters.would_refuse.add(outcome);
@@ -860,7 +1031,7 @@ impl Action {
         // counts its quota on the calendar too.
         match self.spec.kind {
             ActionKind::Quota => clock.unix_ns(),
-            ActionKind::Rate => clock.now_ns(),
+            ActionKind::Rate | ActionKind::Concurrency => clock.now_ns(),
         }
     }
 
@@ -869,7 +1040,7 @@ impl Action {
         match &self.limits(key).local {
             Mode::Limited(rate) => rate.is_idle(state, now),
             Mode::Quota(quota) => quota.is_idle(state, now),
-            Mode::Unlimited | Mode::Closed => true,
+            Mode::Unlimited | Mode::Closed | Mode::Sessions(_) => true,
         }
     }
 

@@ -804,3 +804,285 @@ fn the_mode_switches_live_and_an_actions_own_mode_wins() {
     ));
     assert_eq!(refused(&limiter), 0);
 }
+
+/// A connection-keyed action: 2 per 10 s, closed at 3 strikes within 10 s; payloads over 100
+/// bytes refused, weighing 2 strikes.
+const STRIKING: &str = "[actions.pub]\nlimit = 2\nwindow = \"10s\"\nkey = \"connection\"\n\
+    strikes-to-disconnect = 3\nstrike-window = \"10s\"\nmax-payload-bytes = 100\n\
+    oversize-strikes = 2\n";
+
+fn weighed(limiter: &Arc<Limiter>, key: &str, payload: u32) -> Judged {
+    let id = limiter.action_id("pub").unwrap();
+    let Ok(judged) = limiter
+        .submit(&id, key.as_bytes(), (1, payload), Submit::Check)
+        .unwrap()
+        .now()
+    else {
+        panic!("a local action answers at once");
+    };
+    judged
+}
+
+#[test]
+fn refusals_strike_a_connection_until_it_is_disconnected_and_stays_so_until_gone() {
+    let (clock, _, limiter) = limiter_with(STRIKING, None);
+    let outcome = |key: &str| limiter.check("pub", key.as_bytes(), 1).unwrap().outcome;
+    assert_eq!(outcome("c1"), Outcome::Allowed);
+    assert_eq!(outcome("c1"), Outcome::Allowed);
+    assert_eq!(outcome("c1"), Outcome::Limited, "strike 1");
+    clock.advance(Duration::from_secs(1));
+    assert_eq!(outcome("c1"), Outcome::Limited, "strike 2");
+    let closing = limiter.check("pub", b"c1", 1).unwrap();
+    assert_eq!(closing.outcome, Outcome::Disconnect, "strike 3 closes");
+    assert_eq!(
+        (closing.retry_after_ms, closing.reset_after_ms),
+        (NEVER_MS, NEVER_MS)
+    );
+    // Whatever it sends until the broker reports it gone is refused, buckets full or not.
+    clock.advance(Duration::from_secs(9));
+    assert_eq!(outcome("c1"), Outcome::Disconnect);
+    assert_eq!(
+        limiter.peek("pub", b"c1", 1).unwrap().outcome,
+        Outcome::Disconnect
+    );
+    // Another connection of the same client is judged by its own bucket and strikes.
+    assert_eq!(outcome("c2"), Outcome::Allowed);
+    let stats = stats_of(&limiter, "pub");
+    assert_eq!(
+        (stats.counts.limited, stats.counts.disconnect),
+        (2, 2),
+        "the closing check and the one after it; a peek counts nothing"
+    );
+    assert_eq!(stats.counts.struck_connections, 1);
+    assert!(limiter.connection_gone(b"c1"));
+    assert!(!limiter.connection_gone(b"c1"), "nothing left to forget");
+    assert_eq!(
+        outcome("c1"),
+        Outcome::Allowed,
+        "a new connection of that name"
+    );
+}
+
+#[test]
+fn strikes_spread_wider_than_their_window_never_disconnect() {
+    let (clock, _, limiter) = limiter_with(STRIKING, None);
+    for _ in 0..10 {
+        // Two allowed, then one refusal: one strike per 11 s.
+        let refused: Vec<Outcome> = (0..3)
+            .map(|_| limiter.check("pub", b"c1", 1).unwrap().outcome)
+            .collect();
+        assert_eq!(
+            refused,
+            [Outcome::Allowed, Outcome::Allowed, Outcome::Limited]
+        );
+        clock.advance(Duration::from_secs(11));
+    }
+}
+
+#[test]
+fn an_oversize_payload_is_refused_unspent_and_weighs_its_strikes() {
+    let (_, _, limiter) = limiter_with(STRIKING, None);
+    let limiter = Arc::new(limiter);
+    let fits = weighed(&limiter, "c1", 100);
+    assert_eq!(
+        (fits.verdict.outcome, fits.verdict.remaining),
+        (Outcome::Allowed, 1)
+    );
+    let over = weighed(&limiter, "c1", 101);
+    assert_eq!(over.verdict.outcome, Outcome::PayloadTooLarge);
+    // Nothing spent: the bucket still pays the next check.
+    assert_eq!(weighed(&limiter, "c1", 0).verdict.outcome, Outcome::Allowed);
+    // 2 + 2 strikes reach 3.
+    assert_eq!(
+        weighed(&limiter, "c1", 5_000).verdict.outcome,
+        Outcome::Disconnect
+    );
+    // A check that does not give a size is never oversize.
+    let plain = Limiter::new(
+        config_of(STRIKING, None),
+        Arc::new(ManualClock::new()),
+        Arc::new(RecordingBanner::default()),
+    );
+    assert_eq!(
+        plain.check("pub", b"c9", 1).unwrap().outcome,
+        Outcome::Allowed
+    );
+}
+
+#[test]
+fn a_disconnected_connection_silent_for_a_window_is_swept() {
+    let (clock, _, limiter) = limiter_with(STRIKING, None);
+    for _ in 0..5 {
+        limiter.check("pub", b"c1", 1).unwrap();
+    }
+    assert_eq!(
+        limiter.check("pub", b"c1", 1).unwrap().outcome,
+        Outcome::Disconnect
+    );
+    clock.advance(Duration::from_secs(9));
+    limiter.sweep();
+    assert_eq!(stats_of(&limiter, "pub").counts.struck_connections, 1);
+    clock.advance(Duration::from_secs(10));
+    limiter.sweep();
+    assert_eq!(stats_of(&limiter, "pub").counts.struck_connections, 0);
+    assert_eq!(
+        limiter.check("pub", b"c1", 1).unwrap().outcome,
+        Outcome::Allowed
+    );
+}
+
+#[test]
+fn monitor_mode_judges_strikes_and_says_it_would_disconnect() {
+    let (_, limiter) = with_mode(STRIKING, Enforcement::Monitor);
+    let limiter = Arc::new(limiter);
+    let judged: Vec<Judged> = (0..6).map(|_| weighed(&limiter, "c1", 1)).collect();
+    assert!(
+        judged.iter().all(|j| j.enforced().allowed),
+        "nothing refused"
+    );
+    let would: Vec<Option<Outcome>> = judged.iter().map(Judged::would_refuse).collect();
+    assert_eq!(
+        would,
+        [
+            None,
+            None,
+            Some(Outcome::Limited),
+            Some(Outcome::Limited),
+            Some(Outcome::Disconnect),
+            Some(Outcome::Disconnect)
+        ]
+    );
+}
+
+#[test]
+fn strike_settings_are_checked_naming_the_key() {
+    let new = "[actions.x]\nlimit = 1\nwindow = \"1s\"\n";
+    for (extra, setting) in [
+        (
+            "strikes-to-disconnect = 3\n",
+            "actions.x.strikes-to-disconnect",
+        ),
+        (
+            "key = \"connection\"\nstrike-window = \"5s\"\n",
+            "actions.x.strike-window",
+        ),
+        (
+            "key = \"connection\"\nstrikes-to-disconnect = 3\nstrike-window = 0\n",
+            "actions.x.strike-window",
+        ),
+        (
+            "key = \"connection\"\nstrikes-to-disconnect = 3\noversize-strikes = 2\n",
+            "actions.x.oversize-strikes",
+        ),
+        (
+            "key = \"connection\"\nstrikes-to-disconnect = 3\nmax-payload-bytes = 9\n\
+             oversize-strikes = 0\n",
+            "actions.x.oversize-strikes",
+        ),
+        ("max-payload-bytes = 0\n", "actions.x.max-payload-bytes"),
+    ] {
+        let text = format!("{new}{extra}");
+        let table = toml::from_str::<toml::Table>(&text).unwrap();
+        let actions: BTreeMap<String, ActionConfig> = table["actions"].clone().try_into().unwrap();
+        let error = resolve_actions(&actions, &[], false).unwrap_err();
+        assert_eq!(error.setting, setting, "{text}: {error}");
+    }
+    let specs = resolve_actions(
+        &toml::from_str::<toml::Table>(&format!(
+            "{new}key = \"connection\"\nstrikes-to-disconnect = 4\n"
+        ))
+        .unwrap()["actions"]
+            .clone()
+            .try_into()
+            .unwrap(),
+        &[],
+        true,
+    )
+    .unwrap();
+    let x = specs.iter().find(|s| s.name == "x").unwrap();
+    assert_eq!(
+        x.strikes,
+        Some(StrikeRule {
+            to_disconnect: 4,
+            window: Duration::from_secs(10),
+            oversize: 1
+        })
+    );
+    assert!(!x.shared, "a connection is never shared, even in a fleet");
+}
+
+const SESSIONS: &str = "[actions.logins]\nkind = \"concurrency\"\nlimit = 2\nkey = \"user\"\n\
+    [actions.logins.overrides]\n\"service\" = 3\n";
+
+#[test]
+fn sessions_are_held_per_key_up_to_the_limit_and_given_back_by_their_owner() {
+    let (_, _, limiter) = limiter_with(SESSIONS, None);
+    let mut broker = SessionOwner::default();
+    let take = |owner: &mut SessionOwner, key: &str, session: &str| {
+        limiter
+            .acquire(owner, "logins", key.as_bytes(), session.as_bytes())
+            .unwrap()
+            .enforced()
+            .outcome
+    };
+    assert_eq!(take(&mut broker, "alice", "1"), Outcome::Allowed);
+    assert_eq!(take(&mut broker, "alice", "2"), Outcome::Allowed);
+    assert_eq!(take(&mut broker, "alice", "3"), Outcome::Limited);
+    for session in ["1", "2", "3"] {
+        assert_eq!(
+            take(&mut broker, "service", session),
+            Outcome::Allowed,
+            "its own limit"
+        );
+    }
+    assert_eq!(take(&mut broker, "service", "4"), Outcome::Limited);
+    assert!(
+        limiter
+            .release(&mut broker, "logins", b"alice", b"1")
+            .unwrap()
+    );
+    assert!(
+        !limiter
+            .release(&mut broker, "logins", b"alice", b"1")
+            .unwrap()
+    );
+    assert_eq!(take(&mut broker, "alice", "3"), Outcome::Allowed);
+    assert_eq!(stats_of(&limiter, "logins").counts.session_keys, 2);
+    drop(broker);
+    assert_eq!(stats_of(&limiter, "logins").counts.session_keys, 0);
+    assert_eq!(
+        limiter.acquire(&mut SessionOwner::default(), "auth", b"10.0.0.1", b"1"),
+        Err(CheckError::NotConcurrency("auth".into()))
+    );
+}
+
+#[test]
+fn monitored_sessions_are_all_taken_and_the_refusal_judged() {
+    let (_, limiter) = with_mode(SESSIONS, Enforcement::Monitor);
+    let mut broker = SessionOwner::default();
+    let judged: Vec<Judged> = (0..3)
+        .map(|n| {
+            limiter
+                .acquire(&mut broker, "logins", b"alice", n.to_string().as_bytes())
+                .unwrap()
+        })
+        .collect();
+    assert!(judged.iter().all(|j| j.enforced().allowed));
+    assert_eq!(judged[2].would_refuse(), Some(Outcome::Limited));
+    assert_eq!(broker.len(), 3);
+}
+
+#[test]
+fn a_concurrency_action_has_only_a_limit() {
+    for (extra, setting) in [
+        ("window = \"1s\"\n", "actions.logins.window"),
+        ("burst = 3\n", "actions.logins.burst"),
+        ("period = \"1d\"\n", "actions.logins.period"),
+    ] {
+        let text = format!("[actions.logins]\nkind = \"concurrency\"\nlimit = 2\n{extra}");
+        let table = toml::from_str::<toml::Table>(&text).unwrap();
+        let actions: BTreeMap<String, ActionConfig> = table["actions"].clone().try_into().unwrap();
+        let error = resolve_actions(&actions, &[], false).unwrap_err();
+        assert_eq!(error.setting, setting, "{text}: {error}");
+    }
+}

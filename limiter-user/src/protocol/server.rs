@@ -27,7 +27,9 @@ use std::{
 };
 
 use futures::{FutureExt, SinkExt, StreamExt, stream::FuturesOrdered};
-use limiter_client::{CodecError, ErrorCode, ParseError, Received, Request, Response, ServerCodec};
+use limiter_client::{
+    Checked, CodecError, ErrorCode, ParseError, Received, Request, Response, ServerCodec,
+};
 use tokio::{
     io::{AsyncRead, AsyncWrite},
     net::{TcpListener, UnixListener},
@@ -38,7 +40,7 @@ use tokio_util::codec::Framed;
 use crate::{
     admission::{AcceptBackoff, Admission, Ticket},
     api::ban_ttl,
-    buckets::{CheckError, Limiter, Pending, Submit},
+    buckets::{CheckError, Judged, Limiter, Pending, SessionOwner, Submit},
     errors::error_chain,
     secret::token_matches,
     settings::{ClientLimits, ServeConfig},
@@ -327,6 +329,8 @@ impl Served {
         let mut wait = clients.header_timeout;
         // Replies still waiting on Redis, and those behind them, which keep their order.
         let mut waiting = Waiting::new();
+        // The sessions this connection acquired: freed when it ends, however it ends.
+        let mut sessions = SessionOwner::default();
         loop {
             let first = tokio::select! {
                 () = &mut evicted => {
@@ -357,7 +361,13 @@ impl Served {
             ticket.proven();
             wait = clients.idle_timeout;
             if !self
-                .answer_buffered(&mut framed, first, &mut peer, clients, &mut waiting)
+                .answer_buffered(
+                    &mut framed,
+                    first,
+                    (&mut peer, &mut sessions),
+                    clients,
+                    &mut waiting,
+                )
                 .await
             {
                 return;
@@ -372,7 +382,7 @@ impl Served {
         &self,
         framed: &mut Framed<S, ServerCodec>,
         first: Result<Received<Request>, CodecError>,
-        peer: &mut Peer,
+        (peer, sessions): (&mut Peer, &mut SessionOwner),
         clients: ClientLimits,
         waiting: &mut Waiting,
     ) -> bool
@@ -382,7 +392,7 @@ impl Served {
         let mut next = Some(first);
         while let Some(item) = next.take() {
             let (reply, fatal) = match item {
-                Ok(received) => (self.answer(received, peer), false),
+                Ok(received) => (self.answer(received, peer, sessions), false),
                 Err(CodecError::TooLarge { len, max }) => (
                     Pending::ready((
                         0,
@@ -486,6 +496,7 @@ fn check_error(e: CheckError) -> Response {
         CheckError::UnknownAction(_) => ErrorCode::UnknownAction,
         CheckError::InvalidKey { .. } => ErrorCode::InvalidKey,
         CheckError::ZeroCost => ErrorCode::InvalidCost,
+        CheckError::NotConcurrency(_) => ErrorCode::WrongKind,
     };
     error(code, e.to_string())
 }
@@ -512,7 +523,12 @@ impl Served {
 
     /// The reply to one request: at once, or once the fleet's Redis has answered. An accepted
     /// token makes the connection trusted.
-    fn answer(&self, received: Received<Request>, peer: &mut Peer) -> Pending<(u32, Response)> {
+    fn answer(
+        &self,
+        received: Received<Request>,
+        peer: &mut Peer,
+        sessions: &mut SessionOwner,
+    ) -> Pending<(u32, Response)> {
         let limiter = &self.limiter;
         let id = received.id;
         let request = match received.message {
@@ -545,11 +561,53 @@ impl Served {
         }
         let response = match request {
             Request::Check { action, key, cost } => {
-                return verdict(id, limiter, &action, &key, cost, Submit::Check);
+                return verdict(
+                    id,
+                    limiter,
+                    (&action, &key),
+                    (cost, 0),
+                    Submit::Check,
+                    plain,
+                );
             }
             Request::Peek { action, key, cost } => {
-                return verdict(id, limiter, &action, &key, cost, Submit::Peek);
+                return verdict(id, limiter, (&action, &key), (cost, 0), Submit::Peek, plain);
             }
+            Request::CheckPayload {
+                action,
+                key,
+                cost,
+                payload_bytes,
+            } => {
+                let weighed = (cost, payload_bytes);
+                return verdict(
+                    id,
+                    limiter,
+                    (&action, &key),
+                    weighed,
+                    Submit::Check,
+                    flagged,
+                );
+            }
+            Request::ConnectionGone { key } => Response::Done {
+                changed: limiter.connection_gone(&key),
+            },
+            Request::Acquire {
+                action,
+                key,
+                session,
+            } => match limiter.acquire(sessions, &action, &key, &session) {
+                Ok(judged) => Response::Verdict(judged.enforced()),
+                Err(e) => check_error(e),
+            },
+            Request::Release {
+                action,
+                key,
+                session,
+            } => match limiter.release(sessions, &action, &key, &session) {
+                Ok(changed) => Response::Done { changed },
+                Err(e) => check_error(e),
+            },
             Request::Reset { action, key } => match limiter.forget(&action, &key) {
                 Err(e) => check_error(e),
                 Ok(changed) => {
@@ -579,20 +637,32 @@ impl Served {
 fn verdict(
     id: u32,
     limiter: &Arc<Limiter>,
-    action: &str,
-    key: &[u8],
-    cost: u32,
+    (action, key): (&str, &[u8]),
+    weighed: (u32, u32),
     how: Submit,
+    reply: fn(Judged) -> Response,
 ) -> Pending<(u32, Response)> {
     match limiter
         .action_id(action)
-        .and_then(|action| limiter.submit(&action, key, cost, how))
+        .and_then(|action| limiter.submit(&action, key, weighed, how))
     {
-        // The binary reply has no monitor flag (yet): a monitored refusal goes out as the
-        // allowance it is enforced as.
-        Ok(judged) => later(id, judged, |j| Response::Verdict(j.enforced())),
+        Ok(judged) => later(id, judged, reply),
         Err(e) => Pending::ready((id, check_error(e))),
     }
+}
+
+/// The verdict reply (`0x81`) has no monitor flag: a monitored refusal goes out as the
+/// allowance it is enforced as.
+fn plain(judged: Judged) -> Response {
+    Response::Verdict(judged.enforced())
+}
+
+/// The checked reply (`0x84`, protocol 1.3) says what a monitored action would have refused.
+fn flagged(judged: Judged) -> Response {
+    Response::Checked(Checked {
+        verdict: judged.enforced(),
+        would_refuse: judged.would_refuse(),
+    })
 }
 
 /// The reply `reply` makes of an answer, now or when it comes.

@@ -331,13 +331,15 @@ struct BrokerMetrics {
     families: Broker,
 }
 
-const OUTCOMES: [Outcome; 6] = [
+const OUTCOMES: [Outcome; 8] = [
     Outcome::Allowed,
     Outcome::Unlimited,
     Outcome::Limited,
     Outcome::CostExceedsBurst,
     Outcome::CostExceedsLimit,
     Outcome::Closed,
+    Outcome::Disconnect,
+    Outcome::PayloadTooLarge,
 ];
 
 impl BrokerMetrics {
@@ -486,6 +488,8 @@ impl Scraped for BrokerMetrics {
                     Outcome::CostExceedsBurst => counts.cost_exceeds_burst,
                     Outcome::CostExceedsLimit => counts.cost_exceeds_limit,
                     Outcome::Closed => counts.closed,
+                    Outcome::Disconnect => counts.disconnect,
+                    Outcome::PayloadTooLarge => counts.payload_too_large,
                 };
                 b.checks
                     .with_label_values(&[action, outcome.as_str()])

@@ -156,7 +156,7 @@ pub fn broker_rate_limits(limiter: &Limiter, limit: usize) -> BrokerRateLimits {
                 name: spec.name.clone(),
                 kind: spec.kind.as_str().to_owned(),
                 mode: match spec.mode() {
-                    Mode::Limited(_) | Mode::Quota(_) => "limited",
+                    Mode::Limited(_) | Mode::Quota(_) | Mode::Sessions(_) => "limited",
                     Mode::Unlimited => "unlimited",
                     Mode::Closed => "closed",
                 }

@@ -60,7 +60,14 @@ pub(super) async fn check(
     let limiter = &state.limiter;
     let judged = limiter
         .action_id(&request.action)
-        .and_then(|id| limiter.submit(&id, request.key.as_bytes(), cost, Submit::CheckUnescalated))
+        .and_then(|id| {
+            limiter.submit(
+                &id,
+                request.key.as_bytes(),
+                (cost, 0),
+                Submit::CheckUnescalated,
+            )
+        })
         .map_err(|error| match error {
             CheckError::UnknownAction(action) => Problem::new(
                 StatusCode::NOT_FOUND,
@@ -69,6 +76,7 @@ pub(super) async fn check(
             .with("field", "action"),
             CheckError::InvalidKey { source, .. } => Problem::bad_request("key", source),
             CheckError::ZeroCost => Problem::bad_request("cost", "must be at least 1"),
+            e @ CheckError::NotConcurrency(_) => Problem::bad_request("action", e),
         })?
         .await;
     // In monitor mode a refusal is answered as the allowance it becomes, and says so.
@@ -112,6 +120,13 @@ pub(super) async fn check(
         Outcome::Closed => (
             StatusCode::TOO_MANY_REQUESTS,
             format!("action {:?} refuses every request", answer.action),
+        ),
+        Outcome::Disconnect => (
+            StatusCode::TOO_MANY_REQUESTS,
+            format!(
+                "action {:?} has closed this connection for its strikes",
+                answer.action
+            ),
         ),
         _ => (
             StatusCode::TOO_MANY_REQUESTS,
