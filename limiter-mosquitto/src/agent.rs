@@ -82,29 +82,62 @@ impl Agent {
         })
     }
 
-    /// Spends one token of `action` for `key`: `Ok(true)` allowed, `Ok(false)` refused.
-    pub fn check(&self, action: &'static str, key: String) -> Result<bool, NoAnswer> {
+    /// Runs `request` on the shared connection within the timeout and waits for its answer
+    /// as long: what every blocking call is made of.
+    fn ask<T, F, Fut>(&self, request: F) -> Result<T, NoAnswer>
+    where
+        T: Send + Sync + 'static,
+        F: FnOnce(Client) -> Fut + Send + 'static,
+        Fut: Future<Output = Result<T, ClientError>> + Send,
+    {
         let (tx, rx) = mpsc::sync_channel(1);
         let client = Arc::clone(&self.client);
         let socket = self.socket.clone();
         let timeout = self.timeout;
         self.runtime.spawn(async move {
             let answer = tokio::time::timeout(timeout, async {
-                let c = connected(&client, &socket).await?;
-                let verdict = c.check(action, key.as_bytes(), 1).await;
-                forget_if_broken(&client, &verdict).await;
-                verdict
+                let answer = request(connected(&client, &socket).await?).await;
+                forget_if_broken(&client, &answer).await;
+                answer
             })
             .await;
             // The callback may have stopped waiting; then nobody needs the answer.
             let _ = tx.send(match answer {
-                Ok(Ok(v)) => Ok(v.allowed),
+                Ok(Ok(v)) => Ok(v),
                 Ok(Err(e)) => Err(NoAnswer::Failed(e)),
                 Err(_) => Err(NoAnswer::Timeout),
             });
         });
         rx.recv_timeout(self.timeout)
             .unwrap_or(Err(NoAnswer::Timeout))
+    }
+
+    /// Runs `request` on the shared connection within the timeout, without waiting: for
+    /// reports nothing of the broker's depends on.
+    fn tell<T, F, Fut>(&self, request: F)
+    where
+        T: Send + Sync + 'static,
+        F: FnOnce(Client) -> Fut + Send + 'static,
+        Fut: Future<Output = Result<T, ClientError>> + Send,
+    {
+        let client = Arc::clone(&self.client);
+        let socket = self.socket.clone();
+        let timeout = self.timeout;
+        self.runtime.spawn(async move {
+            let _ = tokio::time::timeout(timeout, async {
+                let answer = request(connected(&client, &socket).await?).await;
+                forget_if_broken(&client, &answer).await;
+                answer.map(drop)
+            })
+            .await;
+        });
+    }
+
+    /// Spends one token of `action` for `key`: `Ok(true)` allowed, `Ok(false)` refused.
+    pub fn check(&self, action: &'static str, key: String) -> Result<bool, NoAnswer> {
+        self.ask(
+            move |c| async move { c.check(action, key.as_bytes(), 1).await.map(|v| v.allowed) },
+        )
     }
 
     /// Spends one token of the strikes `action` for the connection `client_id`, giving the
@@ -115,102 +148,36 @@ impl Agent {
         client_id: String,
         payload_bytes: u32,
     ) -> Result<Strike, NoAnswer> {
-        let (tx, rx) = mpsc::sync_channel(1);
-        let client = Arc::clone(&self.client);
-        let socket = self.socket.clone();
-        let timeout = self.timeout;
-        self.runtime.spawn(async move {
-            let answer = tokio::time::timeout(timeout, async {
-                let c = connected(&client, &socket).await?;
-                let checked = c.check_payload(&action, client_id, 1, payload_bytes).await;
-                forget_if_broken(&client, &checked).await;
-                checked
-            })
-            .await;
-            let _ = tx.send(match answer {
-                Ok(Ok(c)) => Ok(Strike::of(c.verdict.outcome, c.would_refuse)),
-                Ok(Err(e)) => Err(NoAnswer::Failed(e)),
-                Err(_) => Err(NoAnswer::Timeout),
-            });
-        });
-        rx.recv_timeout(self.timeout)
-            .unwrap_or(Err(NoAnswer::Timeout))
+        self.ask(move |c| async move {
+            let checked = c
+                .check_payload(&action, client_id, 1, payload_bytes)
+                .await?;
+            Ok(Strike::of(checked.verdict.outcome, checked.would_refuse))
+        })
     }
 
     /// Takes a session of `user` in the concurrency `action`: `Ok(true)` taken, `Ok(false)`
     /// the user has all its sessions. The plugin's one connection holds it, so a broker that
     /// dies frees them all.
     pub fn acquire(&self, action: String, user: String, session: String) -> Result<bool, NoAnswer> {
-        let (tx, rx) = mpsc::sync_channel(1);
-        let client = Arc::clone(&self.client);
-        let socket = self.socket.clone();
-        let timeout = self.timeout;
-        self.runtime.spawn(async move {
-            let answer = tokio::time::timeout(timeout, async {
-                let c = connected(&client, &socket).await?;
-                let verdict = c.acquire(&action, user, session).await;
-                forget_if_broken(&client, &verdict).await;
-                verdict
-            })
-            .await;
-            let _ = tx.send(match answer {
-                Ok(Ok(v)) => Ok(v.allowed),
-                Ok(Err(e)) => Err(NoAnswer::Failed(e)),
-                Err(_) => Err(NoAnswer::Timeout),
-            });
-        });
-        rx.recv_timeout(self.timeout)
-            .unwrap_or(Err(NoAnswer::Timeout))
+        self.ask(move |c| async move { c.acquire(&action, user, session).await.map(|v| v.allowed) })
     }
 
     /// Gives a session back, without waiting: the client is gone already.
     pub fn release(&self, action: String, user: String, session: String) {
-        let client = Arc::clone(&self.client);
-        let socket = self.socket.clone();
-        let timeout = self.timeout;
-        self.runtime.spawn(async move {
-            let _ = tokio::time::timeout(timeout, async {
-                let c = connected(&client, &socket).await?;
-                let released = c.release(&action, user, session).await;
-                forget_if_broken(&client, &released).await;
-                released
-            })
-            .await;
-        });
+        self.tell(move |c| async move { c.release(&action, user, session).await });
     }
 
     /// Tells the agent a client's connection is gone, without waiting: its strikes are
     /// released, and nothing of the broker's depends on the answer.
     pub fn connection_gone(&self, client_id: String) {
-        let client = Arc::clone(&self.client);
-        let socket = self.socket.clone();
-        let timeout = self.timeout;
-        self.runtime.spawn(async move {
-            let _ = tokio::time::timeout(timeout, async {
-                let c = connected(&client, &socket).await?;
-                let gone = c.connection_gone(client_id).await;
-                forget_if_broken(&client, &gone).await;
-                gone
-            })
-            .await;
-        });
+        self.tell(move |c| async move { c.connection_gone(client_id).await });
     }
 
     /// Reports a failed password by `addr` without waiting: the broker has already refused
     /// the login, and only the escalation count depends on it.
     pub fn report_auth_failure(&self, addr: IpAddr) {
-        let client = Arc::clone(&self.client);
-        let socket = self.socket.clone();
-        let timeout = self.timeout;
-        self.runtime.spawn(async move {
-            let _ = tokio::time::timeout(timeout, async {
-                let c = connected(&client, &socket).await?;
-                let escalation = c.report_auth_failure(addr).await;
-                forget_if_broken(&client, &escalation).await;
-                escalation
-            })
-            .await;
-        });
+        self.tell(move |c| async move { c.report_auth_failure(addr).await });
     }
 
     /// Stops the runtime, giving in-flight requests a moment.

@@ -57,17 +57,12 @@ fn the_plugin_limits_logins_and_publishes_and_escalates_to_a_kernel_ban() {
     let escalate = ESCALATE_AFTER.to_string();
     let publish_limit = PUBLISH_LIMIT.to_string();
     let port = mosquitto::PORT.to_string();
-    let mut agent = AgentProcess::start(
-        &pair.server,
+    let mut agent = agent_at(
+        &pair,
+        &pins,
+        &socket,
+        &port,
         &[
-            "--iface",
-            &pair.server_if,
-            "--pin-dir",
-            pins.arg(),
-            "--socket",
-            socket.to_str().unwrap(),
-            "--ports",
-            &port,
             "--reject-ban",
             "rst",
             "--auth-limit",
@@ -81,11 +76,7 @@ fn the_plugin_limits_logins_and_publishes_and_escalates_to_a_kernel_ban() {
             "--publish-window",
             "60s",
         ],
-    )
-    .unwrap();
-    agent
-        .wait_for("limiter is ready", startup_deadline())
-        .unwrap();
+    );
 
     let server = IpAddr::V4(SERVER_V4);
     let broker = Broker::start(
@@ -254,17 +245,12 @@ fn on_a_broker_without_its_own_login_check_the_default_accepts_what_auth_allows(
     let socket = dir.path().join("limiter.sock");
     let auth_limit = ANON_AUTH_LIMIT.to_string();
     let port = mosquitto::PORT.to_string();
-    let agent = AgentProcess::start(
-        &pair.server,
+    let _agent = agent_at(
+        &pair,
+        &pins,
+        &socket,
+        &port,
         &[
-            "--iface",
-            &pair.server_if,
-            "--pin-dir",
-            pins.arg(),
-            "--socket",
-            socket.to_str().unwrap(),
-            "--ports",
-            &port,
             "--auth-limit",
             &auth_limit,
             "--auth-window",
@@ -272,11 +258,7 @@ fn on_a_broker_without_its_own_login_check_the_default_accepts_what_auth_allows(
             // (a 60 s window gave one back every 15 s).
             "1h",
         ],
-    )
-    .unwrap();
-    agent
-        .wait_for("limiter is ready", startup_deadline())
-        .unwrap();
+    );
     let server = IpAddr::V4(SERVER_V4);
     let from = IpAddr::V4(CLIENT_V4);
     let login = || {
@@ -348,21 +330,43 @@ fn on_a_broker_without_its_own_login_check_the_default_accepts_what_auth_allows(
 /// The port of the broker without the plugin, beside the one with it at [`mosquitto::PORT`].
 const PLAIN_PORT: u16 = mosquitto::PORT + 1;
 
+/// A ready agent in `pair`'s server namespace protecting `ports` (attached to the server's
+/// end, its maps pinned in `pins`), serving the broker protocol at `socket`, with `flags`.
+fn agent_at(
+    pair: &Pair,
+    pins: &PinDir,
+    socket: &std::path::Path,
+    ports: &str,
+    flags: &[&str],
+) -> AgentProcess {
+    let mut args = vec![
+        "--iface",
+        &pair.server_if,
+        "--pin-dir",
+        pins.arg(),
+        "--socket",
+        socket.to_str().unwrap(),
+        "--ports",
+        ports,
+    ];
+    args.extend_from_slice(flags);
+    let agent = AgentProcess::start(&pair.server, &args).unwrap();
+    agent
+        .wait_for("limiter is ready", startup_deadline())
+        .unwrap();
+    agent
+}
+
 /// An agent in `pair`'s server namespace whose `auth`, `publish` and `subscribe` allow far
 /// more than a test spends, listening at `socket`.
 fn generous_agent(pair: &Pair, pins: &PinDir, socket: &std::path::Path) -> AgentProcess {
     let ports = format!("{},{PLAIN_PORT}", mosquitto::PORT);
-    let agent = AgentProcess::start(
-        &pair.server,
+    agent_at(
+        pair,
+        pins,
+        socket,
+        &ports,
         &[
-            "--iface",
-            &pair.server_if,
-            "--pin-dir",
-            pins.arg(),
-            "--socket",
-            socket.to_str().unwrap(),
-            "--ports",
-            &ports,
             "--auth-limit",
             "1000",
             "--auth-window",
@@ -377,11 +381,6 @@ fn generous_agent(pair: &Pair, pins: &PinDir, socket: &std::path::Path) -> Agent
             "1h",
         ],
     )
-    .unwrap();
-    agent
-        .wait_for("limiter is ready", startup_deadline())
-        .unwrap();
-    agent
 }
 
 /// The same broker twice in `ns`, in subdirectories of `dir` named after `case`: without the
@@ -621,17 +620,12 @@ fn a_flooding_client_is_disconnected_after_its_strikes_and_another_of_its_user_i
     )
     .unwrap();
     let port = mosquitto::PORT.to_string();
-    let agent = AgentProcess::start(
-        &pair.server,
+    let _agent = agent_at(
+        &pair,
+        &pins,
+        &socket,
+        &port,
         &[
-            "--iface",
-            &pair.server_if,
-            "--pin-dir",
-            pins.arg(),
-            "--socket",
-            socket.to_str().unwrap(),
-            "--ports",
-            &port,
             "--config",
             config.to_str().unwrap(),
             "--auth-limit",
@@ -641,11 +635,7 @@ fn a_flooding_client_is_disconnected_after_its_strikes_and_another_of_its_user_i
             "--publish-window",
             "1h",
         ],
-    )
-    .unwrap();
-    agent
-        .wait_for("limiter is ready", startup_deadline())
-        .unwrap();
+    );
     let server = IpAddr::V4(SERVER_V4);
     let broker = Broker::start(
         &pair.server,
@@ -785,27 +775,13 @@ fn a_third_session_of_a_user_is_refused_until_one_disconnects_and_a_killed_broke
     )
     .unwrap();
     let port = mosquitto::PORT.to_string();
-    let agent = AgentProcess::start(
-        &pair.server,
-        &[
-            "--iface",
-            &pair.server_if,
-            "--pin-dir",
-            pins.arg(),
-            "--socket",
-            socket.to_str().unwrap(),
-            "--ports",
-            &port,
-            "--config",
-            config.to_str().unwrap(),
-            "--auth-limit",
-            "1000",
-        ],
-    )
-    .unwrap();
-    agent
-        .wait_for("limiter is ready", startup_deadline())
-        .unwrap();
+    let _agent = agent_at(
+        &pair,
+        &pins,
+        &socket,
+        &port,
+        &["--config", config.to_str().unwrap(), "--auth-limit", "1000"],
+    );
     let server = IpAddr::V4(SERVER_V4);
     let good = IpAddr::V4(CLIENT_V4);
     let users = [("alice", "a-secret"), ("bob", "b-secret")];
