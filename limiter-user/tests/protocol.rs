@@ -934,17 +934,21 @@ where
             // resend, so such a client stays open for good without the agent holding
             // anything. What the agent holds is counted on its side instead: established
             // sockets it has accepted. Every slot stays in use while the attackers' late
-            // handshakes arrive, and none beyond.
+            // handshakes arrive, and none beyond, but for the one newcomer accepted and
+            // waiting for the slot of the connection it evicts while that one closes.
             let mut peak = 0;
             for _ in 0..50 {
                 let accepted = accepted_on(port);
                 peak = peak.max(accepted);
-                if accepted == MAX {
+                if accepted >= MAX {
                     break;
                 }
                 tokio::time::sleep(PATIENCE / 50).await;
             }
-            assert_eq!(peak, MAX, "the agent held {peak} connections at most");
+            assert!(
+                (MAX..=MAX + 1).contains(&peak),
+                "the agent held {peak} connections at most"
+            );
             drop(attackers);
         }
     }
