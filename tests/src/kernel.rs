@@ -225,6 +225,21 @@ impl Kernel {
     }
 }
 
+/// The programs loaded with `flags` applied and attached (native XDP) to the server end of
+/// `pair`, from inside its namespace.
+pub fn attach_server(pair: &crate::netns::Pair, flags: &[&str]) -> anyhow::Result<Datapath> {
+    let settings = settings(flags);
+    pair.server.run(|| {
+        let mut dp = Datapath::load(LoadOptions {
+            flow_table_size: settings.restart.flow_table_size,
+            ..LoadOptions::default()
+        })?;
+        dp.maps.apply(&settings.policy)?;
+        dp.attach(&pair.server_if, XdpAttachMode::Native)?;
+        anyhow::Ok(dp)
+    })?
+}
+
 /// The programs attached to the server end of a fresh namespace pair, with `flags` applied.
 pub struct Attached {
     pub dp: Datapath,
@@ -271,16 +286,7 @@ impl Attached {
     }
 
     fn on(pair: crate::netns::Pair, flags: &[&str], napi_peer: bool) -> anyhow::Result<Self> {
-        let settings = settings(flags);
-        let dp = pair.server.run(|| {
-            let mut dp = Datapath::load(LoadOptions {
-                flow_table_size: settings.restart.flow_table_size,
-                ..LoadOptions::default()
-            })?;
-            dp.maps.apply(&settings.policy)?;
-            dp.attach(&pair.server_if, XdpAttachMode::Native)?;
-            anyhow::Ok(dp)
-        })??;
+        let dp = attach_server(&pair, flags)?;
         let peer = if napi_peer { Some(peer(&pair)?) } else { None };
         Ok(Self {
             dp,

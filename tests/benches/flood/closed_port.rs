@@ -30,11 +30,11 @@ use aya::{
     programs::ProgramInfo,
     sys::{Stats, enable_stats},
 };
-use limiter::datapath::{Datapath, LoadOptions, XDP_PROGRAM, XdpAttachMode};
+use limiter::datapath::{Datapath, XDP_PROGRAM};
 use limiter_common::{Direction, Reason, Verdict};
 use limiter_tests::{
     frames::Tcp,
-    kernel::settings,
+    kernel::attach_server,
     netns::{Pair, SERVER_V4},
     packet::PacketSocket,
     report::Report,
@@ -94,16 +94,13 @@ fn install(filter: Filter, pair: &Pair) -> Result<Installed> {
     match filter {
         Filter::DropAll => anchor("drop_all"),
         Filter::Kernel => anchor("pass"),
-        Filter::Limiter => pair.server.run(|| {
-            let settings = settings(&["--ports", &port, "--syn-rate", "1", "--syn-burst", "1"]);
-            let mut dp = Datapath::load(LoadOptions {
-                flow_table_size: settings.restart.flow_table_size,
-                ..LoadOptions::default()
-            })?;
-            dp.maps.apply(&settings.policy)?;
-            dp.attach(&pair.server_if, XdpAttachMode::Native)?;
+        Filter::Limiter => {
+            let dp = attach_server(
+                pair,
+                &["--ports", &port, "--syn-rate", "1", "--syn-burst", "1"],
+            )?;
             Ok(Some(Box::new(dp) as Box<dyn std::any::Any + Send>))
-        })?,
+        }
         Filter::Nftables => {
             let rules = format!(
                 "table inet limiter_bench {{

@@ -49,10 +49,10 @@ use aya::{
     Ebpf,
     sys::{Stats, enable_stats},
 };
-use limiter::datapath::{Datapath, LoadOptions, XdpAttachMode};
+use limiter::datapath::Datapath;
 use limiter_tests::{
     frames::Tcp,
-    kernel::settings,
+    kernel::attach_server,
     netns::{CLIENT_V4, Netns, Pair, SERVER_V4},
     packet::PacketSocket,
     report::{AtLeast, Report, Target},
@@ -173,16 +173,7 @@ impl Rig {
                 let port = PORT.to_string();
                 let mut flags = flags;
                 flags.extend(["--ports", &port]);
-                let settings = settings(&flags);
-                Box::new(pair.server.run(|| {
-                    let mut dp = Datapath::load(LoadOptions {
-                        flow_table_size: settings.restart.flow_table_size,
-                        ..LoadOptions::default()
-                    })?;
-                    dp.maps.apply(&settings.policy)?;
-                    dp.attach(&pair.server_if, XdpAttachMode::Native)?;
-                    anyhow::Ok(dp)
-                })??)
+                Box::new(attach_server(&pair, &flags)?)
             }
             None => {
                 let program = if case == Case::Floor {
