@@ -15,3 +15,4 @@ pub mod netns;
 pub mod packet;
 pub mod redis;
 pub mod report;
+pub mod transfer;

@@ -6,12 +6,14 @@
 //! Two floods, one module each: [`closed_port`] (the default) floods a port nothing listens
 //! on from a fixed set of sources, beside nftables and iptables meters; [`spoofed`]
 //! (`--spoofed`) floods a listening port from a fresh random source per SYN, the flood SYN
-//! cookies are for, beside the kernel's own cookies and iptables SYNPROXY.
+//! cookies are for, beside the kernel's own cookies and iptables SYNPROXY, and then
+//! [`cookie_transfer`] times a connection a cookie let in against a normal one.
 //!
 //! Each case makes its own pair of network namespaces joined by a veth, puts the filter under
 //! test on the server end, and sends SYNs from the client end through an AF_PACKET socket.
 
 mod closed_port;
+mod cookie_transfer;
 mod spoofed;
 
 use std::{
@@ -55,7 +57,8 @@ struct Args {
 fn main() -> Result<()> {
     let args = Args::parse();
     if args.spoofed {
-        spoofed::run()
+        spoofed::run()?;
+        cookie_transfer::run()
     } else {
         closed_port::run(&args.sources)
     }
