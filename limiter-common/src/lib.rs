@@ -180,8 +180,15 @@ pub struct Config {
     /// Non-zero when the override tries hold entries ([`SourceLimits`]): only then does a
     /// SYN or a completing handshake pay the longest-prefix lookup of its source.
     pub has_overrides: u8,
+    /// Non-zero: monitor mode (`mode = "monitor"`), the dry run. Every packet is judged as in
+    /// enforce mode, but what the source and rate policy would refuse (the caps, the rates,
+    /// bans, the deny list, a full flow table) passes, counted as [`Verdict::WouldRefuse`]
+    /// with the reason. Frames that cannot be judged (fragments, cut-short or malformed
+    /// headers, a bad checksum, a martian source, a forged cookie) are refused as ever: they
+    /// are not policy an operator tries out, and passing them would open what they close.
+    pub monitor: u8,
     /// Explicit padding (see the module's doc).
-    pub _pad: [u8; 7],
+    pub _pad: [u8; 6],
 }
 
 const _: () = assert!(core::mem::size_of::<Config>() == 96);
@@ -220,7 +227,8 @@ impl Config {
         conn_interval_ns: 0,
         conn_tolerance_ns: 0,
         has_overrides: 0,
-        _pad: [0; 7],
+        monitor: 0,
+        _pad: [0; 6],
     };
 
     /// Sets the GCRA terms the programs meter SYNs and connections with from the rates and

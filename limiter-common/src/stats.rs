@@ -23,6 +23,9 @@ pub enum Verdict {
     Rst = 2,
     /// Answered by limiter itself with a SYN cookie's SYN-ACK: the SYN never reaches the host.
     Cookie = 3,
+    /// Passed in monitor mode, where enforce mode would have dropped or reset it for the
+    /// reason (see `Config::monitor`).
+    WouldRefuse = 4,
 }
 
 /// Why. The reasons a *source* is refused for come first, so that [`Reason::blocked_slot`] is
@@ -173,10 +176,15 @@ impl Reason {
 
 impl Verdict {
     /// Number of verdicts; sizes the `STATS` array.
-    pub const COUNT: usize = 4;
+    pub const COUNT: usize = 5;
     /// Every verdict in wire order.
-    pub const ALL: [Verdict; Verdict::COUNT] =
-        [Verdict::Pass, Verdict::Drop, Verdict::Rst, Verdict::Cookie];
+    pub const ALL: [Verdict; Verdict::COUNT] = [
+        Verdict::Pass,
+        Verdict::Drop,
+        Verdict::Rst,
+        Verdict::Cookie,
+        Verdict::WouldRefuse,
+    ];
 
     /// The verdict as a metric label.
     pub const fn label(self) -> &'static str {
@@ -185,6 +193,7 @@ impl Verdict {
             Verdict::Drop => "drop",
             Verdict::Rst => "rst",
             Verdict::Cookie => "cookie",
+            Verdict::WouldRefuse => "would_refuse",
         }
     }
 }

@@ -113,8 +113,15 @@ enum Blame<'a> {
 /// need the flow's sequence numbers, so other refused packets are dropped. Every packet
 /// counts in `STATS`; a SYN that is not a retransmission of one its source had refused also
 /// counts as a refused connection attempt, in `REFUSED_CONNS` and against its source.
+///
+/// In monitor mode it only counts the packet as [`Verdict::WouldRefuse`] and passes it: a SYN
+/// then goes to the host, and its handshake completes at its ACK, by [`admit`].
 #[inline(always)]
 fn refuse(seg: &Segment, blame: Blame, reason: Reason, mode: u8, config: &Config) -> Action {
+    if config.monitor != 0 {
+        count(Direction::Ingress, Verdict::WouldRefuse, reason);
+        return Action::Pass;
+    }
     if seg.is_syn() {
         refused_attempt(blame, reason, Some(seg));
     }
@@ -287,7 +294,12 @@ pub fn ingress(seg: &Segment) -> Action {
         } else {
             None
         };
-        if let Some((reason, mode)) = barred {
+        // In monitor mode a barred source's SYN counts as the attempt enforce mode would
+        // refuse, and its other packets go on to be judged as anyone's (its handshake
+        // completes and is tracked, its close releases), uncounted: they would not exist.
+        if let Some((reason, mode)) = barred
+            && (config.monitor == 0 || seg.is_syn())
+        {
             return refuse(seg, Blame::Source(&source), reason, mode, config);
         }
     }
@@ -855,6 +867,13 @@ fn complete(seg: &Segment, config: &Config, now: u64) -> Completion {
 
 /// A proven handshake of `source`: the connection takes its slots and the SYN rate's token,
 /// exactly, or is refused.
+///
+/// In monitor mode a handshake over a cap or a rate is admitted all the same, its slots
+/// taken past the cap (its connection exists, and its close gives them back) and no token
+/// where none is left. It is not counted as [`Verdict::WouldRefuse`] here: its SYN, judged
+/// against the same counts, was, and an attempt counts once, as enforce mode's refusal of it
+/// at its SYN does. (Enforce mode refuses at the ACK only a handshake that lost a race to
+/// another between its SYN and its ACK; monitor mode lets those pass uncounted.)
 #[inline(always)]
 fn admit(
     key: &FlowKey,
@@ -864,32 +883,35 @@ fn admit(
     now: u64,
 ) -> Completion {
     let own = PerSource::of(&source, config);
+    let enforce = config.monitor == 0;
     let (per_source, before) = match source_counts::take(&source, 1) {
         Taken::Slots { counter, before } => (counter, before),
         Taken::Full => return full_at_ack(&source, config),
         // Refused, never let in uncounted: see `source_counts`.
-        Taken::Busy => return refuse_at_ack(Blame::Source(&source), Reason::FlowTableFull),
+        Taken::Busy => return refuse_at_ack(Blame::Source(&source), Reason::FlowTableFull, config),
     };
-    if own.cap != 0 && before >= own.cap as u64 {
+    if enforce && own.cap != 0 && before >= own.cap as u64 {
         source_counts::give_back(&source, per_source, 1);
-        return refuse_at_ack(Blame::Source(&source), Reason::ConnPerIp);
+        return refuse_at_ack(Blame::Source(&source), Reason::ConnPerIp, config);
     }
     let Some(global) = GLOBAL_CONNS.get_ptr_mut(0) else {
         source_counts::give_back(&source, per_source, 1);
         return Completion::NotAHandshake;
     };
     let before = atomics::fetch_add(global, 1);
-    if config.max_conn_total != 0 && before >= config.max_conn_total as u64 {
+    if enforce && config.max_conn_total != 0 && before >= config.max_conn_total as u64 {
         atomics::decrement(global);
         source_counts::give_back(&source, per_source, 1);
-        return refuse_at_ack(Blame::Source(&source), Reason::ConnTotal);
+        return refuse_at_ack(Blame::Source(&source), Reason::ConnTotal, config);
     }
     // The SYN rate's token last, once the slots are sure: a handshake the caps refuse spends
     // none, and the token, unlike a slot, cannot be given back.
-    if let Err(bucket) = take_token(&source, own.rate, config) {
+    if let Err(bucket) = take_token(&source, own.rate, config)
+        && enforce
+    {
         atomics::decrement(global);
         source_counts::give_back(&source, per_source, 1);
-        return refuse_at_ack(Blame::Bucket(bucket), Reason::SynRate);
+        return refuse_at_ack(Blame::Bucket(bucket), Reason::SynRate, config);
     }
     // The connection rate after the source's own token: a source past its SYN rate spends
     // nobody else's connections (and if the rate refuses it, only its own token is lost).
@@ -897,10 +919,11 @@ fn admit(
     if rate.limited()
         && let Some(tat) = CONN_RATE.get_ptr_mut(0)
         && rate.take_shared(tat, rate_now()).is_err()
+        && enforce
     {
         atomics::decrement(global);
         source_counts::give_back(&source, per_source, 1);
-        return refuse_at_ack(Blame::Source(&source), Reason::ConnRate);
+        return refuse_at_ack(Blame::Source(&source), Reason::ConnRate, config);
     }
     let flow = Flow {
         first_seen_ns,
@@ -957,9 +980,14 @@ fn take_token(source: &SourceKey, rate: Gcra, config: &Config) -> Result<(), *mu
 }
 
 /// A completed handshake over a cap: another connection of the source (or of the host) took
-/// the last slot between this one's SYN and its ACK. The ACK becomes a RST to the host.
+/// the last slot between this one's SYN and its ACK. The ACK becomes a RST to the host. In
+/// monitor mode (only a flow table too busy or full gets here then) it passes untracked.
 #[inline(always)]
-fn refuse_at_ack(blame: Blame, reason: Reason) -> Completion {
+fn refuse_at_ack(blame: Blame, reason: Reason, config: &Config) -> Completion {
+    if config.monitor != 0 {
+        count(Direction::Ingress, Verdict::WouldRefuse, reason);
+        return Completion::Refused(Action::Pass);
+    }
     // Always a new attempt: only the ACK that deleted the half-open entry gets here.
     refused_attempt(blame, reason, None);
     count(Direction::Ingress, Verdict::Rst, reason);
@@ -971,7 +999,7 @@ fn refuse_at_ack(blame: Blame, reason: Reason) -> Completion {
 #[inline(always)]
 fn full_at_ack(source: &SourceKey, config: &Config) -> Completion {
     if config.fail_closed != 0 {
-        refuse_at_ack(Blame::Source(source), Reason::FlowTableFull)
+        refuse_at_ack(Blame::Source(source), Reason::FlowTableFull, config)
     } else {
         count(Direction::Ingress, Verdict::Pass, Reason::FlowTableFull);
         Completion::Refused(Action::Pass)

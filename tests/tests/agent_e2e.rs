@@ -294,6 +294,63 @@ fn sighup_applies_actions_escalation_and_tokens_live_and_names_what_waits_for_a_
 }
 
 #[test]
+fn monitor_mode_lets_every_connection_in_counts_what_enforce_would_refuse_and_switches_live() {
+    let s = Setup::new();
+    let file = s.sockets.path().join("limiter.toml");
+    std::fs::write(&file, "mode = \"monitor\"\nmax-conn-per-ip = 2\n").unwrap();
+    let agent = s.agent(&["--config", file.to_str().unwrap()]);
+    agent
+        .wait_for("limiter is ready", startup_deadline())
+        .unwrap();
+    let conns: Vec<_> = (0..5)
+        .map(|i| {
+            s.connect()
+                .unwrap_or_else(|e| panic!("connection {i}: {e}"))
+        })
+        .collect();
+    assert_eq!(
+        s.pins.wait_global(5, Duration::from_secs(5)),
+        5,
+        "all tracked"
+    );
+    let (_, text) = http(&s, reqwest::Method::GET, "/metrics", None, None);
+    assert_eq!(
+        sample(
+            &text,
+            r#"limiter_would_refuse_total{profile="default",reason="conn_per_ip"}"#
+        ),
+        3.0,
+        "{text}"
+    );
+    assert_eq!(
+        sample(
+            &text,
+            r#"limiter_refused_connections_total{reason="conn_per_ip"}"#
+        ),
+        0.0
+    );
+    let (_, text) = http(&s, reqwest::Method::GET, "/v1/status", None, None);
+    let status: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(status["limits"]["mode"], "monitor", "{status}");
+
+    std::fs::write(&file, "mode = \"enforce\"\nmax-conn-per-ip = 2\n").unwrap();
+    agent.signal(Signal::SIGHUP);
+    agent
+        .wait_for("configuration reloaded", Duration::from_secs(10))
+        .unwrap();
+    assert!(s.refused(), "enforced at once: the source holds 5 of 2");
+    let (_, text) = http(&s, reqwest::Method::GET, "/metrics", None, None);
+    assert_eq!(
+        sample(
+            &text,
+            r#"limiter_refused_connections_total{reason="conn_per_ip"}"#
+        ),
+        1.0
+    );
+    drop(conns);
+}
+
+#[test]
 fn a_half_open_client_holds_no_slot() {
     let s = Setup::new();
     let agent = s.agent(&["--max-conn-per-ip", "1", "--max-conn-total", "1"]);

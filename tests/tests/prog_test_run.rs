@@ -1530,3 +1530,94 @@ fn the_object_holds_exactly_the_catalogued_maps() {
         .collect();
     assert!(others.is_empty(), "not catalogued: {others:?}");
 }
+
+/// Enforce mode's refusals of the attempts in `traffic` (each a source and a number of
+/// connection attempts, made in turn, each held open) against monitor mode's would-refuse
+/// counts, on the same limits: (refused at the SYN by reason, would-refuse by reason, the
+/// connections monitor mode let in).
+fn enforce_and_monitor(
+    flags: &[&str],
+    traffic: &[(IpAddr, u16)],
+    ban: Option<IpAddr>,
+) -> (Vec<u64>, Vec<u64>, u64) {
+    let run = |mode: &str| {
+        // Refused SYNs answered by `XDP_TX`, so `admitted` sees them refused and goes on.
+        let mut k = Kernel::new(&[flags, &["--mode", mode, "--rst-xdp-tx"]].concat());
+        if let Some(banned) = ban {
+            k.dp.maps.ban(banned, Duration::from_secs(600)).unwrap();
+        }
+        let mut port = 1000;
+        let admitted: usize = traffic
+            .iter()
+            .map(|&(src, n)| {
+                port += 100;
+                admitted(&k, src, port, n)
+            })
+            .sum();
+        let refusals = &Reason::ALL[..Reason::REFUSAL_COUNT];
+        let counted = |verdicts: &[Verdict]| -> Vec<u64> {
+            refusals
+                .iter()
+                .map(|&r| verdicts.iter().map(|&v| k.ingress(v, r)).sum())
+                .collect()
+        };
+        (
+            counted(&[Verdict::Drop, Verdict::Rst]),
+            counted(&[Verdict::WouldRefuse]),
+            admitted as u64,
+            k.global(),
+        )
+    };
+    let (refused, none, _, _) = run("enforce");
+    assert!(
+        none.iter().all(|&n| n == 0),
+        "enforce mode monitors nothing"
+    );
+    let (nothing, would_refuse, admitted, held) = run("monitor");
+    assert!(
+        nothing.iter().all(|&n| n == 0),
+        "monitor mode refused {nothing:?}"
+    );
+    let attempts: u64 = traffic.iter().map(|&(_, n)| u64::from(n)).sum();
+    assert_eq!(admitted, attempts, "monitor mode let every attempt in");
+    (refused, would_refuse, held)
+}
+
+#[test]
+fn monitor_mode_refuses_nothing_and_counts_exactly_what_enforce_mode_refuses() {
+    let (a, b, c) = (v4(2), v4(3), v4(4));
+    let denied = IpAddr::V4(Ipv4Addr::new(203, 0, 113, 7));
+    // The limits, the attempts of each source in turn, and a source banned first.
+    type Case<'a> = (&'a [&'a str], Vec<(IpAddr, u16)>, Option<IpAddr>);
+    let cases: [Case; 5] = [
+        (&["--max-conn-per-ip", "2"], vec![(a, 6), (b, 1)], None),
+        (
+            &["--max-conn-total", "3"],
+            vec![(a, 2), (b, 2), (c, 2)],
+            None,
+        ),
+        (
+            &["--syn-rate", "1", "--syn-burst", "3"],
+            vec![(a, 10)],
+            None,
+        ),
+        (
+            &["--deny", "203.0.113.0/24"],
+            vec![(denied, 3), (a, 2)],
+            None,
+        ),
+        (&[], vec![(b, 4), (a, 1)], Some(b)),
+    ];
+    for (flags, traffic, ban) in cases {
+        let (refused, would_refuse, held) = enforce_and_monitor(flags, &traffic, ban);
+        assert!(
+            refused.iter().sum::<u64>() > 0,
+            "{flags:?} refuses something"
+        );
+        assert_eq!(would_refuse, refused, "{flags:?}");
+        // Every connection monitor mode let in is tracked (a barred source's too), so its
+        // close would give its slots back.
+        let attempts: u64 = traffic.iter().map(|&(_, n)| u64::from(n)).sum();
+        assert_eq!(held, attempts, "{flags:?}");
+    }
+}

@@ -97,9 +97,17 @@ pub struct KernelLimits {
     /// Whether unproven sources' SYNs are answered with cookies now.
     #[serde(default)]
     pub syn_cookies: bool,
+    /// `enforce`, or `monitor`: the limits are judged and counted, and refuse nothing.
+    #[serde(default = "enforce")]
+    pub mode: String,
     /// Source prefixes held to limits of their own (`[[overrides]]`), as the tries hold them.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub overrides: Vec<OverrideView>,
+}
+
+/// What an agent too old to say its mode runs.
+fn enforce() -> String {
+    "enforce".to_owned()
 }
 
 /// One override: its prefix and the per-source limits its sources get.
@@ -134,6 +142,12 @@ impl KernelLimits {
             reject_ban: refusal(config.reject_ban),
             reject_deny: refusal(config.reject_deny),
             syn_cookies: config.syn_cookies & limiter_common::syn_cookies::ANSWER != 0,
+            mode: if config.monitor != 0 {
+                "monitor"
+            } else {
+                "enforce"
+            }
+            .to_owned(),
             overrides: overrides
                 .iter()
                 .map(|(net, limits)| OverrideView {

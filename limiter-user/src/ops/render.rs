@@ -22,7 +22,12 @@ fn rate_text(rate: u32, burst: u32) -> String {
 
 fn render_limits(l: &KernelLimits) -> String {
     format!(
-        "per source {} ({}), total {} ({}), SYN rate {} ({}), connection rate {}, sources keyed by IPv4 /{} and IPv6 /{}, {} when the flow table is full",
+        "{}per source {} ({}), total {} ({}), SYN rate {} ({}), connection rate {}, sources keyed by IPv4 /{} and IPv6 /{}, {} when the flow table is full",
+        if l.mode == "monitor" {
+            "MONITOR MODE (judged and counted, nothing refused): "
+        } else {
+            ""
+        },
         limit_text(l.max_conn_per_ip),
         l.reject_conn,
         limit_text(l.max_conn_total),

@@ -46,7 +46,7 @@ impl Metrics {
         sweep: &SweepStats,
     ) -> Result<Self, MetricsError> {
         let registry = Registry::new();
-        let collectors: [Box<dyn Collector>; 7] = [
+        let collectors: [Box<dyn Collector>; 8] = [
             Box::new(sweep.evictions.clone()),
             Box::new(sweep.repairs.clone()),
             Box::new(sweep.adoptions.clone()),
@@ -54,6 +54,10 @@ impl Metrics {
             Box::new(build_info()?),
             Box::new(AtScrape::new(KernelMetrics::new(Arc::clone(enforcer))?)),
             Box::new(AtScrape::new(BrokerMetrics::new(Arc::clone(limiter))?)),
+            Box::new(AtScrape::new(MonitorMetrics::new(
+                Some(Arc::clone(enforcer)),
+                Arc::clone(limiter),
+            )?)),
         ];
         for collector in collectors {
             registry
@@ -322,7 +326,6 @@ struct Broker {
     fallbacks: IntCounter,
     switches: IntCounterVec,
     fleet_bans: IntCounterVec,
-    would_refuse: IntCounterVec,
 }
 
 /// Reads the broker limiter's counters at scrape time.
@@ -399,14 +402,6 @@ impl BrokerMetrics {
                 &["change"],
             )
             .map_err(r)?,
-            would_refuse: IntCounterVec::new(
-                Opts::new(
-                    "limiter_would_refuse_total",
-                    "Refusals monitor mode counted and did not make, by reason and profile: for an action, profile=\"action:NAME\" and the refusal's outcome; for escalation, profile=\"escalation\", reason=\"ban\".",
-                ),
-                &["reason", "profile"],
-            )
-            .map_err(r)?,
             redis_up: IntGauge::new(
                 "limiter_fleet_redis_up",
                 "1 while shared checks go to the fleet's Redis, 0 while they are decided locally.",
@@ -441,7 +436,6 @@ impl Scraped for BrokerMetrics {
             &b.key_memory,
             &b.escalation_bans,
             // Before the fleet's four, which a lone agent leaves out.
-            &b.would_refuse,
             &b.redis_up,
             &b.fallbacks,
             &b.switches,
@@ -458,7 +452,6 @@ impl Scraped for BrokerMetrics {
         b.key_memory.reset();
         b.escalation_bans.reset();
         b.fleet_bans.reset();
-        b.would_refuse.reset();
         let shared = self.limiter.shared_ban_stats();
         for (change, n) in [
             ("sent", shared.sent),
@@ -469,16 +462,6 @@ impl Scraped for BrokerMetrics {
         }
         for stats in self.limiter.stats() {
             let action = stats.action.as_str();
-            // A series only once the action has been monitored, so an enforcing host's
-            // exposition does not grow by four series per action.
-            if stats.mode == Enforcement::Monitor || stats.counts.would_refuse > 0 {
-                let profile = format!("action:{action}");
-                for (outcome, n) in &stats.would_refuse {
-                    b.would_refuse
-                        .with_label_values(&[outcome.as_str(), profile.as_str()])
-                        .inc_by(*n);
-                }
-            }
             let counts = &stats.counts;
             for outcome in OUTCOMES {
                 let n = match outcome {
@@ -510,11 +493,6 @@ impl Scraped for BrokerMetrics {
         }
         if let Some(escalation) = self.limiter.escalation_stats() {
             b.escalation_bans.inc_by(escalation.bans);
-            if self.limiter.mode() == Enforcement::Monitor || escalation.would_ban > 0 {
-                b.would_refuse
-                    .with_label_values(&["ban", "escalation"])
-                    .inc_by(escalation.would_ban);
-            }
         }
         let mut families = self.families();
         match self.limiter.shared_status() {
@@ -534,6 +512,91 @@ impl Scraped for BrokerMetrics {
             None => families.truncate(families.len() - 4),
         }
         families
+    }
+}
+
+/// What monitor mode judged and let through, from the kernel programs and the broker limiter
+/// alike: one family, `limiter_would_refuse_total{reason,profile}`. A series appears only once
+/// its part has been monitored, so an enforcing host's exposition does not grow.
+struct MonitorMetrics {
+    /// `None` where no programs are loaded (the broker limiter's own tests).
+    enforcer: Option<Arc<Enforcer>>,
+    limiter: Arc<Limiter>,
+    would_refuse: IntCounterVec,
+}
+
+/// The kernel's top-level limits, as a profile label (the per-port profiles will name theirs).
+const KERNEL_PROFILE: &str = "default";
+
+impl MonitorMetrics {
+    fn new(enforcer: Option<Arc<Enforcer>>, limiter: Arc<Limiter>) -> Result<Self, MetricsError> {
+        let would_refuse = IntCounterVec::new(
+            Opts::new(
+                "limiter_would_refuse_total",
+                "Refusals monitor mode counted and did not make, by reason and profile: for the kernel's limits, profile=\"default\" and the refusal's reason (packets, as limiter_packets_total counts them); for an action, profile=\"action:NAME\" and the refusal's outcome; for escalation, profile=\"escalation\", reason=\"ban\".",
+            ),
+            &["reason", "profile"],
+        )
+        .map_err(MetricsError::Register)?;
+        Ok(Self {
+            enforcer,
+            limiter,
+            would_refuse,
+        })
+    }
+
+    fn fill_kernel(&self, enforcer: &Enforcer) -> Result<(), MapsError> {
+        let monitoring = enforcer.with_maps(|m| m.config())?.monitor != 0;
+        let counts = enforcer.with_maps(|m| m.packet_counts())?;
+        let monitored: Vec<_> = counts
+            .iter()
+            .filter(|c| c.verdict == Verdict::WouldRefuse && c.direction == Direction::Ingress)
+            .collect();
+        if monitoring || monitored.iter().any(|c| c.packets > 0) {
+            for count in monitored
+                .into_iter()
+                .filter(|c| possible(c.direction, c.verdict, c.reason))
+            {
+                self.would_refuse
+                    .with_label_values(&[count.reason.label(), KERNEL_PROFILE])
+                    .inc_by(count.packets);
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Scraped for MonitorMetrics {
+    fn families(&self) -> Vec<&dyn Collector> {
+        vec![&self.would_refuse]
+    }
+
+    fn refill(&self) -> Vec<&dyn Collector> {
+        self.would_refuse.reset();
+        if let Some(enforcer) = &self.enforcer
+            && let Err(error) = self.fill_kernel(enforcer)
+        {
+            // `limiter_maps_readable` says so; the broker's series still count.
+            tracing::warn!(error = %crate::errors::error_chain(&error), "metrics: reading the kernel's monitored refusals");
+        }
+        for stats in self.limiter.stats() {
+            if stats.mode == Enforcement::Monitor || stats.counts.would_refuse > 0 {
+                let profile = format!("action:{}", stats.action.as_str());
+                for (outcome, n) in &stats.would_refuse {
+                    self.would_refuse
+                        .with_label_values(&[outcome.as_str(), profile.as_str()])
+                        .inc_by(*n);
+                }
+            }
+        }
+        if let Some(escalation) = self.limiter.escalation_stats()
+            && (self.limiter.mode() == Enforcement::Monitor || escalation.would_ban > 0)
+        {
+            self.would_refuse
+                .with_label_values(&["ban", "escalation"])
+                .inc_by(escalation.would_ban);
+        }
+        self.families()
     }
 }
 
@@ -583,6 +646,9 @@ fn possible(direction: Direction, verdict: Verdict, reason: Reason) -> bool {
         (Direction::Ingress, Verdict::Drop) => refusal || unreadable || discarded || tunnel,
         (Direction::Ingress, Verdict::Rst) => refusal,
         (Direction::Ingress, Verdict::Cookie) => reason == Reason::Unproven,
+        // Monitor mode passes what the source and rate policy would refuse; what cannot be
+        // judged is refused as ever.
+        (Direction::Ingress, Verdict::WouldRefuse) => refusal,
     }
 }
 

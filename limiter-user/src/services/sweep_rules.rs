@@ -95,9 +95,10 @@ pub fn came_in(
 /// Whether an adopted connection is closed. Before the sweeper's first pass has run
 /// (`settled`), a connection past a cap was open before the agent started and the programs
 /// never had the chance to refuse it: closing it would punish clients for a restart. After
-/// it, such a connection got past the programs unjudged, which they would have refused.
-pub fn destroys(adoption: Adoption, settled: bool) -> bool {
-    adoption == Adoption::OverCap && settled
+/// it, such a connection got past the programs unjudged, which they would have refused. In
+/// monitor mode (`monitoring`) nothing is refused, so nothing is closed either.
+pub fn destroys(adoption: Adoption, settled: bool, monitoring: bool) -> bool {
+    adoption == Adoption::OverCap && settled && !monitoring
 }
 
 /// A connection counter: a source's (`Some`) or the global one (`None`).
@@ -416,11 +417,15 @@ mod tests {
     }
 
     #[test]
-    fn only_an_over_cap_adoption_after_the_first_pass_is_destroyed() {
-        assert!(destroys(Adoption::OverCap, true));
-        assert!(!destroys(Adoption::OverCap, false), "open before the agent");
-        assert!(!destroys(Adoption::Adopted, true));
-        assert!(!destroys(Adoption::Skipped, true));
+    fn only_an_over_cap_adoption_after_the_first_pass_and_while_enforcing_is_destroyed() {
+        assert!(destroys(Adoption::OverCap, true, false));
+        assert!(
+            !destroys(Adoption::OverCap, false, false),
+            "open before the agent"
+        );
+        assert!(!destroys(Adoption::Adopted, true, false));
+        assert!(!destroys(Adoption::Skipped, true, false));
+        assert!(!destroys(Adoption::OverCap, true, true), "monitor mode");
     }
 
     fn source(last: u8) -> SourceKey {

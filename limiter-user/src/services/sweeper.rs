@@ -268,7 +268,7 @@ impl Sweeper {
                 continue;
             }
             adopted += 1;
-            if sweep_rules::destroys(adoption, self.settled) {
+            if sweep_rules::destroys(adoption, self.settled, policy.limits.monitor != 0) {
                 let remote = std::net::Ipv6Addr::from(flow.remote).to_canonical();
                 match sockets.destroy(flow) {
                     Ok(()) => {

@@ -161,9 +161,9 @@ pub struct Layer {
     #[arg(long = "override", env = "LIMITER_OVERRIDES", value_delimiter = ';')]
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub overrides: Vec<super::OverrideArg>,
-    /// `enforce`, or `monitor`: the broker's actions (those that set no `mode` of their own)
-    /// and escalation judge and count every check as they would, but refuse and ban
-    /// nothing. The kernel keeps enforcing. [default: enforce]
+    /// `enforce`, or `monitor`: the dry run. The kernel's caps, rates, bans and lists, the
+    /// broker's actions (those that set no `mode` of their own) and escalation judge and
+    /// count everything as they would, but refuse, close and ban nothing. [default: enforce]
     #[arg(long, env = "LIMITER_MODE", value_enum)]
     pub mode: Option<Enforcement>,
     /// File of source CIDRs never limited, one a line (`#` comments); watched, and applied as

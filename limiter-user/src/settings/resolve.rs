@@ -12,6 +12,7 @@ use super::{
     flags::{Layer, RefusalArg, SynCookiesArg, TunnelsArg, XdpModeArg},
 };
 use crate::{
+    buckets::Enforcement,
     datapath::{CookieMode, Policy},
     fleet::FleetConfig,
 };
@@ -213,6 +214,7 @@ impl Layer {
             fail_closed: self.fail_closed.unwrap_or(false).into(),
             rst_xdp_tx: self.rst_xdp_tx.unwrap_or(false).into(),
             tunnels_pass: (self.tunnels.unwrap_or(TunnelsArg::Drop) == TunnelsArg::Pass).into(),
+            monitor: (self.mode.unwrap_or_default() == Enforcement::Monitor).into(),
             ..Config::UNCONFIGURED
         };
         let overrides = super::source_overrides::resolve(&self.overrides, &limits)?;
