@@ -1,6 +1,7 @@
 //! The real mosquitto broker with the limiter plugin, behind the real agent on a veth in
 //! namespaces the test made: failed passwords escalate to a kernel ban, `publish` limits one
-//! user and not another, and a stopped agent gives the configured fail mode.
+//! user and not another, a user's bytes and a topic subtree's messages each hold to their
+//! budget, and a stopped agent gives the configured fail mode.
 
 use std::{
     net::{IpAddr, Ipv4Addr, SocketAddr},
