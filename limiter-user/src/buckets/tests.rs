@@ -148,6 +148,23 @@ fn a_user_topic_action_holds_per_user_and_subtree() {
     }
 }
 
+/// A reload that changes `topic-levels` changes what a key names, so the action starts with
+/// empty buckets; one that keeps them keeps the buckets.
+#[test]
+fn a_reload_changing_topic_levels_starts_afresh() {
+    let rooms = |levels: u8| {
+        format!(
+            "[actions.rooms]\nlimit = 1\nwindow = \"1h\"\nkey = \"user+topic\"\ntopic-levels = {levels}\n"
+        )
+    };
+    let (_, _, limiter) = limiter_with(&rooms(1), None);
+    assert!(limiter.check("rooms", b"bob\0room/a", 1).unwrap().allowed);
+    limiter.reconfigure(config_of(&rooms(1), None));
+    assert!(!limiter.check("rooms", b"bob\0room/a", 1).unwrap().allowed);
+    limiter.reconfigure(config_of(&rooms(2), None));
+    assert!(limiter.check("rooms", b"bob\0room/a", 1).unwrap().allowed);
+}
+
 #[test]
 fn peek_consumes_nothing_and_reset_refills() {
     let (_, _, limiter) = limiter_with(
