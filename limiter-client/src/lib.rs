@@ -47,6 +47,7 @@
 mod client;
 mod codec;
 mod frame;
+mod topic_key;
 mod verdict;
 
 pub use client::{Client, ClientError};
@@ -54,4 +55,5 @@ pub use codec::{ClientCodec, CodecError, DEFAULT_MAX_FRAME, Received, ServerCode
 pub use frame::{
     ErrorCode, MAX_ACTION_NAME, MAX_KEY_LEN, MAX_TOKEN_LEN, ParseError, Request, Response, op,
 };
+pub use topic_key::{USER_TOPIC_SEPARATOR, UserTopicError, user_topic_key};
 pub use verdict::{Checked, Escalation, NEVER_MS, Outcome, Verdict};

@@ -135,9 +135,13 @@ impl Agent {
 
     /// Spends one token of `action` for `key`: `Ok(true)` allowed, `Ok(false)` refused.
     pub fn check(&self, action: &'static str, key: String) -> Result<bool, NoAnswer> {
-        self.ask(
-            move |c| async move { c.check(action, key.as_bytes(), 1).await.map(|v| v.allowed) },
-        )
+        self.spend(action.to_owned(), key.into_bytes(), 1)
+    }
+
+    /// Spends `cost` tokens of `action` for `key` (a payload's bytes, a `user+topic` key's
+    /// one): `Ok(true)` allowed, `Ok(false)` refused, a cost above the bucket's burst too.
+    pub fn spend(&self, action: String, key: Vec<u8>, cost: u32) -> Result<bool, NoAnswer> {
+        self.ask(move |c| async move { c.check(&action, key, cost).await.map(|v| v.allowed) })
     }
 
     /// Spends one token of the strikes `action` for the connection `client_id`, giving the

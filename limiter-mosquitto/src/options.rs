@@ -93,6 +93,12 @@ pub struct Options {
     /// `plugin_opt_sessions`: the agent's concurrency action keyed by username, a session
     /// taken at each CONNECT with a username and released at its disconnect. Default: none.
     pub sessions: Option<String>,
+    /// `plugin_opt_publish_bytes`: the agent's action (keyed by `user`, its limit bytes per
+    /// window) charged each PUBLISH's payload length by its username. Default: none.
+    pub publish_bytes: Option<String>,
+    /// `plugin_opt_publish_topic`: the agent's action (keyed by `user+topic`) charged one
+    /// per PUBLISH by its username and topic. Default: none.
+    pub publish_topic: Option<String>,
 }
 
 impl Default for Options {
@@ -110,6 +116,8 @@ impl Default for Options {
             login_check: LoginCheck::Auto,
             strikes: None,
             sessions: None,
+            publish_bytes: None,
+            publish_topic: None,
         }
     }
 }
@@ -162,16 +170,17 @@ impl Options {
                         _ => return Err(invalid("login_check", "auto, broker or none")),
                     }
                 }
-                "strikes" | "sessions" => {
+                "strikes" | "sessions" | "publish_bytes" | "publish_topic" => {
                     let valid = !value.is_empty()
                         && value.len() <= limiter_client::MAX_ACTION_NAME
                         && value.bytes().all(|b| {
                             b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.'
                         });
-                    let (key, slot) = if key == "strikes" {
-                        ("strikes", &mut options.strikes)
-                    } else {
-                        ("sessions", &mut options.sessions)
+                    let (key, slot) = match key {
+                        "strikes" => ("strikes", &mut options.strikes),
+                        "sessions" => ("sessions", &mut options.sessions),
+                        "publish_bytes" => ("publish_bytes", &mut options.publish_bytes),
+                        _ => ("publish_topic", &mut options.publish_topic),
                     };
                     if !valid {
                         return Err(invalid(key, "an action name (1 to 64 of A-Za-z0-9_.-)"));
@@ -229,8 +238,12 @@ mod tests {
             ("login_check", "none"),
             ("strikes", "publish_conn"),
             ("sessions", "logins"),
+            ("publish_bytes", "pub_bytes"),
+            ("publish_topic", "pub_topic"),
         ])
         .unwrap();
+        assert_eq!(o.publish_bytes.as_deref(), Some("pub_bytes"));
+        assert_eq!(o.publish_topic.as_deref(), Some("pub_topic"));
         assert_eq!(o.strikes.as_deref(), Some("publish_conn"));
         assert_eq!(o.sessions.as_deref(), Some("logins"));
         assert_eq!(o.socket, PathBuf::from("/tmp/x.sock"));
@@ -270,6 +283,9 @@ mod tests {
             (vec![("strikes", "")], "plugin_opt_strikes"),
             (vec![("strikes", "pub conn")], "plugin_opt_strikes"),
             (vec![("sessions", "")], "plugin_opt_sessions"),
+            (vec![("publish_bytes", "")], "plugin_opt_publish_bytes"),
+            (vec![("publish_bytes", "a b")], "plugin_opt_publish_bytes"),
+            (vec![("publish_topic", "x/y")], "plugin_opt_publish_topic"),
         ] {
             let err = Options::parse(pairs).unwrap_err().to_string();
             assert!(err.contains(needle), "{err}");

@@ -21,6 +21,11 @@
 //! which the middle of the client's own PUBLISH, still being handled, must not meet. Its
 //! `MOSQ_EVT_DISCONNECT` (every client's) tells the agent the connection is gone.
 //!
+//! **Bytes and topics.** With `plugin_opt_publish_topic ACTION`, every PUBLISH by a user
+//! spends one of that action (keyed by `user+topic`) under the user and the topic
+//! (`limiter_client::user_topic_key`); with `plugin_opt_publish_bytes ACTION`, its payload's
+//! length of that action under the user. Either refusal drops the message.
+//!
 //! No panic may unwind into the broker (undefined behaviour across `extern "C"`): every
 //! export and callback runs inside [`guard`], which turns a panic into an error code.
 
@@ -269,13 +274,15 @@ pub unsafe extern "C" fn mosquitto_plugin_init(
         log(
             ffi::MOSQ_LOG_INFO,
             &format!(
-                "limiter: asking the agent at {} (auth {}, publish {}, subscribe {}, strikes {}, sessions {}; fail {:?}, timeout {:?}); allowed logins {:?}, allowed ACL checks {:?}",
+                "limiter: asking the agent at {} (auth {}, publish {}, subscribe {}, strikes {}, sessions {}, publish bytes {}, publish topic {}; fail {:?}, timeout {:?}); allowed logins {:?}, allowed ACL checks {:?}",
                 o.socket.display(),
                 o.actions.auth,
                 o.actions.publish,
                 o.actions.subscribe,
                 o.strikes.as_deref().unwrap_or("off"),
                 o.sessions.as_deref().unwrap_or("off"),
+                o.publish_bytes.as_deref().unwrap_or("off"),
+                o.publish_topic.as_deref().unwrap_or("off"),
                 o.fail,
                 o.timeout,
                 p.login,
@@ -472,33 +479,100 @@ unsafe extern "C" fn on_acl_check(
         {
             return rc;
         }
+        let publish = event.access == ffi::MOSQ_ACL_WRITE;
         let action = match event.access {
-            ffi::MOSQ_ACL_WRITE if plugin.options.actions.publish => "publish",
-            ffi::MOSQ_ACL_SUBSCRIBE if plugin.options.actions.subscribe => "subscribe",
+            ffi::MOSQ_ACL_WRITE if plugin.options.actions.publish => Some("publish"),
+            ffi::MOSQ_ACL_SUBSCRIBE if plugin.options.actions.subscribe => Some("subscribe"),
+            ffi::MOSQ_ACL_WRITE => None,
             _ => return pass,
         };
         // Anonymous clients have no per-user bucket; their connections are the kernel's job.
         let Some(user) = username(event.client) else {
             return pass;
         };
-        match plugin.agent.check(action, user.clone()) {
-            Ok(true) => pass,
-            Ok(false) => {
-                log(
-                    ffi::MOSQ_LOG_NOTICE,
-                    &format!("limiter: {action} refused for user {user}"),
-                );
-                ffi::MOSQ_ERR_ACL_DENIED
-            }
-            Err(why) => unanswered(
+        if let Some(action) = action
+            && let Err(rc) = spend(plugin, action, &user, user.as_bytes().to_vec(), 1)
+        {
+            return rc;
+        }
+        if !publish {
+            return pass;
+        }
+        // Each action spends on its own: a message a later one drops has spent the earlier
+        // ones' tokens. The topic's count goes before the bytes, the larger spend.
+        if let Some(action) = &plugin.options.publish_topic
+            && let Err(rc) = spend_topic(plugin, action, &user, event)
+        {
+            return rc;
+        }
+        // An empty payload costs no bytes (and a cost of 0 is no request).
+        if let Some(action) = &plugin.options.publish_bytes
+            && event.payloadlen > 0
+            && let Err(rc) = spend(
+                plugin,
+                action,
+                &user,
+                user.as_bytes().to_vec(),
+                event.payloadlen,
+            )
+        {
+            return rc;
+        }
+        pass
+    })
+}
+
+/// `cost` of `action` for `user` under `key`: `Err` with the code to answer when the agent
+/// refuses, or gives no answer and the fail mode is closed.
+fn spend(plugin: &Plugin, action: &str, user: &str, key: Vec<u8>, cost: u32) -> Result<(), c_int> {
+    match plugin.agent.spend(action.to_owned(), key, cost) {
+        Ok(true) => Ok(()),
+        Ok(false) => {
+            log(
+                ffi::MOSQ_LOG_NOTICE,
+                &format!("limiter: {action} refused for user {user}"),
+            );
+            Err(ffi::MOSQ_ERR_ACL_DENIED)
+        }
+        Err(why) => {
+            let rc = unanswered(
                 plugin,
                 &format!("{action} by {user}"),
                 &why,
                 ffi::MOSQ_ERR_ACL_DENIED,
-                pass,
-            ),
+                ffi::MOSQ_ERR_SUCCESS,
+            );
+            if rc == ffi::MOSQ_ERR_SUCCESS {
+                Ok(())
+            } else {
+                Err(rc)
+            }
         }
-    })
+    }
+}
+
+/// One of the `user+topic` `action` for the PUBLISH's user and topic. A topic whose first
+/// level does not fit in a key beside the user is dropped: no bucket can name it.
+fn spend_topic(
+    plugin: &Plugin,
+    action: &str,
+    user: &str,
+    event: &EvtAclCheck,
+) -> Result<(), c_int> {
+    // SAFETY: NULL or the broker's NUL-terminated topic, alive for this callback.
+    let Some(topic) = (unsafe { string(event.topic) }) else {
+        return Ok(());
+    };
+    match limiter_client::user_topic_key(user, &topic) {
+        Ok(key) => spend(plugin, action, user, key, 1),
+        Err(why) => {
+            log(
+                ffi::MOSQ_LOG_NOTICE,
+                &format!("limiter: {action}: a publish by user {user} dropped: {why}"),
+            );
+            Err(ffi::MOSQ_ERR_ACL_DENIED)
+        }
+    }
 }
 
 /// A PUBLISH through the strikes action: `Err` with the code to answer when it is dropped.

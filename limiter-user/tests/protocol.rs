@@ -93,6 +93,12 @@ key = "connection"
 strikes-to-disconnect = 3
 max-payload-bytes = 100
 oversize-strikes = 2
+
+[actions.rooms]
+limit = 2
+window = "1h"
+key = "user+topic"
+topic-levels = 2
 "#;
 
 async fn start_with(listen: bool, escalation: Option<EscalationConfig>) -> Running {
@@ -360,6 +366,58 @@ async fn unknown_actions_and_bad_keys_get_their_own_errors() {
     }
     // The connection is still good.
     assert!(client.check("auth", "192.0.2.1", 1).await.unwrap().allowed);
+    server.stop().await;
+}
+
+/// Protocol 1.4: a `user+topic` key made by the client is judged by the user and the topic's
+/// first two levels; a key that is no user, NUL and concrete topic is error 4, naming why,
+/// and the connection goes on.
+#[tokio::test]
+async fn a_user_topic_key_is_checked_and_spent_by_its_subtree() {
+    let server = start().await;
+    let client = Client::connect_unix(&server.socket).await.unwrap();
+    for (bad, why) in [
+        ("bob", "no NUL"),
+        ("bob\0room/+/x", "wildcard"),
+        ("\0room/a", "empty user"),
+    ] {
+        match client.check("rooms", bad, 1).await {
+            Err(ClientError::Server {
+                code: ErrorCode::InvalidKey,
+                message,
+            }) => assert!(message.contains(why), "{bad:?}: {message}"),
+            other => panic!("{bad:?}: {other:?}"),
+        }
+    }
+    let key = |user, topic| limiter_client::user_topic_key(user, topic).unwrap();
+    for topic in ["room/a/x", "room/a/y"] {
+        assert!(
+            client
+                .check("rooms", key("bob", topic), 1)
+                .await
+                .unwrap()
+                .allowed
+        );
+    }
+    let refused = client
+        .check("rooms", key("bob", "room/a"), 1)
+        .await
+        .unwrap();
+    assert_eq!(refused.outcome, Outcome::Limited);
+    assert!(
+        client
+            .check("rooms", key("bob", "room/b/x"), 1)
+            .await
+            .unwrap()
+            .allowed
+    );
+    assert!(
+        client
+            .check("rooms", key("carol", "room/a/x"), 1)
+            .await
+            .unwrap()
+            .allowed
+    );
     server.stop().await;
 }
 

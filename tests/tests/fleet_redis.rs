@@ -204,6 +204,77 @@ async fn four_agents_on_a_three_master_cluster_admit_exactly_the_limit() {
     assert!(held.iter().filter(|n| **n > 0).count() >= 2, "{held:?}");
 }
 
+/// A shared bytes budget spends each check's cost in Redis as the local bucket does, and a
+/// shared `user+topic` action names one Redis bucket per user and subtree: 200 checks of
+/// 10,000 bytes at once through four agents admit exactly the 100 that fit in 1,000,000
+/// (one byte back every 3.6 ms: no message's worth during the test), and 200 publishes to
+/// two topics of one subtree exactly its 30, leaving another subtree's whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn costs_and_topic_keys_hold_across_the_fleet() {
+    let server = RedisServer::start().unwrap();
+    let actions = "[actions.pub_bytes]\nlimit = 1000000\nwindow = \"1h\"\nkey = \"user\"\n\
+                   [actions.pub_topic]\nlimit = 30\nwindow = \"1h\"\nkey = \"user+topic\"\n\
+                   topic-levels = 2\n";
+    let mut agents = Vec::new();
+    for _ in 0..4 {
+        agents.push(
+            FleetAgent::start(&server.url(), actions, PATIENT, 4)
+                .await
+                .unwrap(),
+        );
+    }
+    let mut clients = Vec::new();
+    for agent in &agents {
+        clients.push(agent.client().await.unwrap());
+    }
+    let at_once = |action: &'static str, keys: Vec<Vec<u8>>, cost: u32| {
+        let checks = keys.into_iter().enumerate().map(|(i, key)| {
+            let client = &clients[i % clients.len()];
+            async move { client.check(action, key, cost).await.unwrap() }
+        });
+        futures::future::join_all(checks)
+    };
+    let bytes = at_once("pub_bytes", vec![b"alice".to_vec(); 200], 10_000).await;
+    // One bucket spent 10,000 at a time: every admitted check saw a different remainder.
+    let mut left: Vec<u32> = bytes
+        .iter()
+        .filter(|v| v.allowed)
+        .map(|v| v.remaining)
+        .collect();
+    left.sort_unstable();
+    assert_eq!(left, (0..100).map(|i| i * 10_000).collect::<Vec<_>>());
+    assert!(
+        bytes
+            .iter()
+            .filter(|v| !v.allowed)
+            .all(|v| v.outcome == Outcome::Limited)
+    );
+    let topic = |t: &str| limiter_client::user_topic_key("bob", t).unwrap();
+    let keys = (0..200)
+        .map(|i| topic(if i % 2 == 0 { "room/a/x" } else { "room/a/y" }))
+        .collect();
+    assert_exactly(&at_once("pub_topic", keys, 1).await, 30);
+    let other = clients[0]
+        .check("pub_topic", topic("room/b/x"), 1)
+        .await
+        .unwrap();
+    assert_eq!((other.allowed, other.remaining), (true, 29));
+    for agent in &agents {
+        assert_eq!(agent.limiter.shared_status().unwrap().fallback_checks, 0);
+    }
+    // The subtree's name: `bob`, the NUL, `room/a`, in hex (a NUL is not printable).
+    let mut keys: Vec<String> = server.query(redis::cmd("KEYS").arg("*")).unwrap();
+    keys.sort();
+    assert_eq!(
+        keys,
+        [
+            "limiter:pub_bytes:{alice}",
+            "limiter:pub_topic:{hex:626f6200726f6f6d2f61}",
+            "limiter:pub_topic:{hex:626f6200726f6f6d2f62}",
+        ]
+    );
+}
+
 #[tokio::test]
 async fn shared_verdicts_carry_the_local_buckets_numbers() {
     let server = RedisServer::start().unwrap();

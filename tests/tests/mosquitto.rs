@@ -1,6 +1,7 @@
 //! The real mosquitto broker with the limiter plugin, behind the real agent on a veth in
 //! namespaces the test made: failed passwords escalate to a kernel ban, `publish` limits one
-//! user and not another, and a stopped agent gives the configured fail mode.
+//! user and not another, a user's bytes and a topic subtree's messages each hold to their
+//! budget, and a stopped agent gives the configured fail mode.
 
 use std::{
     net::{IpAddr, Ipv4Addr, SocketAddr},
@@ -876,4 +877,167 @@ fn a_third_session_of_a_user_is_refused_until_one_disconnects_and_a_killed_broke
         child.kill().unwrap();
         child.wait().unwrap();
     }
+}
+
+/// A user's bytes per window in `pub_bytes`: ten payloads of this size fit in its MiB.
+const BIG_PAYLOAD: usize = 100 * 1024;
+/// Messages `pub_topic` lets one user send under one two-level subtree in the window.
+const TOPIC_LIMIT: usize = 100;
+
+/// `plugin_opt_publish_bytes` and `plugin_opt_publish_topic`: alice's payloads spend her
+/// bytes (1 MiB per hour: ten of 100 KiB fit, an eleventh does not, but 20,000 bytes of the
+/// 24,576 left still do, and a second 20,000 no longer); bob's messages under `room/a/...`
+/// spend that subtree's 100 (topics `room/a/x` and `room/a/y` share it) and leave `room/b`
+/// and carol's own `room/a` whole. Windows of an hour: no refill during the test can move
+/// a count. The subscriber stops at the exact total, the last a sentinel published after
+/// everything else: a message too many ends it before the sentinel, one too few never
+/// reaches the count.
+#[test]
+fn a_users_bytes_and_a_topics_messages_are_each_held_to_their_budget() {
+    let pair = Pair::new().expect("namespaces");
+    let _peer = limiter_tests::kernel::peer(&pair).unwrap();
+    let pins = PinDir::new();
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("limiter.sock");
+    let config = dir.path().join("limiter.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[actions.pub_bytes]\nlimit = 1048576\nwindow = \"1h\"\nkey = \"user\"\n\
+             [actions.pub_topic]\nlimit = {TOPIC_LIMIT}\nwindow = \"1h\"\n\
+             key = \"user+topic\"\ntopic-levels = 2\n"
+        ),
+    )
+    .unwrap();
+    let port = mosquitto::PORT.to_string();
+    let _agent = agent_at(
+        &pair,
+        &pins,
+        &socket,
+        &port,
+        &[
+            "--config",
+            config.to_str().unwrap(),
+            "--auth-limit",
+            "1000",
+            "--auth-window",
+            "1h",
+        ],
+    );
+    let server = IpAddr::V4(SERVER_V4);
+    let broker = Broker::start(
+        &pair.server,
+        server,
+        dir.path(),
+        &[
+            ("alice", "a-secret"),
+            ("bob", "b-secret"),
+            ("carol", "c-secret"),
+            ("watcher", "w-secret"),
+        ],
+        &[
+            ("socket", socket.to_str().unwrap()),
+            ("actions", "auth"),
+            ("publish_bytes", "pub_bytes"),
+            ("publish_topic", "pub_topic"),
+            ("fail", "closed"),
+            ("timeout", "1000"),
+        ],
+    )
+    .unwrap();
+    let big = dir.path().join("big");
+    std::fs::write(&big, vec![b'x'; BIG_PAYLOAD]).unwrap();
+    let medium = dir.path().join("medium");
+    std::fs::write(&medium, vec![b'y'; 20_000]).unwrap();
+    let from = IpAddr::V4(CLIENT_V4);
+    let run = |program: &str, args: &[&str], limit_secs: u64| {
+        mosquitto::client(
+            &pair.client,
+            program,
+            from,
+            server,
+            args,
+            Duration::from_secs(limit_secs),
+        )
+        .unwrap()
+    };
+    // QoS 1: each publisher returns once the broker has judged (and acknowledged) every one
+    // of its messages, so the sentinel is judged after all of them.
+    let publish = |user: &str, password: &str, topic: &str, message: (&str, &str), n: usize| {
+        let repeat = n.to_string();
+        let out = run(
+            "mosquitto_pub",
+            &[
+                "-u", user, "-P", password, "-q", "1", "-t", topic, message.0, message.1,
+                "--repeat", &repeat,
+            ],
+            30,
+        );
+        assert!(out.status.success(), "{user} on {topic}: {}", text(&out));
+    };
+    let big_file = ("-f", big.to_str().unwrap());
+    let medium_file = ("-f", medium.to_str().unwrap());
+    let small = ("-m", "m");
+    let want = [
+        ("big/x", 10),
+        ("big/y", 1),
+        ("room/a/x", 70),
+        ("room/a/y", TOPIC_LIMIT - 70),
+        ("room/b/x", 10),
+        ("room/a/z", 5),
+        ("done", 1),
+    ];
+    let total: usize = want.iter().map(|(_, n)| n).sum();
+    let watcher = std::thread::scope(|scope| {
+        let sub = scope.spawn(|| {
+            let count = total.to_string();
+            run(
+                "mosquitto_sub",
+                &[
+                    "-u", "watcher", "-P", "w-secret", "-q", "1", "-t", "#", "-F", "%t", "-C",
+                    &count, "-W", "60",
+                ],
+                65,
+            )
+        });
+        broker
+            .wait_for("Received SUBSCRIBE", 1, Duration::from_secs(5))
+            .unwrap();
+        publish("alice", "a-secret", "big/x", big_file, 15);
+        publish("alice", "a-secret", "big/y", medium_file, 2);
+        publish("bob", "b-secret", "room/a/x", small, 70);
+        publish("bob", "b-secret", "room/a/y", small, 50);
+        publish("bob", "b-secret", "room/b/x", small, 10);
+        publish("carol", "c-secret", "room/a/z", small, 5);
+        publish("watcher", "w-secret", "done", small, 1);
+        sub.join().unwrap()
+    });
+    let received: Vec<String> = String::from_utf8_lossy(&watcher.stdout)
+        .lines()
+        .map(str::to_owned)
+        .collect();
+    let got: Vec<(&str, usize)> = want
+        .iter()
+        .map(|(topic, _)| (*topic, received.iter().filter(|l| l == topic).count()))
+        .collect();
+    assert_eq!(
+        (got.as_slice(), received.last().map(String::as_str)),
+        (want.as_slice(), Some("done")),
+        "each budget held exactly; received {} messages; broker log:\n{}",
+        received.len(),
+        broker.log()
+    );
+    assert_eq!(
+        broker.count("limiter: pub_bytes refused for user alice"),
+        6,
+        "{}",
+        broker.log()
+    );
+    assert_eq!(
+        broker.count("limiter: pub_topic refused for user bob"),
+        20,
+        "{}",
+        broker.log()
+    );
+    assert_eq!(broker.count("limiter: no verdict"), 0, "{}", broker.log());
 }

@@ -61,9 +61,10 @@ impl Enforcement {
 
 /// What an action's keys identify. It decides how a key is checked and stored: addresses are
 /// parsed and stored in canonical form (so `::ffff:10.0.0.1` and `10.0.0.1` share a bucket),
-/// session tokens are stored and shown only as a SHA-256 digest, anything else as given.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "snake_case")]
+/// session tokens are stored and shown only as a SHA-256 digest, a `user+topic` key by its
+/// user and its topic's first levels, anything else as given. Read and shown as its name
+/// (`ip`, ..., `user+topic`); a `user+topic` kind's levels come from `topic-levels`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum KeyKind {
     Ip,
     Session,
@@ -72,10 +73,23 @@ pub enum KeyKind {
     /// A connection as the broker names it (an MQTT client id): the key strikes close, and
     /// one the broker releases when the connection is gone (`connection-gone`).
     Connection,
+    /// A user and the topic it publishes to (`limiter_client::user_topic_key`), named by the
+    /// topic's first `levels` levels: one bucket per user and topic subtree. The levels are
+    /// part of the kind, so a reload that changes them starts with empty buckets, as any
+    /// change of what a key means does.
+    UserTopic {
+        levels: u8,
+    },
 }
 
+/// `topic-levels` when an action keyed by `user+topic` does not say.
+pub const DEFAULT_TOPIC_LEVELS: u8 = 1;
+/// The most `topic-levels` may be: deeper than any topic tree a limit is set on needs.
+pub const MAX_TOPIC_LEVELS: u8 = 32;
+
 impl KeyKind {
-    /// The kind as configured and shown (`ip`, `session`, `user`, `other`, `connection`).
+    /// The kind as configured and shown (`ip`, `session`, `user`, `other`, `connection`,
+    /// `user+topic`).
     pub fn as_str(self) -> &'static str {
         match self {
             KeyKind::Ip => "ip",
@@ -83,7 +97,40 @@ impl KeyKind {
             KeyKind::User => "user",
             KeyKind::Other => "other",
             KeyKind::Connection => "connection",
+            KeyKind::UserTopic { .. } => "user+topic",
         }
+    }
+
+    /// The kind named `name` as configured; `user+topic` with [`DEFAULT_TOPIC_LEVELS`].
+    pub fn from_name(name: &str) -> Option<Self> {
+        Some(match name {
+            "ip" => KeyKind::Ip,
+            "session" => KeyKind::Session,
+            "user" => KeyKind::User,
+            "other" => KeyKind::Other,
+            "connection" => KeyKind::Connection,
+            "user+topic" => KeyKind::UserTopic {
+                levels: DEFAULT_TOPIC_LEVELS,
+            },
+            _ => return None,
+        })
+    }
+}
+
+impl Serialize for KeyKind {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.as_str())
+    }
+}
+
+impl<'de> Deserialize<'de> for KeyKind {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let name = String::deserialize(deserializer)?;
+        KeyKind::from_name(&name).ok_or_else(|| {
+            de::Error::custom(format!(
+                "unknown key kind {name:?} (ip, session, user, other, connection, user+topic)"
+            ))
+        })
     }
 }
 
@@ -111,6 +158,9 @@ pub struct ActionConfig {
     /// Bucket capacity: how many may arrive at once after a quiet spell. Default: the limit.
     pub burst: Option<u32>,
     pub key: Option<KeyKind>,
+    /// How many of a topic's levels name a `user+topic` key's bucket (`a/b/c` with 2: `a/b`);
+    /// 1 to [`MAX_TOPIC_LEVELS`], default [`DEFAULT_TOPIC_LEVELS`]. Needs `key = "user+topic"`.
+    pub topic_levels: Option<u32>,
     /// Cap on tracked keys; past it new keys share one overflow bucket (see docs/protocol.md).
     pub max_keys: Option<usize>,
     /// Whether refusals count towards a kernel ban of the address (ip-keyed actions only).
@@ -486,6 +536,23 @@ fn apply_common(
     if let Some(key) = config.key {
         spec.key = key;
     }
+    if let Some(levels) = config.topic_levels {
+        let KeyKind::UserTopic { levels: kept } = &mut spec.key else {
+            return Err(ConfigError::new(
+                format!("{origin}.topic-levels"),
+                "needs key = \"user+topic\": only a topic has levels",
+            ));
+        };
+        *kept = u8::try_from(levels)
+            .ok()
+            .filter(|l| (1..=MAX_TOPIC_LEVELS).contains(l))
+            .ok_or_else(|| {
+                ConfigError::new(
+                    format!("{origin}.topic-levels"),
+                    format!("must be 1 to {MAX_TOPIC_LEVELS}, not {levels}"),
+                )
+            })?;
+    }
     if let Some(max_keys) = config.max_keys {
         if max_keys == 0 {
             return Err(ConfigError::new(
@@ -684,6 +751,64 @@ mod tests {
 
     fn find<'a>(specs: &'a [ActionSpec], name: &str) -> &'a ActionSpec {
         specs.iter().find(|s| s.name == name).unwrap()
+    }
+
+    #[test]
+    fn a_user_topic_key_takes_its_levels_from_topic_levels() {
+        let specs = resolve_actions(
+            &table(
+                "[actions.rooms]\nlimit = 100\nwindow = \"1s\"\nkey = \"user+topic\"\n\
+                 topic-levels = 2\n\
+                 [actions.feeds]\nlimit = 5\nwindow = \"1s\"\nkey = \"user+topic\"\n\
+                 [actions.feeds.overrides]\n\"bob\\u0000news/sport\" = 50\n",
+            ),
+            &[],
+            false,
+        )
+        .unwrap();
+        assert_eq!(find(&specs, "rooms").key, KeyKind::UserTopic { levels: 2 });
+        let feeds = find(&specs, "feeds");
+        assert_eq!(feeds.key, KeyKind::UserTopic { levels: 1 });
+        assert_eq!(feeds.key.as_str(), "user+topic");
+        assert_eq!(feeds.overrides.len(), 1);
+        let shown = serde_json::to_value(feeds).unwrap();
+        assert_eq!(shown["key"], "user+topic");
+    }
+
+    #[test]
+    fn topic_levels_out_of_range_or_without_a_topic_key_are_errors_naming_it() {
+        for (extra, needle) in [
+            (
+                "key = \"user+topic\"\ntopic-levels = 0\n",
+                "must be 1 to 32, not 0",
+            ),
+            (
+                "key = \"user+topic\"\ntopic-levels = 33\n",
+                "must be 1 to 32, not 33",
+            ),
+            (
+                "key = \"user+topic\"\ntopic-levels = 300\n",
+                "must be 1 to 32, not 300",
+            ),
+            (
+                "key = \"user\"\ntopic-levels = 2\n",
+                "needs key = \"user+topic\"",
+            ),
+            ("topic-levels = 2\n", "needs key = \"user+topic\""),
+        ] {
+            let text = format!("[actions.rooms]\nlimit = 10\nwindow = \"1s\"\n{extra}");
+            let err = resolve_actions(&table(&text), &[], false).unwrap_err();
+            assert_eq!(err.setting, "actions.rooms.topic-levels", "{extra}");
+            assert!(err.message.contains(needle), "{extra}: {err}");
+        }
+        // An override's key is checked as a user+topic key is.
+        let text = "[actions.rooms]\nlimit = 10\nwindow = \"1s\"\nkey = \"user+topic\"\n\
+                    [actions.rooms.overrides]\n\"no-topic\" = 5\n";
+        let err = resolve_actions(&table(text), &[], false).unwrap_err();
+        assert!(err.message.contains("not a user+topic key"), "{err}");
+        // An unknown kind names the kinds there are.
+        let err = toml::from_str::<ActionConfig>("key = \"topic\"\n").unwrap_err();
+        assert!(err.to_string().contains("user+topic"), "{err}");
     }
 
     #[test]

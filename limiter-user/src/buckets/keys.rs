@@ -3,7 +3,7 @@
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
-use limiter_client::MAX_KEY_LEN;
+use limiter_client::{MAX_KEY_LEN, USER_TOPIC_SEPARATOR};
 use sha2::{Digest, Sha256};
 
 use super::actions::KeyKind;
@@ -16,6 +16,9 @@ pub enum KeyError {
     TooLong(usize),
     #[error("the action is keyed by address and {0:?} is not an IP address")]
     NotAnAddress(String),
+    /// A `user+topic` key that is not a user, a NUL and a concrete topic.
+    #[error("the action is keyed by user+topic and the key {0}")]
+    NotUserTopic(&'static str),
 }
 
 /// A key as a bucket is stored under: fixed-size, so a tracked key costs the same memory
@@ -159,11 +162,50 @@ pub fn store(kind: KeyKind, raw: &[u8]) -> Result<StoredKey, KeyError> {
         }
         // Only the digest is kept: a token in memory or in /rate_limits is a credential.
         KeyKind::Session => Ok(StoredKey::digest(raw)),
-        KeyKind::User | KeyKind::Other | KeyKind::Connection if raw.len() <= 32 => {
-            Ok(StoredKey::raw(raw))
-        }
-        KeyKind::User | KeyKind::Other | KeyKind::Connection => Ok(StoredKey::digest(raw)),
+        KeyKind::UserTopic { levels } => Ok(as_given(user_topic_prefix(raw, levels)?)),
+        KeyKind::User | KeyKind::Other | KeyKind::Connection => Ok(as_given(raw)),
     }
+}
+
+/// A key kept as given: itself up to 32 bytes, its digest beyond.
+#[inline(always)]
+fn as_given(raw: &[u8]) -> StoredKey {
+    if raw.len() <= 32 {
+        StoredKey::raw(raw)
+    } else {
+        StoredKey::digest(raw)
+    }
+}
+
+/// What names a `user+topic` key's bucket: the user, the separator and the topic's first
+/// `levels` levels, a prefix of the key (`alice\0a/b/c` with 2 levels: `alice\0a/b`). The key
+/// must be a non-empty user, a NUL and a concrete topic (no second NUL, no wildcard), as
+/// `limiter_client::user_topic_key` makes it; a topic with fewer levels is kept whole.
+pub fn user_topic_prefix(raw: &[u8], levels: u8) -> Result<&[u8], KeyError> {
+    let Some(split) = raw.iter().position(|b| *b == USER_TOPIC_SEPARATOR) else {
+        return Err(KeyError::NotUserTopic(
+            "has no NUL between the user and the topic",
+        ));
+    };
+    if split == 0 {
+        return Err(KeyError::NotUserTopic("has an empty user"));
+    }
+    let topic = &raw[split + 1..];
+    if topic.is_empty() {
+        return Err(KeyError::NotUserTopic("has an empty topic"));
+    }
+    if topic.iter().any(|b| matches!(b, b'+' | b'#' | 0)) {
+        return Err(KeyError::NotUserTopic(
+            "has a wildcard (+ or #) or a second NUL in its topic",
+        ));
+    }
+    let kept = topic
+        .iter()
+        .enumerate()
+        .filter(|(_, b)| **b == b'/')
+        .nth(usize::from(levels).saturating_sub(1))
+        .map_or(topic.len(), |(at, _)| at);
+    Ok(&raw[..split + 1 + kept])
 }
 
 /// Canonical form: an IPv4-mapped IPv6 address is the IPv4 address it maps.
@@ -195,9 +237,13 @@ pub fn display(kind: KeyKind, stored: &StoredKey) -> String {
         KeyKind::Ip => stored
             .address()
             .map_or_else(|| hex(&stored.bytes()), |a| a.to_string()),
-        KeyKind::Session | KeyKind::User | KeyKind::Other | KeyKind::Connection => {
-            String::from_utf8_lossy(&stored.bytes()).into_owned()
-        }
+        // A user+topic key keeps its NUL: JSON shows it as \u0000, as an override's key in
+        // the config file is written.
+        KeyKind::Session
+        | KeyKind::User
+        | KeyKind::Other
+        | KeyKind::Connection
+        | KeyKind::UserTopic { .. } => String::from_utf8_lossy(&stored.bytes()).into_owned(),
     }
 }
 
@@ -310,6 +356,68 @@ mod tests {
         assert_eq!(name(KeyKind::User, b"hex:00"), b"hex:6865783a3030");
         assert!(name(KeyKind::Session, b"tok").starts_with(b"sha256:"));
         assert!(name(KeyKind::Other, &[b'k'; 40]).starts_with(b"sha256:"));
+    }
+
+    #[test]
+    fn a_user_topic_key_is_named_by_the_user_and_the_topics_first_levels() {
+        fn prefix(raw: &[u8], levels: u8) -> &[u8] {
+            user_topic_prefix(raw, levels).unwrap()
+        }
+        assert_eq!(prefix(b"alice\0a/b/c", 2), b"alice\0a/b");
+        assert_eq!(prefix(b"alice\0a/b/c", 1), b"alice\0a");
+        assert_eq!(prefix(b"alice\0a/b/c", 3), b"alice\0a/b/c");
+        assert_eq!(prefix(b"alice\0a/b/c", 32), b"alice\0a/b/c");
+        assert_eq!(prefix(b"alice\0a", 2), b"alice\0a");
+        // Empty levels are levels: `/x` starts with an empty one, `a//b` has one inside.
+        assert_eq!(prefix(b"alice\0/x/y", 1), b"alice\0");
+        assert_eq!(prefix(b"alice\0/x/y", 2), b"alice\0/x");
+        assert_eq!(prefix(b"alice\0a//b", 2), b"alice\0a/");
+        assert_eq!(prefix(b"alice\0a/", 2), b"alice\0a/");
+        // What the client makes is what the agent reads.
+        let made = limiter_client::user_topic_key("bob", "room/a/x").unwrap();
+        assert_eq!(prefix(&made, 2), b"bob\0room/a");
+
+        let two = KeyKind::UserTopic { levels: 2 };
+        let stored = |raw: &[u8]| store(two, raw).unwrap();
+        // Topics under one subtree share a bucket; another subtree, or another user, does not.
+        assert_eq!(stored(b"bob\0room/a/x"), stored(b"bob\0room/a/y"));
+        assert_ne!(stored(b"bob\0room/a/x"), stored(b"bob\0room/b/x"));
+        assert_ne!(stored(b"bob\0room/a/x"), stored(b"carol\0room/a/x"));
+        // No user's name can run into a topic: the NUL is kept in the stored key.
+        assert_ne!(stored(b"bo\0broom/a"), stored(b"bob\0room/a"));
+        assert_eq!(display(two, &stored(b"bob\0room/a/x")), "bob\0room/a");
+        assert_eq!(
+            shared_name(two, &stored(b"bob\0room/a/x")),
+            b"hex:626f6200726f6f6d2f61"
+        );
+        // Long subtrees are digested like any long key, after the cut.
+        let subtree = [b"u\0".as_slice(), &[b'l'; 40], b"/x"].concat();
+        let long = [&subtree[..], b"/tail"].concat();
+        assert!(stored(&long).is_digest());
+        assert_eq!(stored(&long), stored(&subtree));
+    }
+
+    #[test]
+    fn what_is_not_a_user_and_a_concrete_topic_is_refused() {
+        let two = KeyKind::UserTopic { levels: 2 };
+        for (raw, why) in [
+            (b"alice".as_slice(), "no NUL"),
+            (b"\0a/b", "empty user"),
+            (b"alice\0", "empty topic"),
+            (b"alice\0a/+/c", "wildcard"),
+            (b"alice\0a/#", "wildcard"),
+            (b"alice\0a\0b", "second NUL"),
+        ] {
+            let err = store(two, raw).unwrap_err();
+            assert!(matches!(err, KeyError::NotUserTopic(_)), "{why}: {err}");
+            assert!(err.to_string().contains(why), "{why}: {err}");
+        }
+        // The wire's bound holds before anything is cut.
+        let long = [b"u\0".as_slice(), &[b'a'; MAX_KEY_LEN]].concat();
+        assert_eq!(
+            store(two, &long).err(),
+            Some(KeyError::TooLong(MAX_KEY_LEN + 2))
+        );
     }
 
     #[test]

@@ -72,6 +72,99 @@ fn auth_allows_ten_a_minute_per_address_with_retry_and_reset() {
     );
 }
 
+/// A bytes budget: each check costs a payload's length, all or nothing, so a payload that
+/// no longer fits is refused while a smaller one still passes, and one above the burst is
+/// refused for good.
+#[test]
+fn a_bytes_budget_is_spent_by_each_payloads_length() {
+    let (_, _, limiter) = limiter_with(
+        "[actions.pub_bytes]\nlimit = 1048576\nwindow = \"1h\"\nkey = \"user\"\n",
+        None,
+    );
+    for _ in 0..10 {
+        assert!(
+            limiter
+                .check("pub_bytes", b"alice", 102_400)
+                .unwrap()
+                .allowed
+        );
+    }
+    let refused = limiter.check("pub_bytes", b"alice", 102_400).unwrap();
+    assert_eq!(
+        (refused.outcome, refused.remaining),
+        (Outcome::Limited, 24_576)
+    );
+    assert!(
+        limiter
+            .check("pub_bytes", b"alice", 20_000)
+            .unwrap()
+            .allowed
+    );
+    assert_eq!(
+        limiter
+            .check("pub_bytes", b"alice", 20_000)
+            .unwrap()
+            .outcome,
+        Outcome::Limited
+    );
+    let never = limiter.check("pub_bytes", b"bob", 1_048_577).unwrap();
+    assert_eq!(never.outcome, Outcome::CostExceedsBurst);
+    assert_eq!(never.retry_after_ms, NEVER_MS);
+    assert_eq!(
+        limiter
+            .check("pub_bytes", b"bob", u32::MAX)
+            .unwrap()
+            .outcome,
+        Outcome::CostExceedsBurst
+    );
+    assert!(matches!(
+        limiter.check("pub_bytes", b"bob", 0),
+        Err(CheckError::ZeroCost)
+    ));
+}
+
+/// A user+topic action of 3 keyed by two levels: a user's topics under one subtree share
+/// three, another subtree or another user has its own, and a key that is no user and topic
+/// is an error, not a bucket.
+#[test]
+fn a_user_topic_action_holds_per_user_and_subtree() {
+    let (_, _, limiter) = limiter_with(
+        "[actions.rooms]\nlimit = 3\nwindow = \"1h\"\nkey = \"user+topic\"\ntopic-levels = 2\n",
+        None,
+    );
+    let check = |key: &[u8]| limiter.check("rooms", key, 1).unwrap().allowed;
+    assert!(check(b"bob\0room/a/x"));
+    assert!(check(b"bob\0room/a/y"));
+    assert!(check(b"bob\0room/a"));
+    assert!(!check(b"bob\0room/a/z"));
+    assert!(check(b"bob\0room/b/x"));
+    assert!(check(b"carol\0room/a/x"));
+    assert_eq!(stats_of(&limiter, "rooms").counts.tracked_keys, 3);
+    for bad in [b"bob".as_slice(), b"bob\0room/+/x", b"\0room/a"] {
+        assert!(matches!(
+            limiter.check("rooms", bad, 1),
+            Err(CheckError::InvalidKey { .. })
+        ));
+    }
+}
+
+/// A reload that changes `topic-levels` changes what a key names, so the action starts with
+/// empty buckets; one that keeps them keeps the buckets.
+#[test]
+fn a_reload_changing_topic_levels_starts_afresh() {
+    let rooms = |levels: u8| {
+        format!(
+            "[actions.rooms]\nlimit = 1\nwindow = \"1h\"\nkey = \"user+topic\"\ntopic-levels = {levels}\n"
+        )
+    };
+    let (_, _, limiter) = limiter_with(&rooms(1), None);
+    assert!(limiter.check("rooms", b"bob\0room/a", 1).unwrap().allowed);
+    limiter.reconfigure(config_of(&rooms(1), None));
+    assert!(!limiter.check("rooms", b"bob\0room/a", 1).unwrap().allowed);
+    limiter.reconfigure(config_of(&rooms(2), None));
+    assert!(limiter.check("rooms", b"bob\0room/a", 1).unwrap().allowed);
+}
+
 #[test]
 fn peek_consumes_nothing_and_reset_refills() {
     let (_, _, limiter) = limiter_with(
