@@ -111,7 +111,8 @@ pub struct ActionConfig {
     /// Bucket capacity: how many may arrive at once after a quiet spell. Default: the limit.
     pub burst: Option<u32>,
     pub key: Option<KeyKind>,
-    /// Cap on tracked keys; past it new keys share one overflow bucket (see docs/protocol.md).
+    /// Cap on tracked keys; past it a new key evicts full buckets, or is answered untracked as
+    /// a fresh bucket (docs/protocol.md, "The key cap").
     pub max_keys: Option<usize>,
     /// Whether refusals count towards a kernel ban of the address (ip-keyed actions only).
     pub escalate: Option<bool>,
