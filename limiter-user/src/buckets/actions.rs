@@ -161,7 +161,8 @@ pub struct ActionConfig {
     /// How many of a topic's levels name a `user+topic` key's bucket (`a/b/c` with 2: `a/b`);
     /// 1 to [`MAX_TOPIC_LEVELS`], default [`DEFAULT_TOPIC_LEVELS`]. Needs `key = "user+topic"`.
     pub topic_levels: Option<u32>,
-    /// Cap on tracked keys; past it new keys share one overflow bucket (see docs/protocol.md).
+    /// Cap on tracked keys; past it a new key evicts full buckets, or is answered untracked as
+    /// a fresh bucket (docs/protocol.md, "The key cap").
     pub max_keys: Option<usize>,
     /// Whether refusals count towards a kernel ban of the address (ip-keyed actions only).
     pub escalate: Option<bool>,

@@ -20,7 +20,7 @@ use thiserror::Error;
 use super::sweeper::SweepStats;
 use crate::{
     buckets::{Enforcement, Limiter},
-    datapath::{Enforcer, MapsError},
+    datapath::{Enforcer, MapsError, PacketCount},
 };
 
 #[derive(Debug, Error)]
@@ -224,10 +224,15 @@ impl KernelMetrics {
     /// that a scrape never stalls the sweeper or an admin call for the whole read.
     fn fill(&self, k: &Kernel) -> Result<(), MapsError> {
         let enforcer = &self.enforcer;
+        let config = enforcer.with_maps(|m| m.config())?;
+        // Monitor mode's series only once it has run, so an enforcing host's do not grow.
+        let monitored = |c: &PacketCount| {
+            c.verdict != Verdict::WouldRefuse || config.monitor != 0 || c.packets > 0
+        };
         for count in enforcer
             .with_maps(|m| m.packet_counts())?
             .into_iter()
-            .filter(|c| possible(c.direction, c.verdict, c.reason))
+            .filter(|c| possible(c.direction, c.verdict, c.reason) && monitored(c))
         {
             k.packets
                 .with_label_values(&[
@@ -259,7 +264,6 @@ impl KernelMetrics {
             .set(i64::from(enforcer.with_maps(|m| m.flow_capacity())?));
         k.bans
             .set(gauge_value(enforcer.with_maps(|m| m.bans())?.len() as u64));
-        let config = enforcer.with_maps(|m| m.config())?;
         k.cookies_active
             .set((config.syn_cookies & limiter_common::syn_cookies::ANSWER != 0).into());
         let (on, off) = enforcer.cookie_switches();

@@ -139,7 +139,8 @@ fn parse_listen(text: &str) -> Result<SocketAddr, String> {
 /// file descriptor the agent has and blind it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ClientLimits {
-    /// Connections served at once; past it, new ones wait in the kernel's backlog.
+    /// Connections served at once; past it, a newcomer takes the slot of the oldest one
+    /// without a whole request yet, or waits (`admission`).
     pub max: u32,
     /// Time to the first request's headers (HTTP) or first whole frame (broker protocol).
     pub header_timeout: Duration,

@@ -230,8 +230,9 @@ pub struct Layer {
     /// bucket, a victim address's `auth` attempts included; cannot be set with check-token.
     #[arg(long, env = "LIMITER_CHECK_OPEN", num_args = 0..=1, default_missing_value = "true")]
     pub check_open: Option<bool>,
-    /// Connections each listener (HTTP, Unix socket, TCP) holds at once; more wait in the
-    /// kernel's backlog until one closes. [default: 512]
+    /// Connections each listener (HTTP, Unix socket, TCP) holds at once; a newcomer to a full
+    /// listener takes the slot of the oldest connection without a whole request yet, or waits
+    /// if there is none. [default: 512]
     #[arg(long, env = "LIMITER_MAX_CLIENTS")]
     pub max_clients: Option<u32>,
     /// Time a new connection has to send its first request's headers (HTTP) or its first
