@@ -71,14 +71,12 @@ impl Cli {
     }
 }
 
+/// The ordinary log on stderr (`LIMITER_LOG`, default `info`), and the event log's sink,
+/// which `limiter run` points where `event-log` says.
 pub fn init_tracing() {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            EnvFilter::try_from_env("LIMITER_LOG").unwrap_or_else(|_| EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+    crate::services::event_sink::init(
+        EnvFilter::try_from_env("LIMITER_LOG").unwrap_or_else(|_| EnvFilter::new("info")),
+    );
 }
 
 fn detach(args: &DetachArgs) -> Result<ExitCode> {

@@ -6,6 +6,7 @@
 
 mod broker;
 mod cluster;
+mod event_log;
 mod file;
 mod flags;
 mod list_file;
@@ -21,6 +22,7 @@ use std::{
 
 pub use broker::{ActionFlags, AdminPeers, BrokerLayer, BrokerSettings, ClientLimits, ServeConfig};
 pub use cluster::ClusterLayer;
+pub use event_log::{EventLog, JOURNALD_IDENTIFIER};
 pub use file::FileConfig;
 pub use flags::{Layer, RefusalArg, TunnelsArg, XdpModeArg};
 pub use list_file::{ListFile, ListFiles, parse_list};
@@ -147,6 +149,8 @@ pub struct Settings {
     /// Connection cap and timeouts of every listener.
     pub clients: ClientLimits,
     pub broker: BrokerSettings,
+    /// Where enforcement events go (`event-log`); a reload reopens it.
+    pub event_log: EventLog,
     /// Settings the command line or the environment set, which the file cannot change.
     pub pinned: Vec<String>,
     /// Settings the file changed since the start that apply only on a restart (reload fills
@@ -337,6 +341,7 @@ mod tests {
     fn errors_name_the_setting() {
         for (flags, setting) in [
             (&["--ports", "70000"][..], "ports"),
+            (&["--event-log", "jounald"][..], "event-log"),
             (&["--ports", "0"][..], "ports"),
             (&["--ipv4-prefix", "33"][..], "ipv4-prefix"),
             (&["--ipv6-prefix", "129"][..], "ipv6-prefix"),
