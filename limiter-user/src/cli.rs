@@ -43,6 +43,8 @@ enum Command {
     Allow(ops::ListArgs),
     /// Add or remove a denylist entry (needs the admin token).
     Deny(ops::ListArgs),
+    /// Show the event log (bans, disconnects, switches), following it as the agent writes.
+    Events(ops::EventsArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -67,6 +69,7 @@ impl Cli {
             Command::Unban(args) => args.execute(),
             Command::Allow(args) => args.execute(ListKind::Allow),
             Command::Deny(args) => args.execute(ListKind::Deny),
+            Command::Events(args) => args.execute(),
         }
     }
 }

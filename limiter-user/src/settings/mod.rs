@@ -47,6 +47,9 @@ pub mod defaults {
     pub const SOCKET: &str = "/run/limiter/limiter.sock";
     /// systemd's `StateDirectory=limiter`.
     pub const STATE_FILE: &str = "/var/lib/limiter/state.json";
+    /// The file the systemd unit runs the agent with (`--config`), which `limiter events`
+    /// reads when it exists and no other is named.
+    pub const CONFIG: &str = "/etc/limiter.toml";
     pub const MAX_CONN_PER_IP: u32 = 100;
     pub const MAX_CONN_TOTAL: u32 = 10_000;
     pub const SYN_RATE: u32 = 20;
@@ -121,6 +124,24 @@ impl RunArgs {
             .collect();
         Ok(settings)
     }
+}
+
+/// `event-log` as an agent started with `config` (and these flags or `LIMITER_*` values over
+/// it) resolves it: what `limiter events` reads, by the agent's own rule.
+pub fn event_log_of(
+    config: Option<&std::path::Path>,
+    event_log: Option<&str>,
+    state_file: Option<&std::path::Path>,
+) -> Result<EventLog, ConfigError> {
+    let file = match config {
+        Some(path) => FileConfig::read(path)?.layer,
+        None => Layer::default(),
+    };
+    let state_file = state_file
+        .map(PathBuf::from)
+        .or(file.state_file)
+        .unwrap_or_else(|| PathBuf::from(defaults::STATE_FILE));
+    event_log::resolve(event_log.or(file.event_log.as_deref()), &state_file)
 }
 
 /// The sweeper's settings.
