@@ -43,6 +43,8 @@ enum Command {
     Allow(ops::ListArgs),
     /// Add or remove a denylist entry (needs the admin token).
     Deny(ops::ListArgs),
+    /// Show the event log (bans, disconnects, switches), following it as the agent writes.
+    Events(ops::EventsArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -67,18 +69,17 @@ impl Cli {
             Command::Unban(args) => args.execute(),
             Command::Allow(args) => args.execute(ListKind::Allow),
             Command::Deny(args) => args.execute(ListKind::Deny),
+            Command::Events(args) => args.execute(),
         }
     }
 }
 
+/// The ordinary log on stderr (`LIMITER_LOG`, default `info`), and the event log's sink,
+/// which `limiter run` points where `event-log` says.
 pub fn init_tracing() {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            EnvFilter::try_from_env("LIMITER_LOG").unwrap_or_else(|_| EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+    crate::services::event_sink::init(
+        EnvFilter::try_from_env("LIMITER_LOG").unwrap_or_else(|_| EnvFilter::new("info")),
+    );
 }
 
 fn detach(args: &DetachArgs) -> Result<ExitCode> {

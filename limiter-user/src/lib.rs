@@ -2,8 +2,8 @@
 //! privileged tests drive the same code.
 //!
 //! Layers, each importing only from those below it:
-//! - `errors`, `api` and `secret`: shared error types, the HTTP API's documents (server and
-//!   CLI), and the one constant-time token comparison.
+//! - `errors`, `api`, `events` and `secret`: shared error types, the HTTP API's documents
+//!   (server and CLI), the event log's vocabulary, and the one constant-time token comparison.
 //! - `datapath`, `buckets`, `fleet` and `admission`, side by side: the kernel programs and
 //!   maps, the broker's token buckets, the fleet's Redis (which implements the buckets'
 //!   `SharedBuckets` contract, the one link between them), and the listeners' connection
@@ -28,6 +28,7 @@ pub mod buckets;
 pub mod cli;
 pub mod datapath;
 pub mod errors;
+pub mod events;
 pub mod fleet;
 pub mod ops;
 pub mod protocol;

@@ -19,9 +19,11 @@ use crate::{
         Datapath, EnforceError, Enforcer, KernelLogger, LoadOptions, default_route_interface, pins,
     },
     errors::error_chain,
+    events,
     fleet::{FleetBans, FleetConfig, LogId, Redis, SharedGcra},
     protocol::{ServeControl, Server},
     services::{
+        event_sink,
         fleet_bans::FleetBanning,
         http::HttpServer,
         list_watch::{self, ListPaths},
@@ -88,6 +90,8 @@ enum ReloadError {
     Config(#[from] ConfigError),
     #[error("writing the kernel policy")]
     Policy(#[source] EnforceError),
+    #[error("opening event-log")]
+    EventLog(#[source] event_sink::SinkError),
 }
 
 /// The running agent as the signal handlers see it.
@@ -108,7 +112,7 @@ impl Agent {
     /// sweeper's timeouts, the admin and check tokens and check-open, the actions (limits,
     /// windows, bursts, key caps; see [`Limiter::reconfigure`] for keys and new, removed or
     /// re-keyed actions), escalation, the listeners' caps and timeouts (timeouts for new
-    /// connections) and who is trusted with admin requests. What only a restart can change ([`RestartOnly`]) is
+    /// connections), who is trusted with admin requests and the event log (reopened). What only a restart can change ([`RestartOnly`]) is
     /// named, in the log and in `/v1/status`, as waiting for a restart, and so are the
     /// settings flags or environment pin. A bad file changes nothing.
     fn reload(&self) -> Result<(), ReloadError> {
@@ -122,12 +126,19 @@ impl Agent {
                 "set by flags or the environment, which the file cannot change"
             );
         }
+        // First, so a sink that cannot be opened changes nothing; reopened even when unchanged:
+        // logrotate's `postrotate` sends SIGHUP for a new file.
+        event_sink::open(&new.event_log).map_err(ReloadError::EventLog)?;
         self.enforcer
             .set_policy(new.policy.clone())
             .map_err(ReloadError::Policy)?;
         list_watch::apply(&self.enforcer, &new.lists).map_err(ReloadError::Policy)?;
         self.list_paths.send_replace(ListPaths::of(&new.lists));
+        let modes = self
+            .settings
+            .read(|old| old.broker.limiter.mode_changes(&new.broker.limiter));
         let changes = self.limiter.reconfigure(new.broker.limiter.clone());
+        modes.iter().for_each(events::emit);
         if !changes.is_empty() {
             tracing::info!(
                 changed = ?changes.changed,
@@ -173,6 +184,10 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
             return Ok(ExitCode::from(EXIT_CONFIG));
         }
     };
+    if let Err(error) = event_sink::open(&settings.event_log) {
+        tracing::error!("event-log: {}", error_chain(&error));
+        return Ok(ExitCode::from(EXIT_CONFIG));
+    }
     warn_of_fd_limit(settings.clients.max);
     let ifaces = match preflight(&settings.restart)? {
         Ok(ifaces) => ifaces,

@@ -22,6 +22,8 @@ use dashmap::{DashMap, mapref::entry::Entry};
 use limiter_client::Escalation;
 use serde::Serialize;
 
+use crate::events::{self, BanCause, Event};
+
 use super::{
     ban::Banner,
     clock::{Clock, duration_ns},
@@ -165,7 +167,7 @@ impl Escalator {
         self.banner.failure(addr);
         let now = self.clock.now_ns();
         let window = duration_ns(config.window);
-        let (before, ttl) = {
+        let (before, ttl, nth) = {
             let mut record = match self.records.entry(addr) {
                 Entry::Occupied(occupied) => occupied.into_ref(),
                 Entry::Vacant(vacant) => {
@@ -204,8 +206,9 @@ impl Escalator {
             };
             let ttl = config.ban_for(record.run);
             record.banned_until = Some(now.saturating_add(duration_ns(ttl)));
-            (before, ttl)
+            (before, ttl, record.run)
         };
+        let failures = config.after.saturating_add(1);
         if self.monitor.load(Ordering::Relaxed) {
             // Judged and counted, not placed: the address stays unbanned and its run as it
             // was, so the figures read as enforcement's would.
@@ -214,15 +217,23 @@ impl Escalator {
                 (record.banned_until, record.run) = before;
             }
             tracing::info!(%addr, ?ttl, "monitor mode: would have escalated to a ban");
-            return Escalation::Counted {
-                failures: config.after.saturating_add(1),
-            };
+            events::emit(&Event::WouldBan {
+                addr,
+                failures,
+                ttl,
+            });
+            return Escalation::Counted { failures };
         }
         // The ban runs outside the map's lock: it is a syscall in the agent.
         match self.banner.ban(addr, ttl) {
             Ok(()) => {
                 self.bans.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(%addr, ?ttl, "escalated to a ban");
+                events::emit(&Event::Ban {
+                    addr,
+                    cause: BanCause::Escalation { failures, nth },
+                    ttl,
+                });
                 Escalation::Banned
             }
             Err(error) => {

@@ -40,7 +40,10 @@ use dashmap::{DashMap, mapref::entry::Entry};
 use foldhash::quality::RandomState;
 use limiter_client::{Escalation, NEVER_MS, Outcome, Verdict};
 
-use crate::api::{ActionCounts, BlockedKey};
+use crate::{
+    api::{ActionCounts, BlockedKey},
+    events::{self, Event},
+};
 
 use super::{
     actions::{ActionKind, ActionSpec, Enforcement, KeyKind, Mode},
@@ -54,7 +57,7 @@ use super::{
     sessions::{SessionCounts, SessionOwner},
     shared::{Pending, SharedBuckets, SharedCheck, SharedLimit},
     stats::{ActionStats, OutcomeCounters},
-    strikes::StrikeBook,
+    strikes::{StrikeBook, Struck},
 };
 
 /// Everything the limiter needs to start; see `protocol::AppArgs` for where it comes from.
@@ -64,6 +67,42 @@ pub struct LimiterConfig {
     pub escalation: Option<EscalationConfig>,
     /// The top-level `mode`: every action's that sets none, and escalation's.
     pub mode: Enforcement,
+}
+
+impl LimiterConfig {
+    /// The event-log lines of a reload from these settings to `new`: the top-level `mode`
+    /// once if it changed, and each action kept whose own `mode` changes what it runs as
+    /// (one that follows the top level changes with it, and is not named again).
+    pub fn mode_changes(&self, new: &LimiterConfig) -> Vec<Event> {
+        let mut changes = Vec::new();
+        if self.mode != new.mode {
+            changes.push(Event::Mode {
+                action: None,
+                from: self.mode.as_str(),
+                to: new.mode.as_str(),
+            });
+        }
+        for action in &new.actions {
+            let Some(old) = self.actions.iter().find(|a| a.name == action.name) else {
+                continue;
+            };
+            if old.mode.is_none() && action.mode.is_none() {
+                continue;
+            }
+            let (from, to) = (
+                old.mode.unwrap_or(self.mode),
+                action.mode.unwrap_or(new.mode),
+            );
+            if from != to {
+                changes.push(Event::Mode {
+                    action: Some(action.name.clone()),
+                    from: from.as_str(),
+                    to: to.as_str(),
+                });
+            }
+        }
+        changes
+    }
 }
 
 /// A check's verdict as judged, and whether the action is in monitor mode: then a refusal is
@@ -852,11 +891,22 @@ impl Limiter {
             _ => 1,
         };
         let now = self.clock.now_ns();
-        if action
+        let struck = action
             .table
             .strikes
-            .strike(rule, stored, now, weight, action.spec.max_keys)
+            .strike(rule, stored, now, weight, action.spec.max_keys);
+        // Monitor mode answers the disconnect as an allowance: nothing is closed to log.
+        if let Struck::Disconnects { strikes } = struck
+            && !action.monitor
         {
+            events::emit(&Event::Disconnect {
+                action: action.name.to_string(),
+                key: keys::display(action.spec.key, stored),
+                strikes,
+                window: rule.window,
+            });
+        }
+        if struck.disconnects() {
             Verdict::new(Outcome::Disconnect, verdict.limit, 0, NEVER_MS, NEVER_MS)
         } else {
             verdict

@@ -42,13 +42,35 @@ pub struct Strikes {
     disconnected: bool,
 }
 
+/// What a strike did to its connection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Struck {
+    /// Counted; the connection stays.
+    Counted,
+    /// This strike took the count to the threshold: the connection is to be closed, and the
+    /// event log says so (only here, so once per connection).
+    Disconnects { strikes: u32 },
+    /// Closed by an earlier strike.
+    Closed,
+}
+
+impl Struck {
+    /// Whether the connection is to be closed.
+    pub fn disconnects(self) -> bool {
+        self != Self::Counted
+    }
+}
+
 impl Strikes {
-    /// Adds `weight` strikes at `now`; true once the connection has collected enough to be
-    /// closed (and from then on).
-    pub fn strike(&mut self, rule: &StrikeRule, now: u64, weight: u32) -> bool {
+    /// Adds `weight` strikes at `now`; the connection is closed once it has collected enough
+    /// (and from then on).
+    pub fn strike(&mut self, rule: &StrikeRule, now: u64, weight: u32) -> Struck {
         self.last = now;
-        if self.disconnected || weight == 0 {
-            return self.disconnected;
+        if self.disconnected {
+            return Struck::Closed;
+        }
+        if weight == 0 {
+            return Struck::Counted;
         }
         if self.count == 0 || now.saturating_sub(self.since) >= window_ns(rule) {
             self.count = 0;
@@ -56,7 +78,13 @@ impl Strikes {
         }
         self.count = self.count.saturating_add(weight);
         self.disconnected = self.count >= rule.to_disconnect;
-        self.disconnected
+        if self.disconnected {
+            Struck::Disconnects {
+                strikes: self.count,
+            }
+        } else {
+            Struck::Counted
+        }
     }
 
     /// Strikes in the current count.
@@ -103,7 +131,8 @@ impl StrikeBook {
     }
 
     /// Adds `weight` strikes to `key`'s record (made if it has none and the book is under
-    /// `max` records; a connection beyond is not counted); true if it is to be closed.
+    /// `max` records; a connection beyond is not counted), under the record's lock, so one
+    /// strike of all those racing on a connection is the one that closes it.
     pub fn strike(
         &self,
         rule: &StrikeRule,
@@ -111,13 +140,13 @@ impl StrikeBook {
         now: u64,
         weight: u32,
         max: usize,
-    ) -> bool {
+    ) -> Struck {
         if let Some(mut record) = self.records.get_mut(key) {
             return record.strike(rule, now, weight);
         }
         if self.tracked.fetch_add(1, Ordering::AcqRel) >= max {
             self.tracked.fetch_sub(1, Ordering::AcqRel);
-            return false;
+            return Struck::Counted;
         }
         match self.records.entry(*key) {
             Entry::Occupied(mut occupied) => {
@@ -173,15 +202,17 @@ mod tests {
     fn the_threshold_within_the_window_disconnects_and_stays() {
         let rule = rule(3, 10, 1);
         let mut s = Strikes::default();
-        assert!(!s.strike(&rule, S, 1));
-        assert!(!s.strike(&rule, 5 * S, 1));
+        assert!(!s.strike(&rule, S, 1).disconnects());
+        assert!(!s.strike(&rule, 5 * S, 1).disconnects());
         assert_eq!(s.count(), 2);
-        assert!(
+        assert_eq!(
             s.strike(&rule, 10 * S, 1),
+            Struck::Disconnects { strikes: 3 },
             "third strike 9 s after the first"
         );
         // Disconnected for good: nothing more counts, every answer stays.
-        assert!(s.strike(&rule, 100 * S, 0));
+        assert_eq!(s.strike(&rule, 100 * S, 0), Struck::Closed);
+        assert_eq!(s.strike(&rule, 101 * S, 1), Struck::Closed);
         assert!(s.disconnected());
     }
 
@@ -192,22 +223,26 @@ mod tests {
         s.strike(&rule, 0, 1);
         s.strike(&rule, 9 * S, 1);
         // 10 s after the first strike: a new count, which this strike starts.
-        assert!(!s.strike(&rule, 10 * S, 1));
+        assert!(!s.strike(&rule, 10 * S, 1).disconnects());
         assert_eq!(s.count(), 1);
-        assert!(!s.strike(&rule, 11 * S, 1));
-        assert!(s.strike(&rule, 19 * S, 1));
+        assert!(!s.strike(&rule, 11 * S, 1).disconnects());
+        assert!(s.strike(&rule, 19 * S, 1).disconnects());
     }
 
     #[test]
     fn an_oversize_payload_weighs_its_strikes() {
         let rule = rule(5, 10, 3);
         let mut s = Strikes::default();
-        assert!(!s.strike(&rule, 0, rule.oversize));
+        assert!(!s.strike(&rule, 0, rule.oversize).disconnects());
         assert_eq!(s.count(), 3);
-        assert!(s.strike(&rule, S, rule.oversize), "3 + 3 reaches 5");
+        assert_eq!(
+            s.strike(&rule, S, rule.oversize),
+            Struck::Disconnects { strikes: 6 },
+            "3 + 3 reaches 5"
+        );
         let mut heavy = Strikes::default();
         assert!(
-            heavy.strike(&rule, 0, u32::MAX),
+            heavy.strike(&rule, 0, u32::MAX).disconnects(),
             "a weight never overflows the count"
         );
     }
@@ -219,18 +254,18 @@ mod tests {
         let key =
             |k: &[u8]| crate::buckets::keys::store(crate::buckets::KeyKind::Connection, k).unwrap();
         let (a, b) = (key(b"a"), key(b"b"));
-        assert!(!book.strike(&rule, &a, 0, 1, 1));
+        assert!(!book.strike(&rule, &a, 0, 1, 1).disconnects());
         // At the cap, another connection is not counted (and so never closed).
-        assert!(!book.strike(&rule, &b, 0, 5, 1));
+        assert!(!book.strike(&rule, &b, 0, 5, 1).disconnects());
         assert_eq!(book.tracked(), 1);
-        assert!(book.strike(&rule, &a, S, 1, 1));
+        assert!(book.strike(&rule, &a, S, 1, 1).disconnects());
         assert!(book.disconnected(&a, 5 * S, true));
         assert!(!book.disconnected(&b, 5 * S, true));
         // Seen at 5 s: not idle at 14 s, idle at 15 s.
         assert_eq!(book.sweep(Some(&rule), 14 * S), 0);
         assert_eq!(book.sweep(Some(&rule), 15 * S), 1);
         assert!(!book.disconnected(&a, 15 * S, true));
-        assert!(!book.strike(&rule, &a, 16 * S, 1, 1));
+        assert!(!book.strike(&rule, &a, 16 * S, 1, 1).disconnects());
         assert!(book.forget(&a));
         assert!(!book.forget(&a));
         assert_eq!(book.tracked(), 0);

@@ -433,6 +433,48 @@ fn config_of(toml_actions: &str, escalation: Option<EscalationConfig>) -> Limite
 }
 
 #[test]
+fn a_reload_names_each_mode_it_changes_once() {
+    use crate::events::Event;
+    let actions = |publish: &str| {
+        format!(
+            "[actions.export]\nlimit = 1\nwindow = \"1s\"\n\
+             [actions.publish]\nlimit = 1\nwindow = \"1s\"\n{publish}"
+        )
+    };
+    let with = |mode, publish: &str| LimiterConfig {
+        mode,
+        ..config_of(&actions(publish), None)
+    };
+    let mode = |action: Option<&str>, from, to| Event::Mode {
+        action: action.map(str::to_owned),
+        from,
+        to,
+    };
+    let enforce = with(Enforcement::Enforce, "");
+    assert!(enforce.mode_changes(&enforce).is_empty());
+    // The top level switches every action that follows it: one event.
+    assert_eq!(
+        enforce.mode_changes(&with(Enforcement::Monitor, "")),
+        [mode(None, "enforce", "monitor")]
+    );
+    // An action of its own mode is named; one that keeps what it runs as is not.
+    assert_eq!(
+        enforce.mode_changes(&with(Enforcement::Enforce, "mode = \"monitor\"\n")),
+        [mode(Some("publish"), "enforce", "monitor")]
+    );
+    let pinned = with(Enforcement::Enforce, "mode = \"enforce\"\n");
+    assert_eq!(
+        pinned.mode_changes(&with(Enforcement::Monitor, "mode = \"enforce\"\n")),
+        [mode(None, "enforce", "monitor")]
+    );
+    assert_eq!(
+        with(Enforcement::Monitor, "mode = \"enforce\"\n")
+            .mode_changes(&with(Enforcement::Monitor, "")),
+        [mode(Some("publish"), "enforce", "monitor")]
+    );
+}
+
+#[test]
 fn a_reload_applies_new_limits_to_buckets_that_keep_their_state() {
     let (clock, _, limiter) = limiter_with(
         "[actions.export]\nlimit = 10\nwindow = \"10s\"\nkey = \"user\"\n",

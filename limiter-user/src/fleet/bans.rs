@@ -109,6 +109,11 @@ impl FleetBans {
         &self.origin
     }
 
+    /// The Redis the bans are kept in, as the operator wrote it.
+    pub fn target(&self) -> String {
+        self.redis.target().to_string()
+    }
+
     async fn change(&self, op: &str, addr: IpAddr, ttl: Duration) -> RedisResult<bool> {
         let mut invocation = BAN.prepare_invoke();
         invocation

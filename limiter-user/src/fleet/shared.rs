@@ -21,6 +21,7 @@ use crate::{
         SharedBuckets, SharedCheck, SharedFuture, SharedLimit, cell::Algorithm, cell::Evaluation,
         gcra::Rate,
     },
+    events::{self, Event, FleetPart},
 };
 
 /// The check-and-consume script; see the file for its arguments and answer.
@@ -47,6 +48,9 @@ pub struct SharedGcra {
 #[derive(Default)]
 struct Health {
     up: AtomicBool,
+    /// The event log said checks are decided locally, and has yet to say they are back: the
+    /// first answer of a Redis that answered from the start is no return.
+    local_announced: AtomicBool,
     fallback_checks: AtomicU64,
     to_local: AtomicU64,
     to_redis: AtomicU64,
@@ -70,7 +74,19 @@ impl Health {
                 error = why,
                 "Redis failed: shared checks are decided locally at limit / expected-replicas until it answers again"
             );
+            self.announce_local(target, why);
         }
+    }
+
+    /// The event of checks decided locally: at a failure, or at a start Redis did not answer.
+    fn announce_local(&self, target: &str, why: &str) {
+        self.local_announced.store(true, Ordering::Release);
+        events::emit(&Event::FleetFallback {
+            part: FleetPart::Checks,
+            redis: target.to_owned(),
+            local: true,
+            error: Some(why.to_owned()),
+        });
     }
 
     fn recovered(&self, target: &str) {
@@ -80,6 +96,14 @@ impl Health {
                 redis = target,
                 "Redis answers: shared checks go to it again"
             );
+            if self.local_announced.swap(false, Ordering::AcqRel) {
+                events::emit(&Event::FleetFallback {
+                    part: FleetPart::Checks,
+                    redis: target.to_owned(),
+                    local: false,
+                    error: None,
+                });
+            }
         }
     }
 }
@@ -110,6 +134,9 @@ impl SharedGcra {
                 %error,
                 "Redis does not answer yet: shared checks are decided locally at limit / expected-replicas until it does"
             );
+            shared
+                .health
+                .announce_local(&shared.redis.target().to_string(), &error);
         }
         tokio::spawn(probe_while_down(Arc::downgrade(&shared)));
         Ok(shared)

@@ -1,7 +1,9 @@
 //! The operator commands: `limiter status`, `top`, `ban`, `unban`, `allow` and `deny`. They
 //! talk to a running agent over its HTTP listener; `status` and `top` read the pinned maps
-//! instead when no agent answers, since enforcement outlives the agent.
+//! instead when no agent answers, since enforcement outlives the agent. `limiter events`
+//! reads the event log the agent writes.
 
+mod events_command;
 mod remote;
 mod render;
 
@@ -16,6 +18,7 @@ use anyhow::{Context, Result, anyhow};
 use reqwest::Method;
 use serde::Serialize;
 
+pub use events_command::EventsArgs;
 use remote::{AskError, Remote, open_pinned, root_cause, runtime};
 pub use render::{render_status, render_top};
 

@@ -42,6 +42,7 @@ use crate::{
     api::ban_ttl,
     buckets::{CheckError, Judged, Limiter, Pending, SessionOwner, Submit},
     errors::error_chain,
+    events::{self, BanCause, Event},
     secret::token_matches,
     settings::{ClientLimits, ServeConfig},
 };
@@ -620,12 +621,26 @@ impl Served {
             Request::Ban { addr, ttl } => match ban_ttl(ttl) {
                 Err(e) => error(ErrorCode::BanFailed, e.to_string()),
                 Ok(ttl) => match limiter.ban(addr, ttl) {
-                    Ok(()) => Response::Done { changed: true },
+                    Ok(()) => {
+                        events::emit(&Event::Ban {
+                            addr: addr.to_canonical(),
+                            cause: BanCause::Broker,
+                            ttl,
+                        });
+                        Response::Done { changed: true }
+                    }
                     Err(e) => error(ErrorCode::BanFailed, error_chain(&e)),
                 },
             },
             Request::Unban { addr } => match limiter.unban(addr) {
-                Ok(changed) => Response::Done { changed },
+                Ok(changed) => {
+                    events::emit(&Event::Unban {
+                        addr: addr.to_canonical(),
+                        cause: BanCause::Broker,
+                        lifted: changed,
+                    });
+                    Response::Done { changed }
+                }
                 Err(e) => error(ErrorCode::BanFailed, error_chain(&e)),
             },
             Request::Authenticate { token } => self.authenticate(&token, peer),

@@ -22,6 +22,7 @@ use tokio_util::sync::CancellationToken;
 use crate::{
     buckets::{BanError, Banner, EscalationConfig, SharedBanStats},
     errors::error_chain,
+    events::{self, BanCause, Event, FleetPart},
     fleet::{BanChange, BansInForce, FleetBans, LogId},
 };
 
@@ -34,19 +35,36 @@ const RETRY: Duration = Duration::from_millis(200);
 /// The longest one write to Redis may take; bans never wait for it, only the queue behind it.
 const WRITE_TIMEOUT: Duration = Duration::from_secs(2);
 
-#[derive(Default)]
 struct Counters {
     sent: AtomicU64,
     received: AtomicU64,
     send_failures: AtomicU64,
     /// Whether the last exchange with Redis failed, so a switch is logged once.
     down: AtomicBool,
+    /// The fleet's Redis, for the event log.
+    redis: String,
 }
 
 impl Counters {
+    fn new(redis: String) -> Self {
+        Self {
+            sent: AtomicU64::new(0),
+            received: AtomicU64::new(0),
+            send_failures: AtomicU64::new(0),
+            down: AtomicBool::new(false),
+            redis,
+        }
+    }
+
     fn redis_answered(&self, what: &str) {
         if self.down.swap(false, Ordering::AcqRel) {
             tracing::info!("{what}: the fleet's Redis answers again; bans are shared again");
+            events::emit(&Event::FleetFallback {
+                part: FleetPart::Bans,
+                redis: self.redis.clone(),
+                local: false,
+                error: None,
+            });
         }
     }
 
@@ -56,6 +74,12 @@ impl Counters {
                 %error,
                 "{what}: the fleet's Redis does not answer; bans are enforced on this agent only until it does"
             );
+            events::emit(&Event::FleetFallback {
+                part: FleetPart::Bans,
+                redis: self.redis.clone(),
+                local: true,
+                error: Some(format!("{what}: {error}")),
+            });
         }
     }
 }
@@ -135,7 +159,7 @@ impl FleetBanning {
         escalation: Option<EscalationConfig>,
     ) -> Self {
         let (queue, ops) = mpsc::channel(QUEUE);
-        let counters = Arc::new(Counters::default());
+        let counters = Arc::new(Counters::new(bans.target()));
         Self {
             banner: Arc::new(SharedBanner {
                 local: Arc::clone(&local),
@@ -228,9 +252,16 @@ async fn write(mut writer: Writer, local: Arc<dyn Banner>, counters: Arc<Counter
                     Ok(count) if count == u64::from(rule.after) + 1 => {
                         // The fleet's count crossed: banned on every agent, this one first.
                         tracing::warn!(%addr, failures = count, ttl = ?rule.ban, "the fleet's failures escalated to a ban");
-                        if let Err(error) = local.ban(addr, rule.ban) {
-                            let error = error_chain(&error);
-                            tracing::error!(%addr, %error, "escalation could not ban");
+                        match local.ban(addr, rule.ban) {
+                            Ok(()) => events::emit(&Event::Ban {
+                                addr,
+                                cause: BanCause::FleetEscalation { failures: count },
+                                ttl: rule.ban,
+                            }),
+                            Err(error) => {
+                                let error = error_chain(&error);
+                                tracing::error!(%addr, %error, "escalation could not ban");
+                            }
                         }
                         timed(bans.ban(addr, rule.ban)).await.map(|()| true)
                     }
@@ -316,12 +347,21 @@ async fn follow(
             Ok((changes, next)) => {
                 for change in changes {
                     let applied = match change {
-                        BanChange::Ban(addr, ttl) => local.ban(addr, ttl).map(drop),
-                        BanChange::Unban(addr) => local.unban(addr).map(drop),
+                        BanChange::Ban(addr, ttl) => local.ban(addr, ttl).map(|()| Event::Ban {
+                            addr,
+                            cause: BanCause::Fleet,
+                            ttl,
+                        }),
+                        BanChange::Unban(addr) => local.unban(addr).map(|lifted| Event::Unban {
+                            addr,
+                            cause: BanCause::Fleet,
+                            lifted,
+                        }),
                     };
                     match applied {
-                        Ok(()) => {
+                        Ok(event) => {
                             tracing::info!(?change, "applied a fleet ban change");
+                            events::emit(&event);
                             counters.received.fetch_add(1, Ordering::Relaxed);
                         }
                         Err(error) => {

@@ -14,6 +14,7 @@ use limiter_common::{Direction, Reason, Verdict, syn_cookies};
 use crate::{
     datapath::{CookieMode, Enforcer},
     errors::error_chain,
+    events::{self, CookieSwitch, Event},
 };
 
 /// How long the rate must stay under half the threshold before cookies go off.
@@ -127,13 +128,21 @@ pub async fn run(enforcer: Arc<Enforcer>, stop: impl std::future::Future<Output 
                 tracing::warn!(error = %error_chain(&error), "switching SYN cookies");
                 continue;
             }
-            if bits & syn_cookies::ANSWER != 0 {
+            let to = if bits & syn_cookies::ANSWER != 0 {
                 tracing::info!(syns_per_second = rate, threshold, "SYN cookies on");
+                CookieSwitch::On
             } else if bits == 0 {
                 tracing::info!("SYN cookies no longer checked");
+                CookieSwitch::Unchecked
             } else {
                 tracing::info!(syns_per_second = rate, threshold, "SYN cookies off");
-            }
+                CookieSwitch::Off
+            };
+            events::emit(&Event::SynCookies {
+                to,
+                syns_per_second: rate,
+                threshold,
+            });
         }
     }
 }

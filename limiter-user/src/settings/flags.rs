@@ -179,6 +179,12 @@ pub struct Layer {
     /// [default: /var/lib/limiter/state.json]
     #[arg(long, env = "LIMITER_STATE_FILE")]
     pub state_file: Option<PathBuf>,
+    /// Where enforcement events (bans and their cause, disconnects by strikes, SYN-cookie
+    /// switches, mode changes, fleet fallbacks) are written, one JSON line each: `off`,
+    /// `journald` (`journalctl -t limiter-events`) or an absolute file path; `limiter events`
+    /// follows it. SIGHUP reopens the file. [default: events.log beside state-file]
+    #[arg(long, env = "LIMITER_EVENT_LOG")]
+    pub event_log: Option<String>,
     /// Connections the flow table can track; sizes the per-source tables too. Applies when
     /// the maps are created, not to maps adopted from a pin. [default: 131072]
     #[arg(long, env = "LIMITER_FLOW_TABLE_SIZE")]

@@ -6,6 +6,7 @@
 
 mod broker;
 mod cluster;
+mod event_log;
 mod file;
 mod flags;
 mod list_file;
@@ -21,6 +22,7 @@ use std::{
 
 pub use broker::{ActionFlags, AdminPeers, BrokerLayer, BrokerSettings, ClientLimits, ServeConfig};
 pub use cluster::ClusterLayer;
+pub use event_log::{EventLog, JOURNALD_IDENTIFIER};
 pub use file::FileConfig;
 pub use flags::{Layer, RefusalArg, TunnelsArg, XdpModeArg};
 pub use list_file::{ListFile, ListFiles, parse_list};
@@ -45,6 +47,9 @@ pub mod defaults {
     pub const SOCKET: &str = "/run/limiter/limiter.sock";
     /// systemd's `StateDirectory=limiter`.
     pub const STATE_FILE: &str = "/var/lib/limiter/state.json";
+    /// The file the systemd unit runs the agent with (`--config`), which `limiter events`
+    /// reads when it exists and no other is named.
+    pub const CONFIG: &str = "/etc/limiter.toml";
     pub const MAX_CONN_PER_IP: u32 = 100;
     pub const MAX_CONN_TOTAL: u32 = 10_000;
     pub const SYN_RATE: u32 = 20;
@@ -121,6 +126,24 @@ impl RunArgs {
     }
 }
 
+/// `event-log` as an agent started with `config` (and these flags or `LIMITER_*` values over
+/// it) resolves it: what `limiter events` reads, by the agent's own rule.
+pub fn event_log_of(
+    config: Option<&std::path::Path>,
+    event_log: Option<&str>,
+    state_file: Option<&std::path::Path>,
+) -> Result<EventLog, ConfigError> {
+    let file = match config {
+        Some(path) => FileConfig::read(path)?.layer,
+        None => Layer::default(),
+    };
+    let state_file = state_file
+        .map(PathBuf::from)
+        .or(file.state_file)
+        .unwrap_or_else(|| PathBuf::from(defaults::STATE_FILE));
+    event_log::resolve(event_log.or(file.event_log.as_deref()), &state_file)
+}
+
 /// The sweeper's settings.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SweepSettings {
@@ -147,6 +170,8 @@ pub struct Settings {
     /// Connection cap and timeouts of every listener.
     pub clients: ClientLimits,
     pub broker: BrokerSettings,
+    /// Where enforcement events go (`event-log`); a reload reopens it.
+    pub event_log: EventLog,
     /// Settings the command line or the environment set, which the file cannot change.
     pub pinned: Vec<String>,
     /// Settings the file changed since the start that apply only on a restart (reload fills
@@ -337,6 +362,7 @@ mod tests {
     fn errors_name_the_setting() {
         for (flags, setting) in [
             (&["--ports", "70000"][..], "ports"),
+            (&["--event-log", "jounald"][..], "event-log"),
             (&["--ports", "0"][..], "ports"),
             (&["--ipv4-prefix", "33"][..], "ipv4-prefix"),
             (&["--ipv6-prefix", "129"][..], "ipv6-prefix"),

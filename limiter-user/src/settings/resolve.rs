@@ -75,6 +75,11 @@ impl Layer {
         {
             return Err(ConfigError::new("state-file", "is empty"));
         }
+        let state_file = self
+            .state_file
+            .clone()
+            .unwrap_or_else(|| PathBuf::from(defaults::STATE_FILE));
+        let event_log = super::event_log::resolve(self.event_log.as_deref(), &state_file)?;
         let lists = ListFiles {
             allow: self
                 .allow_file
@@ -115,10 +120,7 @@ impl Layer {
                 broker_socket: broker_layer.socket(),
                 broker_listen: broker_layer.listen,
                 fleet,
-                state_file: self
-                    .state_file
-                    .clone()
-                    .unwrap_or_else(|| PathBuf::from(defaults::STATE_FILE)),
+                state_file,
             },
             policy,
             lists,
@@ -127,6 +129,7 @@ impl Layer {
             check,
             clients: self.clients()?,
             broker,
+            event_log,
             pinned: Vec::new(),
             restart_required: Vec::new(),
         })

@@ -24,6 +24,7 @@ use crate::{
         EnforceError, Enforcer,
         keys::{key_text, source_key},
     },
+    events::{self, BanCause, Event},
     settings::parse_cidr,
 };
 
@@ -77,6 +78,11 @@ pub(super) async fn ban(
             .limiter
             .ban(addr, ttl)
             .map_err(|e| Problem::internal("placing the ban", &e))?;
+        events::emit(&Event::Ban {
+            addr,
+            cause: BanCause::Http,
+            ttl,
+        });
         let source = ban_source(&state.enforcer, addr)?;
         Ok(BanAnswer {
             addr: addr.to_string(),
@@ -105,6 +111,11 @@ pub(super) async fn unban(
             .limiter
             .unban(addr)
             .map_err(|e| Problem::internal("lifting the ban", &e))?;
+        events::emit(&Event::Unban {
+            addr,
+            cause: BanCause::Http,
+            lifted,
+        });
         Ok(BanAnswer {
             addr: addr.to_string(),
             source: ban_source(&state.enforcer, addr)?,
