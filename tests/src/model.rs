@@ -282,7 +282,12 @@ impl Model {
 
     /// Only a SYN counts as a refused connection attempt; a copy of one of the blamed
     /// record's last refused SYNs is a retransmission and counts nothing.
+    /// In monitor mode the packet is only counted as `would_refuse`, and passes.
     fn refuse(&mut self, seg: &Segment, blame: Blame, reason: Reason, mode: u8) -> Action {
+        if self.config.monitor != 0 {
+            self.count(Direction::Ingress, Verdict::WouldRefuse, reason);
+            return Action::Pass;
+        }
         if is_syn(seg.flags) {
             self.refused_attempt(blame, reason, Some(signature(seg)));
         }
@@ -335,11 +340,13 @@ impl Model {
             return self.pass(Direction::Ingress, Reason::Allowlisted);
         }
         let source = self.source(seg.src);
-        if self.policy.deny.iter().any(|net| net.contains(&seg.src)) {
+        // Monitor mode judges a barred source's SYN; its other packets go on as anyone's.
+        let barred_judged = self.config.monitor == 0 || is_syn(seg.flags);
+        if barred_judged && self.policy.deny.iter().any(|net| net.contains(&seg.src)) {
             let blame = Blame::Source(source);
             return self.refuse(seg, blame, Reason::Denylisted, self.config.reject_deny);
         }
-        if self.bans.contains(&source) {
+        if barred_judged && self.bans.contains(&source) {
             return self.refuse(
                 seg,
                 Blame::Source(source),
@@ -510,7 +517,12 @@ impl Model {
         let per_source = *self.source_conns.entry(entry.source).or_default();
         let per_ip = self.own(&entry.source).0;
         let total = self.config.max_conn_total as u64;
-        let refused = if per_ip != 0 && per_source >= per_ip {
+        // Monitor mode admits past the caps and the rates, taking what tokens there are (its
+        // SYN counted the refusal enforce mode would have made).
+        let enforce = self.config.monitor == 0;
+        let refused = if !enforce {
+            None
+        } else if per_ip != 0 && per_source >= per_ip {
             Some(Reason::ConnPerIp)
         } else if total != 0 && self.global >= total {
             Some(Reason::ConnTotal)
@@ -521,10 +533,11 @@ impl Model {
             Some(reason) => Some((Blame::Source(entry.source), reason)),
             // The tokens last, once the slots are sure: the source's, then every source's.
             None => match self.take_token(entry.source) {
-                Err(slot) => Some((Blame::Bucket(slot), Reason::SynRate)),
-                Ok(()) => self
+                Err(slot) if enforce => Some((Blame::Bucket(slot), Reason::SynRate)),
+                _ => self
                     .take_connection()
                     .err()
+                    .filter(|()| enforce)
                     .map(|()| (Blame::Source(entry.source), Reason::ConnRate)),
             },
         };

@@ -54,7 +54,7 @@ enum Command {
     Test,
     /// The differential test (kernel against its reference model) at length, as root.
     Fuzz {
-        /// Frames in all, split between the differential test's six configurations.
+        /// Frames in all, split between the differential test's seven configurations.
         #[arg(long, default_value_t = 2_000_000)]
         frames: u64,
         /// The PRNG seed; from the clock if not given (printed either way).
