@@ -269,5 +269,8 @@ fn main() -> anyhow::Result<()> {
         &["check", "limiter M/s", "anchor", "anchor M/s", "ratio"],
         &rows,
     );
+    for row in &rows {
+        report.summary(format!("{} {} × {}", row[0], row[4], row[2]));
+    }
     report.finish()
 }

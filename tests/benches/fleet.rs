@@ -152,5 +152,8 @@ fn main() -> anyhow::Result<()> {
         ),
     );
     report.table(&["check", "agent k/s", "EVALSHA k/s", "cost ratio"], &rows);
+    for row in &rows {
+        report.summary(format!("{}: cost ratio {} over `EVALSHA`", row[0], row[3]));
+    }
     report.finish()
 }

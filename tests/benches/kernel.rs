@@ -318,10 +318,17 @@ fn main() -> anyhow::Result<()> {
              refuses, a 262,144-entry flow table."
         ),
     );
+    let mut headline = Vec::new();
     let rows: Vec<Vec<String>> = rows
         .into_iter()
         .map(|(path, (ns, anchor), target)| {
             let ratio = ns / anchor;
+            if let Some(t) = target {
+                headline.push(format!(
+                    "{path} {ratio:.2} × its anchor ({})",
+                    t.judge(ratio)
+                ));
+            }
             vec![
                 path.to_owned(),
                 format!("{ns:.1}"),
@@ -343,6 +350,10 @@ fn main() -> anyhow::Result<()> {
         .into_iter()
         .map(|(path, (with, without))| {
             let ratio = with / without;
+            headline.push(format!(
+                "{path} with {OVERRIDES} overrides {ratio:.2} × without ({})",
+                Target(1.1).judge(ratio)
+            ));
             vec![
                 path.to_owned(),
                 format!("{with:.1}"),
@@ -362,5 +373,8 @@ fn main() -> anyhow::Result<()> {
         ],
         &costs,
     );
+    for figure in headline {
+        report.summary(figure);
+    }
     report.finish()
 }

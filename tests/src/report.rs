@@ -2,6 +2,8 @@
 //! bench SUITE --write`, which sets [`WRITE_ENV`]) put in `docs/benchmarks.md` in place of the
 //! suite's previous section. The page holds only what a run wrote: when, where and how it was
 //! measured, the table, and each target met or missed, so no figure there is edited by hand.
+//! The same run writes the section's row of README's summary table (between its
+//! `bench-summaries` markers), so the README's figures are never copied by hand either.
 
 use std::{
     fmt::Write as _,
@@ -26,7 +28,11 @@ between runs.\n";
 pub struct Report {
     /// The section's name in the page (one suite may write several).
     section: &'static str,
+    suite: String,
+    title: String,
     text: String,
+    /// The headline figures, for README's summary row.
+    summary: Vec<String>,
 }
 
 /// A cost target: a ratio a row must stay at or under.
@@ -58,8 +64,24 @@ impl Report {
     /// `method` says what is measured and how, in a paragraph of Markdown.
     pub fn new(section: &'static str, suite: &str, title: &str, method: &str) -> Report {
         let mut text = String::new();
-        let _ = writeln!(text, "## {title}\n\n{method}\n\n{}\n", provenance(suite));
-        Report { section, text }
+        // An anchor of its own, so README's link does not depend on the title's wording.
+        let _ = writeln!(
+            text,
+            "<a id=\"bench-{section}\"></a>\n\n## {title}\n\n{method}\n\n{}\n",
+            provenance(suite)
+        );
+        Report {
+            section,
+            suite: suite.to_owned(),
+            title: title.to_owned(),
+            text,
+            summary: Vec::new(),
+        }
+    }
+
+    /// A headline figure for README's summary row (its figures and targets, briefly).
+    pub fn summary(&mut self, figure: String) {
+        self.summary.push(figure);
     }
 
     /// A table; each row has one cell per header.
@@ -95,8 +117,62 @@ impl Report {
         let new = splice(&old, self.section, &self.text);
         write_atomically(&page, &new)?;
         println!("wrote the {} section of {}", self.section, page.display());
+        let readme = page
+            .parent()
+            .and_then(Path::parent)
+            .context("the page is not in a docs directory")?
+            .join("README.md");
+        let old = std::fs::read_to_string(&readme)
+            .with_context(|| format!("reading {}", readme.display()))?;
+        let new = summary_row(&old, self.section, &self.row())
+            .with_context(|| format!("{} has no bench-summaries table", readme.display()))?;
+        write_atomically(&readme, &new)?;
+        println!("wrote its summary row in {}", readme.display());
         Ok(())
     }
+
+    fn row(&self) -> String {
+        let lowercase = |title: &str| {
+            let mut chars = title.chars();
+            chars.next().map_or_else(String::new, |first| {
+                first.to_lowercase().chain(chars).collect()
+            })
+        };
+        format!(
+            "| [{}](docs/benchmarks.md#bench-{}) | `cargo xtask bench {} --write` | {} |",
+            lowercase(&self.title),
+            self.section,
+            self.suite,
+            if self.summary.is_empty() {
+                "on the page".to_owned()
+            } else {
+                self.summary.join("; ")
+            }
+        )
+    }
+}
+
+/// `readme` with the summary table's row for section `name` replaced by `row`, or added at
+/// the table's end; `None` if README has no table between the markers.
+fn summary_row(readme: &str, name: &str, row: &str) -> Option<String> {
+    let (open, close) = ("<!-- bench-summaries -->", "<!-- /bench-summaries -->");
+    let start = readme.find(open)? + open.len();
+    let end = start + readme[start..].find(close)?;
+    let link = format!("(docs/benchmarks.md#bench-{name})");
+    let mut rows: Vec<&str> = readme[start..end]
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .collect();
+    match rows.iter().position(|l| l.contains(&link)) {
+        Some(i) => rows[i] = row,
+        None => rows.push(row),
+    }
+    Some(format!(
+        "{}\n{}\n{}",
+        &readme[..start],
+        rows.join("\n"),
+        &readme[end..]
+    ))
 }
 
 /// `page` with the section `name` (between its markers) replaced by `text`, or appended if
@@ -165,6 +241,31 @@ mod tests {
         assert!(page.contains("new") && !page.contains("old"), "{page}");
         assert!(page.find("## K").unwrap() < page.find("## F").unwrap());
         assert_eq!(page.matches("<!-- bench:kernel -->").count(), 1);
+    }
+
+    #[test]
+    fn a_summary_row_is_replaced_in_place_or_added() {
+        let readme = "# R\n\n<!-- bench-summaries -->\n| suite | command | summary |\n| --- | --- | --- |\n| [k](docs/benchmarks.md#bench-kernel) | c | old |\n<!-- /bench-summaries -->\n\nafter\n";
+        let new = summary_row(
+            readme,
+            "kernel",
+            "| [k](docs/benchmarks.md#bench-kernel) | c | new |",
+        )
+        .unwrap();
+        assert!(new.contains("| new |") && !new.contains("| old |"), "{new}");
+        let added = summary_row(
+            &new,
+            "app",
+            "| [a](docs/benchmarks.md#bench-app) | c | app |",
+        )
+        .unwrap();
+        let (kernel, app) = (
+            added.find("bench-kernel").unwrap(),
+            added.find("bench-app").unwrap(),
+        );
+        assert!(kernel < app && app < added.find("<!-- /bench-summaries -->").unwrap());
+        assert!(added.ends_with("-->\n\nafter\n"), "{added}");
+        assert_eq!(summary_row("no table", "app", "x"), None);
     }
 
     #[test]

@@ -378,6 +378,12 @@ pub fn run(sources: &[u32]) -> Result<()> {
             cut_short.join(", ")
         ));
     }
+    for row in &rows {
+        report.summary(format!(
+            "{} sources: limiter / kernel alone {}, nftables / limiter {}",
+            row[0], row[7], row[8]
+        ));
+    }
     report.finish()
 }
 

@@ -107,5 +107,10 @@ pub fn run() -> Result<()> {
             ],
         ],
     );
+    report.summary(format!(
+        "a cookie connection {:.2} × a normal one's rate ({})",
+        cookie_rate / normal_rate,
+        AtLeast(0.9).judge(cookie_rate / normal_rate)
+    ));
     report.finish()
 }

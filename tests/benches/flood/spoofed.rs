@@ -682,6 +682,12 @@ pub fn run() -> Result<()> {
             "—".to_owned(),
             Target(2.0).judge(host[c] / floor_host),
         ]);
+        report.summary(format!(
+            "{} / floor {:.2} ({})",
+            cookies.name(),
+            host[c] / floor_host,
+            Target(2.0).judge(host[c] / floor_host)
+        ));
     }
     for other in [Case::Kernel, Case::Synproxy] {
         for cookies in [Case::CookiesTc, Case::CookiesXdpTx] {
@@ -697,6 +703,13 @@ pub fn run() -> Result<()> {
                 ),
                 AtLeast(3.0).judge(host[o] / host[c]),
             ]);
+            report.summary(format!(
+                "{} / {} {:.2} ({})",
+                other.name(),
+                cookies.name(),
+                host[o] / host[c],
+                AtLeast(3.0).judge(host[o] / host[c])
+            ));
         }
     }
     report.table(
