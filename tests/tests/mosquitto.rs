@@ -333,6 +333,41 @@ const PLAIN_PORT: u16 = mosquitto::PORT + 1;
 
 /// A ready agent in `pair`'s server namespace protecting `ports` (attached to the server's
 /// end, its maps pinned in `pins`), serving the broker protocol at `socket`, with `flags`.
+/// A pair of namespaces with a NAPI peer and an agent on the server's end, protecting
+/// mosquitto's port, configured by a `limiter.toml` of `config` and by `flags`; the brokers
+/// of the test start in `dir` and reach the agent at `socket`.
+struct PluginHost {
+    // Dropped in this order: the agent before the namespaces it runs in.
+    _agent: AgentProcess,
+    _peer: limiter::datapath::Datapath,
+    _pins: PinDir,
+    dir: tempfile::TempDir,
+    socket: std::path::PathBuf,
+    pair: Pair,
+}
+
+impl PluginHost {
+    fn start(config: &str, flags: &[&str]) -> Self {
+        let pair = Pair::new().expect("namespaces");
+        let peer = limiter_tests::kernel::peer(&pair).unwrap();
+        let pins = PinDir::new();
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("limiter.sock");
+        let file = dir.path().join("limiter.toml");
+        std::fs::write(&file, config).unwrap();
+        let args = [&["--config", file.to_str().unwrap()], flags].concat();
+        let agent = agent_at(&pair, &pins, &socket, &mosquitto::PORT.to_string(), &args);
+        Self {
+            _agent: agent,
+            _peer: peer,
+            _pins: pins,
+            dir,
+            socket,
+            pair,
+        }
+    }
+}
+
 fn agent_at(
     pair: &Pair,
     pins: &PinDir,
@@ -605,30 +640,13 @@ const STRIKES: usize = 3;
 /// starts afresh.
 #[test]
 fn a_flooding_client_is_disconnected_after_its_strikes_and_another_of_its_user_is_not() {
-    let pair = Pair::new().expect("namespaces");
-    let _peer = limiter_tests::kernel::peer(&pair).unwrap();
-    let pins = PinDir::new();
-    let dir = tempfile::tempdir().unwrap();
-    let socket = dir.path().join("limiter.sock");
-    let config = dir.path().join("limiter.toml");
-    std::fs::write(
-        &config,
-        format!(
+    let host = PluginHost::start(
+        &format!(
             "[actions.publish_conn]\nlimit = {CONN_LIMIT}\nwindow = \"1h\"\n\
              key = \"connection\"\nstrikes-to-disconnect = {STRIKES}\nstrike-window = \"1h\"\n\
              max-payload-bytes = 64\noversize-strikes = {STRIKES}\n"
         ),
-    )
-    .unwrap();
-    let port = mosquitto::PORT.to_string();
-    let _agent = agent_at(
-        &pair,
-        &pins,
-        &socket,
-        &port,
         &[
-            "--config",
-            config.to_str().unwrap(),
             "--auth-limit",
             "1000",
             "--publish-limit",
@@ -637,6 +655,7 @@ fn a_flooding_client_is_disconnected_after_its_strikes_and_another_of_its_user_i
             "1h",
         ],
     );
+    let (pair, dir, socket) = (&host.pair, &host.dir, &host.socket);
     let server = IpAddr::V4(SERVER_V4);
     let broker = Broker::start(
         &pair.server,
@@ -764,25 +783,11 @@ fn a_flooding_client_is_disconnected_after_its_strikes_and_another_of_its_user_i
 /// a new broker's clients get all of alice's sessions at once.
 #[test]
 fn a_third_session_of_a_user_is_refused_until_one_disconnects_and_a_killed_broker_frees_them() {
-    let pair = Pair::new().expect("namespaces");
-    let _peer = limiter_tests::kernel::peer(&pair).unwrap();
-    let pins = PinDir::new();
-    let dir = tempfile::tempdir().unwrap();
-    let socket = dir.path().join("limiter.sock");
-    let config = dir.path().join("limiter.toml");
-    std::fs::write(
-        &config,
+    let host = PluginHost::start(
         "[actions.logins]\nkind = \"concurrency\"\nlimit = 2\nkey = \"user\"\n",
-    )
-    .unwrap();
-    let port = mosquitto::PORT.to_string();
-    let _agent = agent_at(
-        &pair,
-        &pins,
-        &socket,
-        &port,
-        &["--config", config.to_str().unwrap(), "--auth-limit", "1000"],
+        &["--auth-limit", "1000"],
     );
+    let (pair, dir, socket) = (&host.pair, &host.dir, &host.socket);
     let server = IpAddr::V4(SERVER_V4);
     let good = IpAddr::V4(CLIENT_V4);
     let users = [("alice", "a-secret"), ("bob", "b-secret")];
@@ -894,36 +899,15 @@ const TOPIC_LIMIT: usize = 100;
 /// reaches the count.
 #[test]
 fn a_users_bytes_and_a_topics_messages_are_each_held_to_their_budget() {
-    let pair = Pair::new().expect("namespaces");
-    let _peer = limiter_tests::kernel::peer(&pair).unwrap();
-    let pins = PinDir::new();
-    let dir = tempfile::tempdir().unwrap();
-    let socket = dir.path().join("limiter.sock");
-    let config = dir.path().join("limiter.toml");
-    std::fs::write(
-        &config,
-        format!(
+    let host = PluginHost::start(
+        &format!(
             "[actions.pub_bytes]\nlimit = 1048576\nwindow = \"1h\"\nkey = \"user\"\n\
              [actions.pub_topic]\nlimit = {TOPIC_LIMIT}\nwindow = \"1h\"\n\
              key = \"user+topic\"\ntopic-levels = 2\n"
         ),
-    )
-    .unwrap();
-    let port = mosquitto::PORT.to_string();
-    let _agent = agent_at(
-        &pair,
-        &pins,
-        &socket,
-        &port,
-        &[
-            "--config",
-            config.to_str().unwrap(),
-            "--auth-limit",
-            "1000",
-            "--auth-window",
-            "1h",
-        ],
+        &["--auth-limit", "1000", "--auth-window", "1h"],
     );
+    let (pair, dir, socket) = (&host.pair, &host.dir, &host.socket);
     let server = IpAddr::V4(SERVER_V4);
     let broker = Broker::start(
         &pair.server,
