@@ -786,9 +786,11 @@ mod tests {
         }
         let broker = crate::buckets::SessionOwner::default();
         for session in [b"1", b"2", b"3"] {
-            let _ = limiter
-                .acquire(&broker, "logins", b"alice", session)
-                .unwrap();
+            let pending = limiter.acquire(&broker, "logins", b"alice", session);
+            assert!(
+                pending.unwrap().now().is_ok(),
+                "a local action answers at once"
+            );
         }
         // Allowed, then two strikes: closed once, answered so twice.
         for _ in 0..4 {
