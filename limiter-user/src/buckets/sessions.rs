@@ -19,7 +19,7 @@ use foldhash::quality::RandomState;
 
 use super::{
     keys::StoredKey,
-    shared::{SessionLease, SharedBuckets},
+    shared::{SessionLease, SharedBuckets, SharedFuture},
 };
 
 /// Each key's sessions held now through this agent (in a fleet, its brokers' share).
@@ -88,16 +88,34 @@ struct Holding {
 }
 
 impl Holding {
-    fn give_back(self, key: &StoredKey) {
+    /// Gives the session back here at once, and the lease to the store, whose answer is
+    /// still to come.
+    fn give_back(self, key: &StoredKey) -> Option<SharedFuture<bool>> {
         if let Some(counts) = self.counts.upgrade() {
             counts.release(key);
         }
-        if let Some((store, lease)) = self.lease
-            && let Some(store) = store.upgrade()
+        let (store, lease) = self.lease?;
+        Some(store.upgrade()?.release_session(lease))
+    }
+
+    /// Gives the session back without waiting for the store: the connection is gone.
+    fn give_back_unawaited(self, key: &StoredKey) {
+        if let Some(released) = self.give_back(key)
+            && let Ok(runtime) = tokio::runtime::Handle::try_current()
         {
-            store.release_session(lease);
+            runtime.spawn(released);
         }
     }
+}
+
+/// What a release did.
+pub enum Released {
+    /// The connection held no session of that name.
+    NotHeld,
+    /// Given back.
+    Done,
+    /// Given back here; the fleet's store is still to confirm it.
+    Waiting(SharedFuture<bool>),
 }
 
 /// Gives every protocol connection its own name among the agent's.
@@ -166,17 +184,15 @@ impl SessionOwner {
         }
     }
 
-    /// Gives the session back; false if this connection did not hold it.
-    pub fn release(&self, action: &Arc<str>, key: &StoredKey, session: &[u8]) -> bool {
+    /// Gives the session back, if this connection held it.
+    pub fn release(&self, action: &Arc<str>, key: &StoredKey, session: &[u8]) -> Released {
         let removed = self
             .held()
             .remove(&(Arc::clone(action), *key, session.to_vec()));
-        match removed {
-            Some(holding) => {
-                holding.give_back(key);
-                true
-            }
-            None => false,
+        match removed.map(|holding| holding.give_back(key)) {
+            None => Released::NotHeld,
+            Some(None) => Released::Done,
+            Some(Some(waiting)) => Released::Waiting(waiting),
         }
     }
 
@@ -205,7 +221,7 @@ impl OwnerHandle {
             lease: lease.map(|(store, lease)| (Arc::downgrade(store), lease)),
         };
         let Some(held) = self.held.upgrade() else {
-            holding.give_back(key);
+            holding.give_back_unawaited(key);
             return;
         };
         let previous = held
@@ -225,7 +241,7 @@ impl Drop for SessionOwner {
     fn drop(&mut self) {
         let held = std::mem::take(&mut *self.held());
         for ((_, key, _), holding) in held {
-            holding.give_back(&key);
+            holding.give_back_unawaited(&key);
         }
     }
 }
@@ -278,8 +294,14 @@ mod tests {
         other.add(&action, &alice, b"c3", &counts);
         assert_eq!(broker.holds(&action, &alice, b"c1"), Some(false));
         assert_eq!(counts.total(), 3);
-        assert!(!broker.release(&action, &alice, b"c3"), "not this owner's");
-        assert!(broker.release(&action, &alice, b"c1"));
+        assert!(
+            matches!(broker.release(&action, &alice, b"c3"), Released::NotHeld),
+            "not this owner's"
+        );
+        assert!(matches!(
+            broker.release(&action, &alice, b"c1"),
+            Released::Done
+        ));
         assert_eq!(counts.held(&alice), 2);
         drop(broker);
         assert_eq!(counts.held(&alice), 1, "the other broker's session stays");

@@ -80,8 +80,9 @@ pub trait SharedBuckets: Send + Sync {
         force: bool,
     ) -> SharedFuture<Option<SessionsHeld>>;
 
-    /// Gives a lease back; does not wait for the store.
-    fn release_session(&self, lease: SessionLease);
+    /// Gives a lease back (it is no longer renewed from now on); the future says whether the
+    /// store confirmed it within its timeout (if not, the lease lapses).
+    fn release_session(&self, lease: SessionLease) -> SharedFuture<bool>;
 
     /// Whether one more of the key's sessions would fit `limit`; `None` when the store did
     /// not answer.

@@ -54,7 +54,7 @@ use super::{
     gcra::Rate,
     keys::{self, KeyError, StoredKey},
     quota::Quota,
-    sessions::{OwnerHandle, SessionCounts, SessionOwner},
+    sessions::{OwnerHandle, Released, SessionCounts, SessionOwner},
     shared::{Pending, SessionLease, SharedBuckets, SharedCheck, SharedLimit},
     stats::{ActionStats, OutcomeCounters},
     strikes::{StrikeBook, Struck},
@@ -677,20 +677,30 @@ impl Limiter {
         self.count(action, stored, verdict, (true, false), true)
     }
 
-    /// Gives back a session `owner` acquired; false if it held none of that name.
+    /// Gives back a session `owner` acquired; false if it held none of that name. A shared
+    /// session is answered once the fleet's store has removed its lease (or its timeout
+    /// passed, and the lease lapses), so a broker that releases and then acquires elsewhere
+    /// finds the room made.
     pub fn release(
         &self,
         owner: &SessionOwner,
         action: &str,
         key: &[u8],
         session: &[u8],
-    ) -> Result<bool, CheckError> {
+    ) -> Result<Pending<bool>, CheckError> {
         let action = self.action(action)?;
         if action.spec.kind != ActionKind::Concurrency {
             return Err(CheckError::NotConcurrency(action.spec.name.clone()));
         }
         let stored = action.store(key)?;
-        Ok(owner.release(&action.name, &stored, session))
+        Ok(match owner.release(&action.name, &stored, session) {
+            Released::NotHeld => Pending::ready(false),
+            Released::Done => Pending::ready(true),
+            Released::Waiting(confirmed) => Pending::Waiting(Box::pin(async move {
+                confirmed.await;
+                true
+            })),
+        })
     }
 
     /// The broker's connection `key` is gone: forgets its buckets and strikes in every action

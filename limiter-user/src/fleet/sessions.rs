@@ -89,19 +89,19 @@ impl Drop for Unanswered {
     }
 }
 
+/// Removes one lease.
+async fn zrem(redis: Redis, key: Vec<u8>, member: Vec<u8>) -> RedisResult<()> {
+    let mut zrem = redis::cmd("ZREM");
+    zrem.arg(key).arg(member);
+    redis.query::<i64>(&zrem).await.map(drop)
+}
+
 /// Sends `ZREM` without waiting for it; Redis that does not answer lets the lease lapse.
 fn remove(redis: &Redis, key: Vec<u8>, member: Vec<u8>) {
     let Ok(runtime) = tokio::runtime::Handle::try_current() else {
         return;
     };
-    let redis = redis.clone();
-    runtime.spawn(async move {
-        let mut zrem = redis::cmd("ZREM");
-        zrem.arg(key).arg(member);
-        if let Err(error) = redis.query::<i64>(&zrem).await {
-            tracing::debug!(%error, "releasing a session in Redis: its lease will lapse");
-        }
-    });
+    runtime.spawn(zrem(redis.clone(), key, member));
 }
 
 impl FleetSessions {
@@ -171,8 +171,13 @@ impl FleetSessions {
         Ok(answer)
     }
 
-    /// Gives `session`'s lease of `key` back and stops renewing it; does not wait for Redis.
-    pub fn release(&self, redis: &Redis, key: Vec<u8>, session: &[u8]) {
+    /// Stops renewing `session`'s lease of `key` at once; the future gives it back in Redis.
+    pub fn release(
+        &self,
+        redis: &Redis,
+        key: Vec<u8>,
+        session: &[u8],
+    ) -> impl Future<Output = RedisResult<()>> + Send + 'static {
         let member = self.member(session);
         {
             let mut held = self.held.lock().expect("leases lock");
@@ -183,7 +188,7 @@ impl FleetSessions {
                 }
             }
         }
-        remove(redis, key, member);
+        zrem(redis.clone(), key, member)
     }
 
     /// Whether one more session of `key` would fit `limit`, and the leases live.

@@ -394,9 +394,22 @@ impl SharedBuckets for SharedGcra {
         })
     }
 
-    fn release_session(&self, lease: SessionLease) {
+    fn release_session(&self, lease: SessionLease) -> SharedFuture<bool> {
         let key = self.bucket_key(&lease.action, &lease.key);
-        self.sessions.release(&self.redis, key, &lease.session);
+        let removed = self.sessions.release(&self.redis, key, &lease.session);
+        let timeout = self.timeout;
+        Box::pin(async move {
+            match tokio::time::timeout(timeout, removed).await {
+                Ok(Ok(())) => true,
+                failed => {
+                    tracing::debug!(
+                        ?failed,
+                        "releasing a session in Redis failed: its lease will lapse"
+                    );
+                    false
+                }
+            }
+        })
     }
 
     fn sessions_held(

@@ -620,7 +620,7 @@ impl Served {
                 key,
                 session,
             } => match limiter.release(&connection.sessions, &action, &key, &session) {
-                Ok(changed) => Response::Done { changed },
+                Ok(changed) => return later(id, changed, |changed| Response::Done { changed }),
                 Err(e) => check_error(e),
             },
             Request::Reset { action, key } => match limiter.forget(&action, &key) {
