@@ -239,6 +239,7 @@ async fn strikes_disconnect_a_connection_and_connection_gone_releases_it() {
         "another connection"
     );
 
+    // A client before 1.3, whose decoder knows outcomes 0 to 5 only.
     let mut old = raw(&server).await;
     old.write_all(&check_frame(9, "pub", "c1", 1))
         .await
@@ -249,7 +250,23 @@ async fn strikes_disconnect_a_connection_and_connection_gone_releases_it() {
         (0x81, 9, 25),
         "the 1.0 verdict reply"
     );
-    assert_eq!(body[0], 6, "outcome 6, disconnect");
+    assert_eq!(
+        body[0], 2,
+        "a client that sent no 1.3 request cannot read outcome 6: it is told limited"
+    );
+    assert_eq!(&body[9..17], &u64::MAX.to_be_bytes(), "never to retry");
+    // Once it has sent a request of 1.3 (here connection-gone of another name), it reads 1.3.
+    let mut gone = vec![0x09];
+    gone.extend_from_slice(&10u32.to_be_bytes());
+    gone.extend_from_slice(&2u16.to_be_bytes());
+    gone.extend_from_slice(b"c9");
+    old.write_all(&frame(&gone)).await.unwrap();
+    assert_eq!(read_reply(&mut old).await.0, 0x82, "done");
+    old.write_all(&check_frame(11, "pub", "c1", 1))
+        .await
+        .unwrap();
+    let (_, id, body) = read_reply(&mut old).await;
+    assert_eq!((id, body[0]), (11, 6), "outcome 6, disconnect");
 
     assert!(client.connection_gone("c1").await.unwrap());
     assert!(!client.connection_gone("c1").await.unwrap());

@@ -43,17 +43,23 @@ impl FleetAgent {
         check_timeout: Duration,
         expected_replicas: u32,
     ) -> Result<Self> {
-        #[derive(serde::Deserialize)]
-        struct File {
-            actions: BTreeMap<String, ActionConfig>,
-        }
-        let file: File = toml::from_str(actions)?;
         let fleet = FleetConfig {
             check_timeout,
             expected_replicas,
             ..FleetConfig::new(RedisTarget::parse(url).map_err(anyhow::Error::msg)?)
         };
-        let shared = SharedGcra::start(&fleet).await?;
+        Self::start_fleet(&fleet, actions).await
+    }
+
+    /// An agent of the fleet `fleet` with the given `[actions.NAME]` tables, every action
+    /// shared (for settings `start` leaves at their defaults, such as the session lease).
+    pub async fn start_fleet(fleet: &FleetConfig, actions: &str) -> Result<Self> {
+        #[derive(serde::Deserialize)]
+        struct File {
+            actions: BTreeMap<String, ActionConfig>,
+        }
+        let file: File = toml::from_str(actions)?;
+        let shared = SharedGcra::start(fleet).await?;
         let limiter = Arc::new(
             Limiter::new(
                 LimiterConfig {

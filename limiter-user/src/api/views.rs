@@ -293,6 +293,13 @@ pub struct ActionCounts {
     /// Keys holding at least one session (a concurrency action).
     #[serde(default)]
     pub session_keys: usize,
+    /// Sessions held through this agent now (a concurrency action; in a fleet, its brokers'
+    /// share of the fleet's).
+    #[serde(default)]
+    pub sessions_held: u64,
+    /// Connections closed by their strikes (each counted once, when it reached the threshold).
+    #[serde(default)]
+    pub strike_disconnects: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -668,7 +668,8 @@ fn apply_strikes(
     Ok(())
 }
 
-/// Sessions per key: a limit, and no window, period or burst; held on this agent only.
+/// Sessions per key: a limit, and no window, period or burst; shared in a fleet as the other
+/// kinds are (the fleet's leases in Redis).
 fn apply_concurrency(
     spec: &mut ActionSpec,
     config: &ActionConfig,
@@ -687,16 +688,8 @@ fn apply_concurrency(
             ));
         }
     }
-    if config.shared == Some(true) {
-        return Err(ConfigError::new(
-            format!("{origin}.shared"),
-            "sessions are held on each agent: a concurrency action is not shared in a fleet",
-        ));
-    }
     spec.burst = spec.limit;
-    apply_common(spec, config, origin, fleet)?;
-    spec.shared = false;
-    Ok(())
+    apply_common(spec, config, origin, fleet)
 }
 
 /// A quota: a limit per period, with neither a window nor a burst (its capacity is the limit).

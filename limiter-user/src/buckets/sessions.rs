@@ -1,24 +1,33 @@
 //! Sessions per key (`kind = "concurrency"`): at most `limit` held at once, each acquired and
 //! released over the broker protocol, and owned by the protocol connection that acquired it,
-//! so a broker that dies (its connection drops) frees every session it held.
+//! so a broker that dies (its connection drops) frees every session it held. A shared action's
+//! session is a lease in the fleet's store as well (`fleet/sessions.rs`), given back with it.
 //!
 //! A key's count moves only under its map entry's lock, so concurrent acquires of one key
 //! never take more than the limit; a count back at zero is removed with its entry.
 
 use std::{
     collections::HashMap,
-    sync::{Arc, Weak},
+    sync::{
+        Arc, Mutex, Weak,
+        atomic::{AtomicU64, Ordering},
+    },
 };
 
 use dashmap::{DashMap, mapref::entry::Entry};
 use foldhash::quality::RandomState;
 
-use super::keys::StoredKey;
+use super::{
+    keys::StoredKey,
+    shared::{SessionLease, SharedBuckets, SharedFuture},
+};
 
-/// Each key's sessions held now.
+/// Each key's sessions held now through this agent (in a fleet, its brokers' share).
 #[derive(Default)]
 pub struct SessionCounts {
     counts: DashMap<StoredKey, u32, RandomState>,
+    /// Every key's together, for the metrics.
+    total: AtomicU64,
 }
 
 impl SessionCounts {
@@ -30,6 +39,7 @@ impl SessionCounts {
         let fits = *count < limit;
         if fits || force {
             *count = count.saturating_add(1);
+            self.total.fetch_add(1, Ordering::Relaxed);
         }
         let after = *count;
         drop(count);
@@ -47,7 +57,13 @@ impl SessionCounts {
             } else {
                 *entry.get_mut() -= 1;
             }
+            self.total.fetch_sub(1, Ordering::Relaxed);
         }
+    }
+
+    /// Sessions held now, every key's.
+    pub fn total(&self) -> u64 {
+        self.total.load(Ordering::Relaxed)
     }
 
     /// Sessions `key` holds now.
@@ -64,66 +80,168 @@ impl SessionCounts {
 /// One held session: the action's name, the key as stored, and the broker's name for it.
 type Held = (Arc<str>, StoredKey, Vec<u8>);
 
+/// Where a held session is counted: always in this agent's counts it was taken from, and for
+/// a shared action also as a lease in the fleet's store.
+struct Holding {
+    counts: Weak<SessionCounts>,
+    lease: Option<(Weak<dyn SharedBuckets>, SessionLease)>,
+}
+
+impl Holding {
+    /// Gives the session back here at once, and the lease to the store, whose answer is
+    /// still to come.
+    fn give_back(self, key: &StoredKey) -> Option<SharedFuture<bool>> {
+        if let Some(counts) = self.counts.upgrade() {
+            counts.release(key);
+        }
+        let (store, lease) = self.lease?;
+        Some(store.upgrade()?.release_session(lease))
+    }
+
+    /// Gives the session back without waiting for the store: the connection is gone.
+    fn give_back_unawaited(self, key: &StoredKey) {
+        if let Some(released) = self.give_back(key)
+            && let Ok(runtime) = tokio::runtime::Handle::try_current()
+        {
+            runtime.spawn(released);
+        }
+    }
+}
+
+/// What a release did.
+pub enum Released {
+    /// The connection held no session of that name.
+    NotHeld,
+    /// Given back.
+    Done,
+    /// Given back here; the fleet's store is still to confirm it.
+    Waiting(SharedFuture<bool>),
+}
+
+/// Gives every protocol connection its own name among the agent's.
+static NEXT_OWNER: AtomicU64 = AtomicU64::new(1);
+
 /// The sessions one protocol connection holds. Dropping it (the connection's end, however
 /// it ends) gives every one back, to the counts it was taken from even if a reload has since
-/// replaced them.
-#[derive(Default)]
+/// replaced them, and to the fleet's store. An acquire waiting on the store adds its session
+/// through [`SessionOwner::handle`] once it is answered.
 pub struct SessionOwner {
-    held: HashMap<Held, Weak<SessionCounts>>,
+    id: u64,
+    held: Arc<Mutex<HashMap<Held, Holding>>>,
+}
+
+/// An owner's sessions, for an acquire still waiting on the fleet's store: a session that fits
+/// after its connection ended is given back at once.
+#[derive(Clone)]
+pub struct OwnerHandle {
+    held: Weak<Mutex<HashMap<Held, Holding>>>,
+}
+
+impl Default for SessionOwner {
+    fn default() -> Self {
+        Self {
+            id: NEXT_OWNER.fetch_add(1, Ordering::Relaxed),
+            held: Arc::default(),
+        }
+    }
 }
 
 impl SessionOwner {
-    /// Whether this connection holds the session already (a repeated acquire is not counted
-    /// twice).
-    pub fn holds(&self, action: &Arc<str>, key: &StoredKey, session: &[u8]) -> bool {
-        self.held
-            .contains_key(&(Arc::clone(action), *key, session.to_vec()))
+    fn held(&self) -> std::sync::MutexGuard<'_, HashMap<Held, Holding>> {
+        self.held.lock().expect("sessions lock")
     }
 
+    /// Whether this connection holds the session already (a repeated acquire is not counted
+    /// twice), and whether as a lease in the fleet's store.
+    pub fn holds(&self, action: &Arc<str>, key: &StoredKey, session: &[u8]) -> Option<bool> {
+        self.held()
+            .get(&(Arc::clone(action), *key, session.to_vec()))
+            .map(|h| h.lease.is_some())
+    }
+
+    /// Records a session taken in `counts` (this agent's only).
     pub fn add(
-        &mut self,
+        &self,
         action: &Arc<str>,
         key: &StoredKey,
         session: &[u8],
         counts: &Arc<SessionCounts>,
     ) {
-        self.held.insert(
-            (Arc::clone(action), *key, session.to_vec()),
-            Arc::downgrade(counts),
-        );
+        self.handle().add(action, key, session, counts, None);
     }
 
-    /// Gives the session back; false if this connection did not hold it.
-    pub fn release(&mut self, action: &Arc<str>, key: &StoredKey, session: &[u8]) -> bool {
-        match self
-            .held
-            .remove(&(Arc::clone(action), *key, session.to_vec()))
-        {
-            Some(counts) => {
-                if let Some(counts) = counts.upgrade() {
-                    counts.release(key);
-                }
-                true
-            }
-            None => false,
+    /// The session's name in the fleet's store: this connection's number and the broker's
+    /// name.
+    pub fn lease_name(&self, session: &[u8]) -> Vec<u8> {
+        let mut name = format!("{}:", self.id).into_bytes();
+        name.extend_from_slice(session);
+        name
+    }
+
+    pub fn handle(&self) -> OwnerHandle {
+        OwnerHandle {
+            held: Arc::downgrade(&self.held),
+        }
+    }
+
+    /// Gives the session back, if this connection held it.
+    pub fn release(&self, action: &Arc<str>, key: &StoredKey, session: &[u8]) -> Released {
+        let removed = self
+            .held()
+            .remove(&(Arc::clone(action), *key, session.to_vec()));
+        match removed.map(|holding| holding.give_back(key)) {
+            None => Released::NotHeld,
+            Some(None) => Released::Done,
+            Some(Some(waiting)) => Released::Waiting(waiting),
         }
     }
 
     pub fn len(&self) -> usize {
-        self.held.len()
+        self.held().len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.held.is_empty()
+        self.held().is_empty()
+    }
+}
+
+impl OwnerHandle {
+    /// Records a session taken in `counts`, and in the fleet's store as `lease`; a connection
+    /// already gone gives it back at once.
+    pub fn add(
+        &self,
+        action: &Arc<str>,
+        key: &StoredKey,
+        session: &[u8],
+        counts: &Arc<SessionCounts>,
+        lease: Option<(&Arc<dyn SharedBuckets>, SessionLease)>,
+    ) {
+        let holding = Holding {
+            counts: Arc::downgrade(counts),
+            lease: lease.map(|(store, lease)| (Arc::downgrade(store), lease)),
+        };
+        let Some(held) = self.held.upgrade() else {
+            holding.give_back_unawaited(key);
+            return;
+        };
+        let previous = held
+            .lock()
+            .expect("sessions lock")
+            .insert((Arc::clone(action), *key, session.to_vec()), holding);
+        // Two acquires of one name in flight at once: the second counted it again here.
+        if let Some(previous) = previous
+            && let Some(counts) = previous.counts.upgrade()
+        {
+            counts.release(key);
+        }
     }
 }
 
 impl Drop for SessionOwner {
     fn drop(&mut self) {
-        for ((_, key, _), counts) in self.held.drain() {
-            if let Some(counts) = counts.upgrade() {
-                counts.release(&key);
-            }
+        let held = std::mem::take(&mut *self.held());
+        for ((_, key, _), holding) in held {
+            holding.give_back_unawaited(&key);
         }
     }
 }
@@ -166,22 +284,54 @@ mod tests {
         let counts = Arc::new(SessionCounts::default());
         let action: Arc<str> = Arc::from("sessions");
         let alice = key("alice");
-        let mut broker = SessionOwner::default();
+        let broker = SessionOwner::default();
         counts.acquire(&alice, 5, false);
         broker.add(&action, &alice, b"c1", &counts);
         counts.acquire(&alice, 5, false);
         broker.add(&action, &alice, b"c2", &counts);
-        let mut other = SessionOwner::default();
+        let other = SessionOwner::default();
         counts.acquire(&alice, 5, false);
         other.add(&action, &alice, b"c3", &counts);
-        assert!(broker.holds(&action, &alice, b"c1"));
-        assert!(!broker.release(&action, &alice, b"c3"), "not this owner's");
-        assert!(broker.release(&action, &alice, b"c1"));
+        assert_eq!(broker.holds(&action, &alice, b"c1"), Some(false));
+        assert_eq!(counts.total(), 3);
+        assert!(
+            matches!(broker.release(&action, &alice, b"c3"), Released::NotHeld),
+            "not this owner's"
+        );
+        assert!(matches!(
+            broker.release(&action, &alice, b"c1"),
+            Released::Done
+        ));
         assert_eq!(counts.held(&alice), 2);
         drop(broker);
         assert_eq!(counts.held(&alice), 1, "the other broker's session stays");
         drop(other);
-        assert_eq!(counts.keys(), 0);
+        assert_eq!((counts.keys(), counts.total()), (0, 0));
+    }
+
+    #[test]
+    fn a_session_answered_after_its_connection_ended_is_given_back_at_once() {
+        let counts = Arc::new(SessionCounts::default());
+        let action: Arc<str> = Arc::from("sessions");
+        let alice = key("alice");
+        let broker = SessionOwner::default();
+        let waiting = broker.handle();
+        assert_ne!(
+            broker.lease_name(b"c1"),
+            SessionOwner::default().lease_name(b"c1"),
+            "each connection names its sessions apart"
+        );
+        counts.acquire(&alice, 5, false);
+        waiting.add(&action, &alice, b"c1", &counts, None);
+        // The same name answered twice (two acquires in flight) is held once.
+        counts.acquire(&alice, 5, true);
+        waiting.add(&action, &alice, b"c1", &counts, None);
+        assert_eq!((broker.len(), counts.held(&alice)), (1, 1));
+        drop(broker);
+        assert_eq!(counts.total(), 0);
+        counts.acquire(&alice, 5, false);
+        waiting.add(&action, &alice, b"c2", &counts, None);
+        assert_eq!((counts.keys(), counts.total()), (0, 0));
     }
 
     #[test]

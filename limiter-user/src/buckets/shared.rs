@@ -2,6 +2,8 @@
 //! knows only this contract; `fleet/` keeps them in Redis. A shared store answers a GCRA or a
 //! quota check on its own clock, or says it cannot (down, failing, slower than its timeout),
 //! and the check is then decided here, on this agent's cells at the action's fallback share.
+//! A concurrency action's sessions are leases there, one set per key for the whole fleet,
+//! decided here the same way (at the fallback share) when the store cannot answer.
 
 use std::{
     future::Future,
@@ -36,6 +38,25 @@ pub struct SharedCheck {
     pub consume: bool,
 }
 
+/// One session as the shared store names it.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct SessionLease {
+    pub action: Arc<str>,
+    /// The key as the store names it ([`super::keys::shared_name`]).
+    pub key: Vec<u8>,
+    /// The session's name on this agent: its protocol connection and the broker's name for
+    /// it (the store makes it unique in the fleet).
+    pub session: Vec<u8>,
+}
+
+/// What the store answered for sessions: whether one (more) fit, and the key's sessions
+/// held in the whole fleet after it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SessionsHeld {
+    pub fits: bool,
+    pub held: u32,
+}
+
 pub trait SharedBuckets: Send + Sync {
     /// The verdict of the shared bucket or quota, all or nothing for the cost; `None` when the
     /// store
@@ -48,6 +69,29 @@ pub trait SharedBuckets: Send + Sync {
 
     /// The agents sharing the buckets: a check decided locally gets this share of the limit.
     fn expected_replicas(&self) -> u32;
+
+    /// Takes `lease` if fewer than `limit` sessions of its key are held in the fleet (with
+    /// `force`, regardless); a lease taken is kept alive until [`Self::release_session`].
+    /// `None` when the store did not answer in time: then it holds nothing for the lease.
+    fn acquire_session(
+        &self,
+        lease: SessionLease,
+        limit: u32,
+        force: bool,
+    ) -> SharedFuture<Option<SessionsHeld>>;
+
+    /// Gives a lease back (it is no longer renewed from now on); the future says whether the
+    /// store confirmed it within its timeout (if not, the lease lapses).
+    fn release_session(&self, lease: SessionLease) -> SharedFuture<bool>;
+
+    /// Whether one more of the key's sessions would fit `limit`; `None` when the store did
+    /// not answer.
+    fn sessions_held(
+        &self,
+        action: Arc<str>,
+        key: Vec<u8>,
+        limit: u32,
+    ) -> SharedFuture<Option<SessionsHeld>>;
 
     fn status(&self) -> FleetStatus;
 }

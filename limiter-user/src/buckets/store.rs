@@ -54,8 +54,8 @@ use super::{
     gcra::Rate,
     keys::{self, KeyError, StoredKey},
     quota::Quota,
-    sessions::{SessionCounts, SessionOwner},
-    shared::{Pending, SharedBuckets, SharedCheck, SharedLimit},
+    sessions::{OwnerHandle, Released, SessionCounts, SessionOwner},
+    shared::{Pending, SessionLease, SharedBuckets, SharedCheck, SharedLimit},
     stats::{ActionStats, OutcomeCounters},
     strikes::{StrikeBook, Struck},
 };
@@ -242,7 +242,11 @@ impl Limits {
                         local_limit = share;
                     }
                 }
-                Mode::Unlimited | Mode::Closed | Mode::Sessions(_) => {}
+                Mode::Sessions(_) => {
+                    local = Mode::Sessions(share);
+                    local_limit = share;
+                }
+                Mode::Unlimited | Mode::Closed => {}
             }
         }
         Self {
@@ -297,6 +301,8 @@ struct ActionCounters {
     /// Refusals monitor mode answered as allowances, by the refusal's outcome.
     would_refuse: OutcomeCounters,
     overflow_checks: AtomicU64,
+    /// Connections strikes closed (each once, when its count reached the threshold).
+    strike_disconnects: AtomicU64,
 }
 
 /// What a reload did to the actions, by name.
@@ -507,6 +513,24 @@ impl Limiter {
             return Ok(Pending::ready(judged));
         }
         let limits = *action.limits(&stored);
+        if let (Mode::Sessions(max), Some(store)) = (limits.mode, self.shared.as_ref())
+            && action.shared
+        {
+            let answer = store.sessions_held(
+                Arc::clone(&action.name),
+                keys::shared_name(action.spec.key, &stored),
+                max,
+            );
+            let limiter = Arc::clone(self);
+            let action = Arc::clone(action);
+            return Ok(Pending::Waiting(Box::pin(async move {
+                let Some(fleet) = answer.await else {
+                    return limiter.decide_locally(&action, &stored, cost, consume, escalate);
+                };
+                let verdict = sessions_verdict(fleet.fits, max, fleet.held);
+                limiter.count(&action, &stored, verdict, (consume, escalate), true)
+            })));
+        }
         let (limit, store) = match (limits.mode, self.shared.as_ref()) {
             (Mode::Limited(rate), Some(store)) if action.shared => (SharedLimit::Rate(rate), store),
             (Mode::Quota(quota), Some(store)) if action.shared => {
@@ -555,55 +579,128 @@ impl Limiter {
 
     /// Takes one of `key`'s sessions in the concurrency action `action`, held by `owner` (the
     /// protocol connection) until released or `owner` is dropped. A session `owner` holds
-    /// already is answered as allowed and not counted again.
+    /// already is answered as allowed and not counted again. A shared action's session is a
+    /// lease in the fleet's store, whose answer comes later (never later than its timeout);
+    /// when the store cannot answer, the session is decided here at the action's fallback
+    /// share and held on this agent only.
     pub fn acquire(
-        &self,
-        owner: &mut SessionOwner,
+        self: &Arc<Self>,
+        owner: &SessionOwner,
         action: &str,
         key: &[u8],
         session: &[u8],
-    ) -> Result<Judged, CheckError> {
+    ) -> Result<Pending<Judged>, CheckError> {
         let action = self.action(action)?;
         if action.spec.kind != ActionKind::Concurrency {
             return Err(CheckError::NotConcurrency(action.spec.name.clone()));
         }
         let stored = action.store(key)?;
-        let max = match action.limits(&stored).local {
-            Mode::Sessions(max) => max,
+        let limits = *action.limits(&stored);
+        let (Mode::Sessions(fleet_max), Mode::Sessions(local_max)) = (limits.mode, limits.local)
+        else {
             // Limit 0: sessions are not limited, nor counted.
-            _ => {
-                let verdict = Verdict::new(Outcome::Unlimited, 0, u32::MAX, 0, 0);
-                return Ok(self.count(&action, &stored, verdict, (true, false), true));
-            }
+            let verdict = Verdict::new(Outcome::Unlimited, 0, u32::MAX, 0, 0);
+            return Ok(Pending::ready(self.count(
+                &action,
+                &stored,
+                verdict,
+                (true, false),
+                true,
+            )));
         };
-        let counts = &action.table.sessions;
-        let (fits, held) = if owner.holds(&action.name, &stored, session) {
-            (true, counts.held(&stored))
-        } else {
-            let (fits, held) = counts.acquire(&stored, max, action.monitor);
-            if fits || action.monitor {
-                owner.add(&action.name, &stored, session, counts);
+        let store = self.shared.as_ref().filter(|_| action.shared);
+        let held = owner.holds(&action.name, &stored, session);
+        let store = match (held, store) {
+            // Held on this agent only (taken while the store was away): still held.
+            (Some(false), _) | (Some(true), None) => {
+                let held = action.table.sessions.held(&stored);
+                let verdict = sessions_verdict(true, local_max, held);
+                return Ok(Pending::ready(self.count(
+                    &action,
+                    &stored,
+                    verdict,
+                    (true, false),
+                    true,
+                )));
             }
-            (fits, held)
+            (None, None) => {
+                return Ok(Pending::ready(self.acquire_locally(
+                    &action,
+                    &owner.handle(),
+                    (&stored, session),
+                    local_max,
+                )));
+            }
+            (_, Some(store)) => Arc::clone(store),
         };
-        let verdict = sessions_verdict(fits, max, held);
-        Ok(self.count(&action, &stored, verdict, (true, false), true))
+        let lease = SessionLease {
+            action: Arc::clone(&action.name),
+            key: keys::shared_name(action.spec.key, &stored),
+            session: owner.lease_name(session),
+        };
+        let answer = store.acquire_session(lease.clone(), fleet_max, action.monitor);
+        let (limiter, handle, session) = (Arc::clone(self), owner.handle(), session.to_vec());
+        Ok(Pending::Waiting(Box::pin(async move {
+            let Some(fleet) = answer.await else {
+                return limiter.acquire_locally(&action, &handle, (&stored, &session), local_max);
+            };
+            if fleet.fits || action.monitor {
+                let counts = &action.table.sessions;
+                counts.acquire(&stored, u32::MAX, true);
+                handle.add(
+                    &action.name,
+                    &stored,
+                    &session,
+                    counts,
+                    Some((&store, lease)),
+                );
+            }
+            let verdict = sessions_verdict(fleet.fits, fleet_max, fleet.held);
+            limiter.count(&action, &stored, verdict, (true, false), true)
+        })))
     }
 
-    /// Gives back a session `owner` acquired; false if it held none of that name.
+    /// A session decided by this agent alone, at most `max` of the key's held here.
+    fn acquire_locally(
+        &self,
+        action: &Action,
+        owner: &OwnerHandle,
+        (stored, session): (&StoredKey, &[u8]),
+        max: u32,
+    ) -> Judged {
+        let counts = &action.table.sessions;
+        let (fits, held) = counts.acquire(stored, max, action.monitor);
+        if fits || action.monitor {
+            owner.add(&action.name, stored, session, counts, None);
+        }
+        let verdict = sessions_verdict(fits, max, held);
+        self.count(action, stored, verdict, (true, false), true)
+    }
+
+    /// Gives back a session `owner` acquired; false if it held none of that name. A shared
+    /// session is answered once the fleet's store has removed its lease (or its timeout
+    /// passed, and the lease lapses), so a broker that releases and then acquires elsewhere
+    /// finds the room made.
     pub fn release(
         &self,
-        owner: &mut SessionOwner,
+        owner: &SessionOwner,
         action: &str,
         key: &[u8],
         session: &[u8],
-    ) -> Result<bool, CheckError> {
+    ) -> Result<Pending<bool>, CheckError> {
         let action = self.action(action)?;
         if action.spec.kind != ActionKind::Concurrency {
             return Err(CheckError::NotConcurrency(action.spec.name.clone()));
         }
         let stored = action.store(key)?;
-        Ok(owner.release(&action.name, &stored, session))
+        Ok(match owner.release(&action.name, &stored, session) {
+            Released::NotHeld => Pending::ready(false),
+            Released::Done => Pending::ready(true),
+            Released::Waiting(confirmed) => Pending::Waiting(Box::pin(async move {
+                confirmed.await;
+                true
+            })),
+        })
     }
 
     /// The broker's connection `key` is gone: forgets its buckets and strikes in every action
@@ -758,6 +855,8 @@ impl Limiter {
                         blocked: REFUSALS.iter().map(|&o| count(o)).sum(),
                         struck_connections: a.table.strikes.tracked(),
                         session_keys: a.table.sessions.keys(),
+                        sessions_held: a.table.sessions.total(),
+                        strike_disconnects: a.counters.strike_disconnects.load(Ordering::Relaxed),
                         tracked_keys: a.table.tracked.load(Ordering::Acquire),
                         overflow_checks: a.counters.overflow_checks.load(Ordering::Relaxed),
                         would_refuse: REFUSALS
@@ -899,6 +998,10 @@ impl Limiter {
         if let Struck::Disconnects { strikes } = struck
             && !action.monitor
         {
+            action
+                .counters
+                .strike_disconnects
+                .fetch_add(1, Ordering::Relaxed);
             events::emit(&Event::Disconnect {
                 action: action.name.to_string(),
                 key: keys::display(action.spec.key, stored),

@@ -989,6 +989,10 @@ fn refusals_strike_a_connection_until_it_is_disconnected_and_stays_so_until_gone
         "the closing check and the one after it; a peek counts nothing"
     );
     assert_eq!(stats.counts.struck_connections, 1);
+    assert_eq!(
+        stats.counts.strike_disconnects, 1,
+        "one connection closed, however often it was answered so"
+    );
     assert!(limiter.connection_gone(b"c1"));
     assert!(!limiter.connection_gone(b"c1"), "nothing left to forget");
     assert_eq!(
@@ -1087,6 +1091,11 @@ fn monitor_mode_judges_strikes_and_says_it_would_disconnect() {
             Some(Outcome::Disconnect)
         ]
     );
+    assert_eq!(
+        stats_of(&limiter, "pub").counts.strike_disconnects,
+        0,
+        "monitor mode closes nothing"
+    );
 }
 
 #[test]
@@ -1149,44 +1158,71 @@ fn strike_settings_are_checked_naming_the_key() {
 const SESSIONS: &str = "[actions.logins]\nkind = \"concurrency\"\nlimit = 2\nkey = \"user\"\n\
     [actions.logins.overrides]\n\"service\" = 3\n";
 
+/// An acquire of a local action, answered at once.
+fn acquire_now(
+    limiter: &Arc<Limiter>,
+    owner: &SessionOwner,
+    (action, key, session): (&str, &str, &str),
+) -> Result<Judged, CheckError> {
+    limiter
+        .acquire(owner, action, key.as_bytes(), session.as_bytes())
+        .map(|pending| {
+            pending
+                .now()
+                .ok()
+                .expect("a local acquire is answered at once")
+        })
+}
+
 #[test]
 fn sessions_are_held_per_key_up_to_the_limit_and_given_back_by_their_owner() {
     let (_, _, limiter) = limiter_with(SESSIONS, None);
-    let mut broker = SessionOwner::default();
-    let take = |owner: &mut SessionOwner, key: &str, session: &str| {
-        limiter
-            .acquire(owner, "logins", key.as_bytes(), session.as_bytes())
+    let limiter = Arc::new(limiter);
+    let broker = SessionOwner::default();
+    let take = |owner: &SessionOwner, key: &str, session: &str| {
+        acquire_now(&limiter, owner, ("logins", key, session))
             .unwrap()
             .enforced()
             .outcome
     };
-    assert_eq!(take(&mut broker, "alice", "1"), Outcome::Allowed);
-    assert_eq!(take(&mut broker, "alice", "2"), Outcome::Allowed);
-    assert_eq!(take(&mut broker, "alice", "3"), Outcome::Limited);
+    assert_eq!(take(&broker, "alice", "1"), Outcome::Allowed);
+    assert_eq!(take(&broker, "alice", "2"), Outcome::Allowed);
+    assert_eq!(
+        take(&broker, "alice", "2"),
+        Outcome::Allowed,
+        "held already"
+    );
+    assert_eq!(take(&broker, "alice", "3"), Outcome::Limited);
     for session in ["1", "2", "3"] {
         assert_eq!(
-            take(&mut broker, "service", session),
+            take(&broker, "service", session),
             Outcome::Allowed,
             "its own limit"
         );
     }
-    assert_eq!(take(&mut broker, "service", "4"), Outcome::Limited);
-    assert!(
-        limiter
-            .release(&mut broker, "logins", b"alice", b"1")
+    assert_eq!(take(&broker, "service", "4"), Outcome::Limited);
+    assert_eq!(stats_of(&limiter, "logins").counts.sessions_held, 5);
+    let release = |session: &[u8]| {
+        let pending = limiter.release(&broker, "logins", b"alice", session);
+        pending
             .unwrap()
-    );
-    assert!(
-        !limiter
-            .release(&mut broker, "logins", b"alice", b"1")
-            .unwrap()
-    );
-    assert_eq!(take(&mut broker, "alice", "3"), Outcome::Allowed);
+            .now()
+            .ok()
+            .expect("a local release is answered at once")
+    };
+    assert!(release(b"1"));
+    assert!(!release(b"1"));
+    assert_eq!(take(&broker, "alice", "3"), Outcome::Allowed);
     assert_eq!(stats_of(&limiter, "logins").counts.session_keys, 2);
     drop(broker);
-    assert_eq!(stats_of(&limiter, "logins").counts.session_keys, 0);
+    let counts = stats_of(&limiter, "logins").counts;
+    assert_eq!((counts.session_keys, counts.sessions_held), (0, 0));
     assert_eq!(
-        limiter.acquire(&mut SessionOwner::default(), "auth", b"10.0.0.1", b"1"),
+        acquire_now(
+            &limiter,
+            &SessionOwner::default(),
+            ("auth", "10.0.0.1", "1")
+        ),
         Err(CheckError::NotConcurrency("auth".into()))
     );
 }
@@ -1194,17 +1230,32 @@ fn sessions_are_held_per_key_up_to_the_limit_and_given_back_by_their_owner() {
 #[test]
 fn monitored_sessions_are_all_taken_and_the_refusal_judged() {
     let (_, limiter) = with_mode(SESSIONS, Enforcement::Monitor);
-    let mut broker = SessionOwner::default();
+    let limiter = Arc::new(limiter);
+    let broker = SessionOwner::default();
     let judged: Vec<Judged> = (0..3)
-        .map(|n| {
-            limiter
-                .acquire(&mut broker, "logins", b"alice", n.to_string().as_bytes())
-                .unwrap()
-        })
+        .map(|n| acquire_now(&limiter, &broker, ("logins", "alice", &n.to_string())).unwrap())
         .collect();
     assert!(judged.iter().all(|j| j.enforced().allowed));
     assert_eq!(judged[2].would_refuse(), Some(Outcome::Limited));
     assert_eq!(broker.len(), 3);
+}
+
+#[test]
+fn in_a_fleet_a_concurrency_action_is_shared_unless_keyed_by_connection() {
+    let text = "[actions.logins]\nkind = \"concurrency\"\nlimit = 2\nkey = \"user\"\n\
+                [actions.conns]\nkind = \"concurrency\"\nlimit = 2\nkey = \"connection\"\n";
+    let table = toml::from_str::<toml::Table>(text).unwrap();
+    let actions: BTreeMap<String, ActionConfig> = table["actions"].clone().try_into().unwrap();
+    let specs = resolve_actions(&actions, &[], true).unwrap();
+    let shared = |name: &str| specs.iter().find(|s| s.name == name).unwrap().shared;
+    assert!(shared("logins"));
+    assert!(!shared("conns"), "a connection is one broker's");
+    assert!(
+        resolve_actions(&actions, &[], false)
+            .unwrap()
+            .iter()
+            .all(|s| !s.shared)
+    );
 }
 
 #[test]

@@ -13,6 +13,9 @@ pub mod defaults {
     /// on a dead Redis does not notice.
     pub const CHECK_TIMEOUT: Duration = Duration::from_millis(50);
     pub const EXPECTED_REPLICAS: u32 = 2;
+    /// A dead agent's sessions are held at most this long; renewed every 10 s, a lease
+    /// survives two lost renewals.
+    pub const SESSION_LEASE: Duration = Duration::from_secs(30);
 }
 
 /// The scheme that names a Redis Cluster: `redis+cluster://host:port,host:port,...`.
@@ -126,6 +129,8 @@ pub struct FleetConfig {
     /// Agents in the fleet: a check decided locally allows `limit / expected_replicas`, so the
     /// fleet as a whole stays near its limit while Redis is away.
     pub expected_replicas: u32,
+    /// How long a shared session's lease lasts unrenewed; renewed every third of it.
+    pub session_lease: Duration,
 }
 
 impl FleetConfig {
@@ -135,6 +140,7 @@ impl FleetConfig {
             key_prefix: defaults::KEY_PREFIX.to_owned(),
             check_timeout: defaults::CHECK_TIMEOUT,
             expected_replicas: defaults::EXPECTED_REPLICAS,
+            session_lease: defaults::SESSION_LEASE,
         }
     }
 }

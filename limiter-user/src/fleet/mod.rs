@@ -3,17 +3,19 @@
 //!
 //! [`Redis`] is the connection handle: cheap to clone, multiplexed (concurrent commands from
 //! every task share one pipelined connection per server), reconnecting by itself. Whatever
-//! else needs the fleet's Redis (shared buckets here; bans and quotas) runs its scripts
+//! else needs the fleet's Redis (shared buckets here; bans, quotas and sessions) runs its scripts
 //! through it and opens pub/sub connections from the same [`FleetConfig`].
 
 mod bans;
 mod config;
 mod connection;
 mod quota;
+mod sessions;
 mod shared;
 
 pub use bans::{BanChange, BansInForce, FleetBans, LogId};
 pub use config::{FleetConfig, RedisTarget, defaults};
 pub use connection::{Connection, FleetError, Redis};
 pub use quota::{QuotaAnswer, SharedQuota};
+pub use sessions::{FleetSessions, LeaseAnswer};
 pub use shared::{GCRA_SCRIPT, SharedGcra};

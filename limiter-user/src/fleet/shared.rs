@@ -3,6 +3,8 @@
 //! fleet shares one exact limit. When Redis fails or is slower than `check-timeout`, the check
 //! is answered "not here" and the limiter decides it locally; from then on checks skip Redis
 //! at once, costing no timeout each, until a background probe finds it answering again.
+//! Sessions (`sessions.rs`) go the same way: leases in Redis while it answers, decided
+//! locally at the fallback share while it does not; a task renews the leases held here.
 
 use std::{
     sync::{
@@ -14,12 +16,18 @@ use std::{
 
 use redis::Script;
 
-use super::{FleetConfig, FleetError, QuotaAnswer, Redis, SharedQuota};
+use super::{
+    FleetConfig, FleetError, QuotaAnswer, Redis, SharedQuota,
+    sessions::{FleetSessions, LeaseAnswer, renew_every},
+};
 use crate::{
     api::FleetStatus,
     buckets::{
-        SharedBuckets, SharedCheck, SharedFuture, SharedLimit, cell::Algorithm, cell::Evaluation,
+        SharedBuckets, SharedCheck, SharedFuture, SharedLimit,
+        cell::Algorithm,
+        cell::Evaluation,
         gcra::Rate,
+        shared::{SessionLease, SessionsHeld},
     },
     events::{self, Event, FleetPart},
 };
@@ -42,6 +50,7 @@ pub struct SharedGcra {
     timeout: Duration,
     replicas: u32,
     health: Arc<Health>,
+    sessions: Arc<FleetSessions>,
 }
 
 /// Whether checks go to Redis, and the transitions, each logged once.
@@ -121,6 +130,7 @@ impl SharedGcra {
             timeout: config.check_timeout,
             replicas: config.expected_replicas,
             health: Arc::new(Health::default()),
+            sessions: Arc::new(FleetSessions::new(config.session_lease)),
         });
         let deadline = tokio::time::Instant::now() + START_WAIT;
         let mut probed = shared.probe().await;
@@ -139,6 +149,7 @@ impl SharedGcra {
                 .announce_local(&shared.redis.target().to_string(), &error);
         }
         tokio::spawn(probe_while_down(Arc::downgrade(&shared)));
+        tokio::spawn(renew_sessions(Arc::downgrade(&shared)));
         Ok(shared)
     }
 
@@ -190,6 +201,42 @@ async fn probe_while_down(shared: Weak<SharedGcra>) {
         if !shared.health.is_up() {
             let _ = shared.probe().await;
         }
+    }
+}
+
+/// Renews the leases of this agent's sessions every third of the lease; ends with the
+/// buckets (an agent that stops renewing lets its sessions lapse within one lease).
+async fn renew_sessions(shared: Weak<SharedGcra>) {
+    let Some(every) = shared.upgrade().map(|s| renew_every(s.sessions.lease())) else {
+        return;
+    };
+    let mut ticks = tokio::time::interval(every);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    ticks.tick().await;
+    loop {
+        ticks.tick().await;
+        let Some(shared) = shared.upgrade() else {
+            return;
+        };
+        let renewed = tokio::time::timeout(every, shared.sessions.renew(&shared.redis));
+        let failure = match renewed.await {
+            Ok(Ok(())) => continue,
+            Ok(Err(error)) => error,
+            Err(_) => format!("no answer within {every:?}"),
+        };
+        tracing::warn!(
+            redis = %shared.redis.target(),
+            error = failure,
+            "renewing the sessions' leases failed: they lapse unless a later renewal reaches Redis"
+        );
+    }
+}
+
+/// The sessions script's answer as the limiter reads it.
+fn sessions_held(answer: LeaseAnswer) -> SessionsHeld {
+    SessionsHeld {
+        fits: answer.fits,
+        held: answer.held,
     }
 }
 
@@ -315,6 +362,84 @@ impl SharedBuckets for SharedGcra {
 
     fn expected_replicas(&self) -> u32 {
         self.replicas
+    }
+
+    fn acquire_session(
+        &self,
+        lease: SessionLease,
+        limit: u32,
+        force: bool,
+    ) -> SharedFuture<Option<SessionsHeld>> {
+        if !self.health.is_up() {
+            self.health.fell_back();
+            return Box::pin(std::future::ready(None));
+        }
+        let key = self.bucket_key(&lease.action, &lease.key);
+        let (redis, sessions, health, timeout) = (
+            self.redis.clone(),
+            Arc::clone(&self.sessions),
+            Arc::clone(&self.health),
+            self.timeout,
+        );
+        Box::pin(async move {
+            let asked = sessions.acquire(&redis, key, &lease.session, (limit, force));
+            let failure = match tokio::time::timeout(timeout, asked).await {
+                Ok(Ok(answer)) => return Some(sessions_held(answer)),
+                Ok(Err(error)) => error.to_string(),
+                Err(_) => format!("no answer within the check timeout ({timeout:?})"),
+            };
+            health.failed(&redis.target().to_string(), &failure);
+            health.fell_back();
+            None
+        })
+    }
+
+    fn release_session(&self, lease: SessionLease) -> SharedFuture<bool> {
+        let key = self.bucket_key(&lease.action, &lease.key);
+        let removed = self.sessions.release(&self.redis, key, &lease.session);
+        let timeout = self.timeout;
+        Box::pin(async move {
+            match tokio::time::timeout(timeout, removed).await {
+                Ok(Ok(())) => true,
+                failed => {
+                    tracing::debug!(
+                        ?failed,
+                        "releasing a session in Redis failed: its lease will lapse"
+                    );
+                    false
+                }
+            }
+        })
+    }
+
+    fn sessions_held(
+        &self,
+        action: Arc<str>,
+        key: Vec<u8>,
+        limit: u32,
+    ) -> SharedFuture<Option<SessionsHeld>> {
+        if !self.health.is_up() {
+            self.health.fell_back();
+            return Box::pin(std::future::ready(None));
+        }
+        let key = self.bucket_key(&action, &key);
+        let (redis, sessions, health, timeout) = (
+            self.redis.clone(),
+            Arc::clone(&self.sessions),
+            Arc::clone(&self.health),
+            self.timeout,
+        );
+        Box::pin(async move {
+            let failure =
+                match tokio::time::timeout(timeout, sessions.count(&redis, &key, limit)).await {
+                    Ok(Ok(answer)) => return Some(sessions_held(answer)),
+                    Ok(Err(error)) => error.to_string(),
+                    Err(_) => format!("no answer within the check timeout ({timeout:?})"),
+                };
+            health.failed(&redis.target().to_string(), &failure);
+            health.fell_back();
+            None
+        })
     }
 
     fn status(&self) -> FleetStatus {

@@ -28,7 +28,8 @@ use std::{
 
 use futures::{FutureExt, SinkExt, StreamExt, stream::FuturesOrdered};
 use limiter_client::{
-    Checked, CodecError, ErrorCode, ParseError, Received, Request, Response, ServerCodec,
+    Checked, CodecError, ErrorCode, NEVER_MS, Outcome, ParseError, Received, Request, Response,
+    ServerCodec, Verdict,
 };
 use tokio::{
     io::{AsyncRead, AsyncWrite},
@@ -87,6 +88,16 @@ pub struct Server {
     tcp: Option<TcpListener>,
     max_frame: usize,
     control: ServeControl,
+}
+
+/// What one connection has established: its trust, its sessions, and what it has shown it
+/// reads.
+struct Connection {
+    peer: Peer,
+    /// The sessions this connection acquired: freed when it ends, however it ends.
+    sessions: SessionOwner,
+    /// It sent a request of protocol 1.3 or later, so it reads the outcomes 1.3 added.
+    speaks_1_3: bool,
 }
 
 /// What a connection's peer may do.
@@ -319,7 +330,7 @@ struct Served {
 impl Served {
     /// Serves one client until it closes, breaks framing, stays silent past its timeout, loses
     /// its slot to a newer connection, or the server stops.
-    async fn connection<S>(self, stream: S, mut peer: Peer, ticket: Ticket)
+    async fn connection<S>(self, stream: S, peer: Peer, ticket: Ticket)
     where
         S: AsyncRead + AsyncWrite + Unpin,
     {
@@ -330,8 +341,11 @@ impl Served {
         let mut wait = clients.header_timeout;
         // Replies still waiting on Redis, and those behind them, which keep their order.
         let mut waiting = Waiting::new();
-        // The sessions this connection acquired: freed when it ends, however it ends.
-        let mut sessions = SessionOwner::default();
+        let mut connection = Connection {
+            peer,
+            sessions: SessionOwner::default(),
+            speaks_1_3: false,
+        };
         loop {
             let first = tokio::select! {
                 () = &mut evicted => {
@@ -362,13 +376,7 @@ impl Served {
             ticket.proven();
             wait = clients.idle_timeout;
             if !self
-                .answer_buffered(
-                    &mut framed,
-                    first,
-                    (&mut peer, &mut sessions),
-                    clients,
-                    &mut waiting,
-                )
+                .answer_buffered(&mut framed, first, &mut connection, clients, &mut waiting)
                 .await
             {
                 return;
@@ -383,7 +391,7 @@ impl Served {
         &self,
         framed: &mut Framed<S, ServerCodec>,
         first: Result<Received<Request>, CodecError>,
-        (peer, sessions): (&mut Peer, &mut SessionOwner),
+        connection: &mut Connection,
         clients: ClientLimits,
         waiting: &mut Waiting,
     ) -> bool
@@ -393,7 +401,7 @@ impl Served {
         let mut next = Some(first);
         while let Some(item) = next.take() {
             let (reply, fatal) = match item {
-                Ok(received) => (self.answer(received, peer, sessions), false),
+                Ok(received) => (self.answer(received, connection), false),
                 Err(CodecError::TooLarge { len, max }) => (
                     Pending::ready((
                         0,
@@ -527,8 +535,7 @@ impl Served {
     fn answer(
         &self,
         received: Received<Request>,
-        peer: &mut Peer,
-        sessions: &mut SessionOwner,
+        connection: &mut Connection,
     ) -> Pending<(u32, Response)> {
         let limiter = &self.limiter;
         let id = received.id;
@@ -545,11 +552,18 @@ impl Served {
                 ),
             ));
         }
+        connection.speaks_1_3 |= since_1_3(&request);
+        // A client before 1.3 reports outcomes 6 and 7 as a malformed reply.
+        let plain = if connection.speaks_1_3 {
+            plain
+        } else {
+            plain_before_1_3
+        };
         let admin_only = matches!(
             request,
             Request::Reset { .. } | Request::Ban { .. } | Request::Unban { .. }
         );
-        if admin_only && *peer != Peer::Admin {
+        if admin_only && connection.peer != Peer::Admin {
             return Pending::ready((
                 id,
                 error(
@@ -597,16 +611,16 @@ impl Served {
                 action,
                 key,
                 session,
-            } => match limiter.acquire(sessions, &action, &key, &session) {
-                Ok(judged) => Response::Verdict(judged.enforced()),
+            } => match limiter.acquire(&connection.sessions, &action, &key, &session) {
+                Ok(judged) => return later(id, judged, plain),
                 Err(e) => check_error(e),
             },
             Request::Release {
                 action,
                 key,
                 session,
-            } => match limiter.release(sessions, &action, &key, &session) {
-                Ok(changed) => Response::Done { changed },
+            } => match limiter.release(&connection.sessions, &action, &key, &session) {
+                Ok(changed) => return later(id, changed, |changed| Response::Done { changed }),
                 Err(e) => check_error(e),
             },
             Request::Reset { action, key } => match limiter.forget(&action, &key) {
@@ -643,7 +657,7 @@ impl Served {
                 }
                 Err(e) => error(ErrorCode::BanFailed, error_chain(&e)),
             },
-            Request::Authenticate { token } => self.authenticate(&token, peer),
+            Request::Authenticate { token } => self.authenticate(&token, &mut connection.peer),
         };
         Pending::ready((id, response))
     }
@@ -672,6 +686,38 @@ fn plain(judged: Judged) -> Response {
     Response::Verdict(judged.enforced())
 }
 
+/// The verdict reply for a client that has sent no request of protocol 1.3: the outcomes 1.3
+/// added (`disconnect`, `payload_too_large`) go out as `limited`, a refusal it reads, with
+/// "never" to retry.
+fn plain_before_1_3(judged: Judged) -> Response {
+    Response::Verdict(readable_before_1_3(judged.enforced()))
+}
+
+/// `verdict` as a client before protocol 1.3 can read it.
+fn readable_before_1_3(verdict: Verdict) -> Verdict {
+    match verdict.outcome {
+        Outcome::Disconnect | Outcome::PayloadTooLarge => Verdict::new(
+            Outcome::Limited,
+            verdict.limit,
+            0,
+            NEVER_MS,
+            verdict.reset_after_ms,
+        ),
+        _ => verdict,
+    }
+}
+
+/// Whether `request` exists only since protocol 1.3: its sender reads 1.3's outcomes.
+fn since_1_3(request: &Request) -> bool {
+    matches!(
+        request,
+        Request::CheckPayload { .. }
+            | Request::ConnectionGone { .. }
+            | Request::Acquire { .. }
+            | Request::Release { .. }
+    )
+}
+
 /// The checked reply (`0x84`, protocol 1.3) says what a monitored action would have refused.
 fn flagged(judged: Judged) -> Response {
     Response::Checked(Checked {
@@ -689,5 +735,58 @@ fn later<T: Unpin + Send + 'static>(
     match answer.now() {
         Ok(value) => Pending::ready((id, reply(value))),
         Err(waiting) => Pending::Waiting(Box::pin(async move { (id, reply(waiting.await)) })),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::{IpAddr, Ipv4Addr};
+
+    use super::*;
+
+    #[test]
+    fn a_client_before_1_3_meets_no_outcome_it_cannot_read() {
+        let closed = Verdict::new(Outcome::Disconnect, 10, 0, NEVER_MS, NEVER_MS);
+        assert_eq!(
+            readable_before_1_3(closed),
+            Verdict::new(Outcome::Limited, 10, 0, NEVER_MS, NEVER_MS)
+        );
+        let oversize = Verdict::new(Outcome::PayloadTooLarge, 10, 0, NEVER_MS, 0);
+        assert_eq!(readable_before_1_3(oversize).outcome, Outcome::Limited);
+        for outcome in [
+            Outcome::Allowed,
+            Outcome::Unlimited,
+            Outcome::Limited,
+            Outcome::CostExceedsBurst,
+            Outcome::Closed,
+            Outcome::CostExceedsLimit,
+        ] {
+            let verdict = Verdict::new(outcome, 10, 3, 0, 600);
+            assert_eq!(
+                readable_before_1_3(verdict),
+                verdict,
+                "{outcome:?} is 1.2's"
+            );
+        }
+    }
+
+    #[test]
+    fn only_requests_of_1_3_say_the_client_reads_it() {
+        let key = bytes::Bytes::from_static(b"c1");
+        assert!(since_1_3(&Request::ConnectionGone { key: key.clone() }));
+        assert!(since_1_3(&Request::CheckPayload {
+            action: "pub".into(),
+            key: key.clone(),
+            cost: 1,
+            payload_bytes: 0
+        }));
+        assert!(!since_1_3(&Request::Check {
+            action: "pub".into(),
+            key,
+            cost: 1
+        }));
+        assert!(!since_1_3(&Request::AuthFailure {
+            addr: IpAddr::V4(Ipv4Addr::LOCALHOST)
+        }));
     }
 }

@@ -324,6 +324,8 @@ struct Broker {
     keys: IntGaugeVec,
     overflow: IntCounterVec,
     key_memory: IntGaugeVec,
+    sessions_held: IntGaugeVec,
+    strike_disconnects: IntCounterVec,
     escalation_bans: IntCounter,
     /// The fleet's four, last in [`Scraped::families`] order: exposed only with a fleet.
     redis_up: IntGauge,
@@ -393,6 +395,22 @@ impl BrokerMetrics {
                 &["action"],
             )
             .map_err(r)?,
+            sessions_held: IntGaugeVec::new(
+                Opts::new(
+                    "limiter_sessions_held",
+                    "Sessions held now through this agent's brokers (concurrency actions; 0 for the others), by action.",
+                ),
+                &["action"],
+            )
+            .map_err(r)?,
+            strike_disconnects: IntCounterVec::new(
+                Opts::new(
+                    "limiter_strike_disconnects_total",
+                    "Broker connections closed by their strikes (each once, when it reached strikes-to-disconnect), by action.",
+                ),
+                &["action"],
+            )
+            .map_err(r)?,
             escalation_bans: IntCounter::new(
                 "limiter_escalation_bans_total",
                 "Kernel bans placed because an address failed authentication too often.",
@@ -438,6 +456,8 @@ impl Scraped for BrokerMetrics {
             &b.keys,
             &b.overflow,
             &b.key_memory,
+            &b.sessions_held,
+            &b.strike_disconnects,
             &b.escalation_bans,
             // Before the fleet's four, which a lone agent leaves out.
             &b.redis_up,
@@ -454,6 +474,8 @@ impl Scraped for BrokerMetrics {
         b.keys.reset();
         b.overflow.reset();
         b.key_memory.reset();
+        b.sessions_held.reset();
+        b.strike_disconnects.reset();
         b.escalation_bans.reset();
         b.fleet_bans.reset();
         let shared = self.limiter.shared_ban_stats();
@@ -494,6 +516,12 @@ impl Scraped for BrokerMetrics {
             b.key_memory
                 .with_label_values(&[action])
                 .set(gauge_value(stats.key_memory_bytes as u64));
+            b.sessions_held
+                .with_label_values(&[action])
+                .set(gauge_value(counts.sessions_held));
+            b.strike_disconnects
+                .with_label_values(&[action])
+                .inc_by(counts.strike_disconnects);
         }
         if let Some(escalation) = self.limiter.escalation_stats() {
             b.escalation_bans.inc_by(escalation.bans);
@@ -720,5 +748,64 @@ mod tests {
         }
         // A second scrape reports the same totals, not twice them.
         assert_eq!(scrape(), after);
+    }
+
+    #[test]
+    fn sessions_held_and_strike_disconnects_are_read_at_scrape_time() {
+        let text = "[actions.logins]\nkind = \"concurrency\"\nlimit = 2\nkey = \"user\"\n\
+                    [actions.pub]\nlimit = 1\nwindow = \"60s\"\nkey = \"connection\"\n\
+                    strikes-to-disconnect = 2\nstrike-window = \"60s\"\n";
+        let table = toml::from_str::<toml::Table>(text).unwrap();
+        let actions: BTreeMap<String, ActionConfig> = table["actions"].clone().try_into().unwrap();
+        let limiter = Arc::new(Limiter::new(
+            LimiterConfig {
+                actions: resolve_actions(&actions, &[], false).unwrap(),
+                escalation: None,
+                mode: Enforcement::Enforce,
+            },
+            Arc::new(ManualClock::new()),
+            Arc::new(NoBans),
+        ));
+        let registry = Registry::new();
+        registry
+            .register(Box::new(AtScrape::new(
+                BrokerMetrics::new(Arc::clone(&limiter)).unwrap(),
+            )))
+            .unwrap();
+        let scrape = || {
+            TextEncoder::new()
+                .encode_to_string(&registry.gather())
+                .unwrap()
+        };
+        let before = scrape();
+        for line in [
+            "limiter_sessions_held{action=\"logins\"} 0\n",
+            "limiter_strike_disconnects_total{action=\"pub\"} 0\n",
+        ] {
+            assert!(before.contains(line), "{line:?} missing from:\n{before}");
+        }
+        let broker = crate::buckets::SessionOwner::default();
+        for session in [b"1", b"2", b"3"] {
+            let pending = limiter.acquire(&broker, "logins", b"alice", session);
+            assert!(
+                pending.unwrap().now().is_ok(),
+                "a local action answers at once"
+            );
+        }
+        // Allowed, then two strikes: closed once, answered so twice.
+        for _ in 0..4 {
+            limiter.check("pub", b"c1", 1).unwrap();
+        }
+        let during = scrape();
+        for line in [
+            "limiter_sessions_held{action=\"logins\"} 2\n",
+            "limiter_strike_disconnects_total{action=\"pub\"} 1\n",
+            "# TYPE limiter_sessions_held gauge\n",
+            "# TYPE limiter_strike_disconnects_total counter\n",
+        ] {
+            assert!(during.contains(line), "{line:?} missing from:\n{during}");
+        }
+        drop(broker);
+        assert!(scrape().contains("limiter_sessions_held{action=\"logins\"} 0\n"));
     }
 }

@@ -27,10 +27,21 @@ pub struct ClusterLayer {
     /// Agents in the fleet, which share each limit while Redis is away. [default: 2]
     #[arg(long, env = "LIMITER_EXPECTED_REPLICAS")]
     pub expected_replicas: Option<u32>,
+    /// How long a shared session's lease in Redis lasts unrenewed: the agent renews its
+    /// brokers' leases every third of it, so those of an agent that died lapse within it.
+    /// [default: 30s]
+    #[arg(long, env = "LIMITER_SESSION_LEASE", value_parser = humantime::parse_duration)]
+    #[serde(default, with = "text_duration")]
+    pub session_lease: Option<Duration>,
 }
 
 /// The longest `check-timeout` accepted: a broker waits on each check.
 const MAX_CHECK_TIMEOUT: Duration = Duration::from_secs(10);
+/// The shortest `session-lease`: renewed every third of it, a lease shorter than a second
+/// would keep the agent renewing more than it answers.
+const MIN_SESSION_LEASE: Duration = Duration::from_secs(1);
+/// The longest `session-lease`: a dead agent's sessions are held that long.
+const MAX_SESSION_LEASE: Duration = Duration::from_secs(3_600);
 
 impl ClusterLayer {
     /// `None` without a Redis; the other keys then must not be set either, since they would
@@ -44,6 +55,7 @@ impl ClusterLayer {
                     "cluster.expected-replicas",
                     self.expected_replicas.is_some(),
                 ),
+                ("cluster.session-lease", self.session_lease.is_some()),
             ] {
                 if set {
                     return Err(ConfigError::new(
@@ -91,11 +103,25 @@ impl ClusterLayer {
                 "must be at least 1",
             ));
         }
+        let session_lease = self.session_lease.unwrap_or(defaults::SESSION_LEASE);
+        if !(MIN_SESSION_LEASE..=MAX_SESSION_LEASE).contains(&session_lease)
+            || session_lease.subsec_millis() * 1_000_000 != session_lease.subsec_nanos()
+        {
+            return Err(ConfigError::new(
+                "cluster.session-lease",
+                format!(
+                    "must be {} to {}, in whole milliseconds",
+                    humantime::format_duration(MIN_SESSION_LEASE),
+                    humantime::format_duration(MAX_SESSION_LEASE)
+                ),
+            ));
+        }
         Ok(Some(FleetConfig {
             redis,
             key_prefix,
             check_timeout,
             expected_replicas,
+            session_lease,
         }))
     }
 }

@@ -418,6 +418,19 @@ mod tests {
                 &["--expected-replicas", "3"][..],
                 "cluster.expected-replicas",
             ),
+            (
+                &["--redis", "redis://h", "--session-lease", "500ms"][..],
+                "cluster.session-lease",
+            ),
+            (
+                &["--redis", "redis://h", "--session-lease", "2h"][..],
+                "cluster.session-lease",
+            ),
+            (
+                &["--redis", "redis://h", "--session-lease", "1000500us"][..],
+                "cluster.session-lease",
+            ),
+            (&["--session-lease", "10s"][..], "cluster.session-lease"),
         ] {
             let error = args(flags).resolve().unwrap_err();
             assert_eq!(error.setting, setting, "{flags:?}: {error}");
@@ -523,7 +536,7 @@ mod tests {
     fn a_redis_makes_a_fleet_whose_actions_are_shared_unless_said_otherwise() {
         let s = with_file(
             "[cluster]\nredis = \"redis+cluster://127.0.0.1:7000,127.0.0.1:7001\"\n\
-             expected-replicas = 4\n\n[actions.publish]\nlimit = 5\nwindow = \"1s\"\nshared = false\n",
+             expected-replicas = 4\nsession-lease = \"5s\"\n\n[actions.publish]\nlimit = 5\nwindow = \"1s\"\nshared = false\n",
             &["--check-timeout", "20ms"],
         )
         .unwrap();
@@ -533,6 +546,7 @@ mod tests {
         assert_eq!(fleet.key_prefix, "limiter");
         assert_eq!(fleet.check_timeout, Duration::from_millis(20));
         assert_eq!(fleet.expected_replicas, 4);
+        assert_eq!(fleet.session_lease, Duration::from_secs(5));
         let actions = &s.broker.limiter.actions;
         assert!(actions.iter().find(|a| a.name == "auth").unwrap().shared);
         assert!(!actions.iter().find(|a| a.name == "publish").unwrap().shared);
