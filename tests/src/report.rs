@@ -132,11 +132,15 @@ impl Report {
     }
 
     fn row(&self) -> String {
+        // "Kernel datapath" reads "kernel datapath" in a table row; "SYN flood" stays.
         let lowercase = |title: &str| {
             let mut chars = title.chars();
-            chars.next().map_or_else(String::new, |first| {
-                first.to_lowercase().chain(chars).collect()
-            })
+            match (chars.next(), chars.next()) {
+                (Some(first), Some(second)) if second.is_lowercase() => {
+                    first.to_lowercase().chain([second]).chain(chars).collect()
+                }
+                _ => title.to_owned(),
+            }
         };
         format!(
             "| [{}](docs/benchmarks.md#bench-{}) | `cargo xtask bench {} --write` | {} |",
