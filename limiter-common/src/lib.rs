@@ -7,58 +7,58 @@
 #![deny(missing_docs)]
 #![warn(missing_debug_implementations)]
 
-pub mod maps;
+pub mod map_catalogue;
 pub mod source;
 pub mod stats;
 
 pub use source::source_key;
 pub use stats::{Direction, Event, Reason, Verdict};
 
-/// Names of the maps, from the catalogue in [`maps`], so that a rename breaks the build rather
+/// Names of the maps, from the catalogue in [`map_catalogue`], so that a rename breaks the build rather
 /// than the agent.
 pub mod map_names {
-    use crate::maps;
+    use crate::map_catalogue;
     /// The one [`Config`](crate::Config), rewritten by the agent on every settings change.
-    pub const CONFIG: &str = maps::CONFIG.name;
+    pub const CONFIG: &str = map_catalogue::CONFIG.name;
     /// One byte per local port, non-zero for a protected port (unless `all_ports` is set).
-    pub const PORTS: &str = maps::PORTS.name;
+    pub const PORTS: &str = map_catalogue::PORTS.name;
     /// Admitted connections: [`FlowKey`](crate::FlowKey) to [`Flow`](crate::Flow).
-    pub const FLOWS: &str = maps::FLOWS.name;
+    pub const FLOWS: &str = map_catalogue::FLOWS.name;
     /// Connections awaiting their handshake's last ACK, which hold no slot until it comes.
-    pub const HALF_OPEN: &str = maps::HALF_OPEN.name;
+    pub const HALF_OPEN: &str = map_catalogue::HALF_OPEN.name;
     /// Recent SYN-ACK ISNs, so that only an ACK that may complete a handshake pays a lookup.
-    pub const ACK_HINTS: &str = maps::ACK_HINTS.name;
+    pub const ACK_HINTS: &str = map_catalogue::ACK_HINTS.name;
     /// Open connections per [`SourceKey`](crate::SourceKey), for the per-source cap.
-    pub const SOURCE_CONNS: &str = maps::SOURCE_CONNS.name;
+    pub const SOURCE_CONNS: &str = map_catalogue::SOURCE_CONNS.name;
     /// Open connections to the host, for the total cap: a single counter.
-    pub const GLOBAL_CONNS: &str = maps::GLOBAL_CONNS.name;
+    pub const GLOBAL_CONNS: &str = map_catalogue::GLOBAL_CONNS.name;
     /// The connection rate's GCRA word: the theoretical arrival time of the next connection.
-    pub const CONN_RATE: &str = maps::CONN_RATE.name;
+    pub const CONN_RATE: &str = map_catalogue::CONN_RATE.name;
     /// The SYN rate's [`SynBucket`](crate::SynBucket)s, a slot per keyed hash of a source.
-    pub const SYN_BUCKETS: &str = maps::SYN_BUCKETS.name;
+    pub const SYN_BUCKETS: &str = map_catalogue::SYN_BUCKETS.name;
     /// Banned sources and when each ban ends.
-    pub const BANS: &str = maps::BANS.name;
+    pub const BANS: &str = map_catalogue::BANS.name;
     /// IPv4 prefixes with limits of their own ([`SourceLimits`](crate::SourceLimits)).
-    pub const OVERRIDES_V4: &str = maps::OVERRIDES_V4.name;
+    pub const OVERRIDES_V4: &str = map_catalogue::OVERRIDES_V4.name;
     /// IPv6 prefixes with limits of their own.
-    pub const OVERRIDES_V6: &str = maps::OVERRIDES_V6.name;
+    pub const OVERRIDES_V6: &str = map_catalogue::OVERRIDES_V6.name;
     /// IPv4 prefixes that bypass every limit.
-    pub const ALLOW_V4: &str = maps::ALLOW_V4.name;
+    pub const ALLOW_V4: &str = map_catalogue::ALLOW_V4.name;
     /// IPv6 prefixes that bypass every limit.
-    pub const ALLOW_V6: &str = maps::ALLOW_V6.name;
+    pub const ALLOW_V6: &str = map_catalogue::ALLOW_V6.name;
     /// IPv4 prefixes whose packets to protected ports are always refused.
-    pub const DENY_V4: &str = maps::DENY_V4.name;
+    pub const DENY_V4: &str = map_catalogue::DENY_V4.name;
     /// IPv6 prefixes whose packets to protected ports are always refused.
-    pub const DENY_V6: &str = maps::DENY_V6.name;
+    pub const DENY_V6: &str = map_catalogue::DENY_V6.name;
     /// Per-CPU packet counters, indexed by [`stat_slot`](crate::stats::stat_slot).
-    pub const STATS: &str = maps::STATS.name;
+    pub const STATS: &str = map_catalogue::STATS.name;
     /// Per-CPU flow event counters, indexed by [`Event`](crate::Event).
-    pub const EVENTS: &str = maps::EVENTS.name;
+    pub const EVENTS: &str = map_catalogue::EVENTS.name;
     /// Refused connection attempts per source and reason ([`Blocked`](crate::Blocked)), for
     /// the top-blocked lists (those refused for their SYN rate count in their bucket).
-    pub const BLOCKED: &str = maps::BLOCKED.name;
+    pub const BLOCKED: &str = map_catalogue::BLOCKED.name;
     /// Per-CPU refused connection attempts by refusal reason.
-    pub const REFUSED_CONNS: &str = maps::REFUSED_CONNS.name;
+    pub const REFUSED_CONNS: &str = map_catalogue::REFUSED_CONNS.name;
 }
 
 /// How a refused SYN is answered.

@@ -1,4 +1,4 @@
-//! A plain-Rust reference model of the kernel policy (limiter-ebpf's `policy.rs`), written
+//! A plain-Rust reference model of the kernel policy (limiter-ebpf's `decide.rs`), written
 //! from the code as it stands, for the differential test: the same frames go through the real
 //! programs and through this model, and every verdict and counter must agree.
 //!

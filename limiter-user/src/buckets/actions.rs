@@ -10,8 +10,8 @@ use limiter_client::MAX_ACTION_NAME;
 use serde::{Deserialize, Deserializer, Serialize, de};
 
 use super::{
+    calendar_quota::{self, Quota},
     gcra::Rate,
-    quota::{self, Quota},
     strikes::StrikeRule,
 };
 
@@ -382,7 +382,7 @@ fn apply(
                 limit: config.limit.ok_or_else(|| missing("limit"))?,
                 window: match kind {
                     ActionKind::Rate => config.window.ok_or_else(|| missing("window"))?.0,
-                    ActionKind::Quota => quota::DAY,
+                    ActionKind::Quota => calendar_quota::DAY,
                     ActionKind::Concurrency => Duration::ZERO,
                 },
                 burst: 0,
@@ -408,7 +408,7 @@ fn apply(
         // starts from its own defaults.
         spec.kind = kind;
         spec.window = match kind {
-            ActionKind::Quota => quota::DAY,
+            ActionKind::Quota => calendar_quota::DAY,
             ActionKind::Concurrency => Duration::ZERO,
             ActionKind::Rate => {
                 config
@@ -490,7 +490,7 @@ fn apply_overrides(
 ) -> Result<(), ConfigError> {
     for (key, &limit) in overrides {
         let setting = || format!("{origin}.overrides.{key:?}");
-        super::keys::store(spec.key, key.as_bytes()).map_err(|e| {
+        super::bucket_keys::store(spec.key, key.as_bytes()).map_err(|e| {
             ConfigError::new(setting(), format!("not a {} key: {e}", spec.key.as_str()))
         })?;
         if limit == 0 {
@@ -719,7 +719,7 @@ fn apply_quota(
         ));
     }
     if let Some(period) = config.period {
-        if !(quota::MIN_PERIOD..=quota::MAX_PERIOD).contains(&period.0) {
+        if !(calendar_quota::MIN_PERIOD..=calendar_quota::MAX_PERIOD).contains(&period.0) {
             return Err(ConfigError::new(
                 format!("{origin}.period"),
                 "must be from 1s to 366 days",
@@ -971,12 +971,15 @@ mod tests {
         .unwrap();
         let sends = find(&specs, "sends");
         assert_eq!(sends.kind, ActionKind::Quota);
-        assert_eq!((sends.window, sends.burst), (quota::DAY, 500));
+        assert_eq!((sends.window, sends.burst), (calendar_quota::DAY, 500));
         assert!(matches!(sends.mode(), Mode::Quota(_)));
-        assert_eq!(find(&specs, "exports").window, 7 * quota::DAY);
+        assert_eq!(find(&specs, "exports").window, 7 * calendar_quota::DAY);
         // A built-in turned into a quota leaves its rate window behind.
         let publish = find(&specs, "publish");
-        assert_eq!((publish.window, publish.burst), (quota::DAY, 10_000));
+        assert_eq!(
+            (publish.window, publish.burst),
+            (calendar_quota::DAY, 10_000)
+        );
         assert_eq!(find(&specs, "auth").kind, ActionKind::Rate);
     }
 

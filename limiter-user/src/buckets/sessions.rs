@@ -13,7 +13,7 @@ use std::{
 use dashmap::{DashMap, mapref::entry::Entry};
 use foldhash::quality::RandomState;
 
-use super::keys::StoredKey;
+use super::bucket_keys::StoredKey;
 
 /// Each key's sessions held now.
 #[derive(Default)]
@@ -133,10 +133,10 @@ mod tests {
     use std::{sync::Barrier, thread};
 
     use super::*;
-    use crate::buckets::{KeyKind, keys};
+    use crate::buckets::{KeyKind, bucket_keys};
 
     fn key(k: &str) -> StoredKey {
-        keys::store(KeyKind::User, k.as_bytes()).unwrap()
+        bucket_keys::store(KeyKind::User, k.as_bytes()).unwrap()
     }
 
     #[test]

@@ -46,17 +46,17 @@ use crate::{
 };
 
 use super::{
+    action_stats::{ActionStats, OutcomeCounters},
     actions::{ActionKind, ActionSpec, Enforcement, KeyKind, Mode},
     ban::{BanError, Banner, SharedBanStats},
+    bucket_keys::{self, KeyError, StoredKey},
+    calendar_quota::Quota,
     cell::{Algorithm, Cell, Evaluation},
     clock::{Clock, ns_to_ms_ceil},
     escalation::{EscalationConfig, EscalationStats, Escalator},
     gcra::Rate,
-    keys::{self, KeyError, StoredKey},
-    quota::Quota,
     sessions::{SessionCounts, SessionOwner},
-    shared::{Pending, SharedBuckets, SharedCheck, SharedLimit},
-    stats::{ActionStats, OutcomeCounters},
+    shared_store::{Pending, SharedBuckets, SharedCheck, SharedLimit},
     strikes::{StrikeBook, Struck},
 };
 
@@ -335,7 +335,7 @@ impl Action {
             .iter()
             .filter_map(|(key, &limit)| {
                 // Checked by the resolve; a key that does not store is no key a check has.
-                let stored = keys::store(spec.key, key.as_bytes()).ok()?;
+                let stored = bucket_keys::store(spec.key, key.as_bytes()).ok()?;
                 Some((stored, Limits::of(&spec.overridden(limit), replicas)))
             })
             .collect();
@@ -520,7 +520,7 @@ impl Limiter {
         };
         let answer = store.take(SharedCheck {
             action: Arc::clone(&action.name),
-            key: keys::shared_name(action.spec.key, &stored),
+            key: bucket_keys::shared_name(action.spec.key, &stored),
             limit,
             cost,
             consume,
@@ -637,7 +637,7 @@ impl Limiter {
         };
         let there = store.forget(
             Arc::clone(&action.name),
-            keys::shared_name(action.spec.key, &stored),
+            bucket_keys::shared_name(action.spec.key, &stored),
         );
         Ok(Pending::Waiting(Box::pin(async move {
             there.await.unwrap_or(false) || here
@@ -817,7 +817,7 @@ impl Limiter {
             .into_iter()
             .take(n)
             .map(|(count, key)| BlockedKey {
-                key: keys::display(action.spec.key, &key),
+                key: bucket_keys::display(action.spec.key, &key),
                 blocked: count,
             })
             .collect())
@@ -901,7 +901,7 @@ impl Limiter {
         {
             events::emit(&Event::Disconnect {
                 action: action.name.to_string(),
-                key: keys::display(action.spec.key, stored),
+                key: bucket_keys::display(action.spec.key, stored),
                 strikes,
                 window: rule.window,
             });
@@ -1068,7 +1068,7 @@ impl Limiter {
 impl Action {
     #[inline(always)]
     fn store(&self, key: &[u8]) -> Result<StoredKey, CheckError> {
-        keys::store(self.spec.key, key).map_err(|source| CheckError::InvalidKey {
+        bucket_keys::store(self.spec.key, key).map_err(|source| CheckError::InvalidKey {
             action: self.spec.name.clone(),
             source,
         })

@@ -9,11 +9,11 @@
 mod bans;
 mod config;
 mod connection;
-mod quota;
-mod shared;
+mod redis_buckets;
+mod redis_quota;
 
 pub use bans::{BanChange, BansInForce, FleetBans, LogId};
 pub use config::{FleetConfig, RedisTarget, defaults};
 pub use connection::{Connection, FleetError, Redis};
-pub use quota::{QuotaAnswer, SharedQuota};
-pub use shared::{GCRA_SCRIPT, SharedGcra};
+pub use redis_buckets::{GCRA_SCRIPT, SharedGcra};
+pub use redis_quota::{QuotaAnswer, SharedQuota};

@@ -26,8 +26,8 @@ use crate::{
     api::{
         BanAnswer, BanRequest, Connections, ListAnswer, ListKind, ListRequest, RateLimits, Status,
     },
-    datapath::keys::{key_text, source_key},
-    services::views::{connections_view, kernel_rate_limits, kernel_status},
+    datapath::kernel_keys::{key_text, source_key},
+    services::view_builder::{connections_view, kernel_rate_limits, kernel_status},
     settings::defaults,
 };
 

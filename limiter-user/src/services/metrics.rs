@@ -611,7 +611,7 @@ impl Scraped for MonitorMetrics {
 /// could reach a protected port or the host would discard it (only ingress checks that) and
 /// a tunnel unless `tunnels` is `pass`, and passes for every other reason but a plain segment
 /// (left
-/// uncounted: see `policy::established` in the kernel crate), and for a full flow table when
+/// uncounted: see `decide::established` in the kernel crate), and for a full flow table when
 /// failing open.
 fn possible(direction: Direction, verdict: Verdict, reason: Reason) -> bool {
     let refusal = (reason as usize) < Reason::REFUSAL_COUNT;

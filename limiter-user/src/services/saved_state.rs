@@ -19,7 +19,7 @@ use thiserror::Error;
 
 use crate::{
     api::{ListKind, MAX_BAN_TTL, MIN_BAN_TTL},
-    datapath::{Enforcer, Lists, MapsError, keys::key_address},
+    datapath::{Enforcer, Lists, MapsError, kernel_keys::key_address},
     errors::error_chain,
     settings::parse_cidr,
 };

@@ -191,7 +191,7 @@ mod tests {
     use std::net::{IpAddr, Ipv4Addr};
 
     use super::*;
-    use crate::datapath::keys::mapped;
+    use crate::datapath::kernel_keys::mapped;
 
     const SECOND: u64 = 1_000_000_000;
 

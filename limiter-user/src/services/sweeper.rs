@@ -17,7 +17,7 @@ use crate::{
     buckets::Limiter,
     datapath::{
         Adoption, EnforceError, Enforcer, SweepCursor,
-        keys::boot_time_ns,
+        kernel_keys::boot_time_ns,
         local_routes::{LocalAddresses, RouteQueries},
         sockets::SocketTable,
     },
@@ -304,7 +304,7 @@ impl Sweeper {
         for repair in &verdict.repairs {
             enforcer.datapath().adjust(&repair.request)?;
             let (count, counted) = (repair.count, repair.counted);
-            tracing::warn!(source = ?repair.who.map(|s| crate::datapath::keys::key_address(&s)), count, counted, "repaired a drifted connection counter");
+            tracing::warn!(source = ?repair.who.map(|s| crate::datapath::kernel_keys::key_address(&s)), count, counted, "repaired a drifted connection counter");
         }
         self.suspects = verdict.seen;
         Ok(verdict.repairs.len() as u64)

@@ -22,7 +22,7 @@ use crate::{
     api::{BanAnswer, BanRequest, ListAnswer, ListKind, ListRequest, millis, parse_ban_ttl},
     datapath::{
         EnforceError, Enforcer,
-        keys::{key_text, source_key},
+        kernel_keys::{key_text, source_key},
     },
     events::{self, BanCause, Event},
     settings::parse_cidr,

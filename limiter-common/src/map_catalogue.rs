@@ -84,7 +84,7 @@ pub const HALF_OPEN: MapDef = MapDef {
 
 /// The ingress pre-filter for handshake-completing ACKs: per hash of (server ISN + 1), the
 /// coarse time of the last SYN-ACK that carried such an ISN, and in one more slot at the end
-/// the coarse time of the last SYN-ACK of all (see the kernel's `policy.rs`).
+/// the coarse time of the last SYN-ACK of all (see the kernel's `decide.rs`).
 pub const ACK_HINTS: MapDef = MapDef {
     name: "ACK_HINTS",
     kind: MapKind::Array,

@@ -16,8 +16,8 @@ use thiserror::Error;
 
 use super::{
     CookieMode, CookieTerms, Policy,
-    keys::{boot_time_ns, bucket_seed, source_key},
-    mapped::MappedArray,
+    kernel_keys::{boot_time_ns, bucket_seed, source_key},
+    mmap_array::MappedArray,
     pins,
 };
 

@@ -11,7 +11,7 @@ use crate::{
         KernelLimits, KernelRateLimits, SourceConnections, Status, millis,
     },
     buckets::{Limiter, actions::Mode},
-    datapath::{Enforcer, Maps, MapsError, keys::key_text},
+    datapath::{Enforcer, Maps, MapsError, kernel_keys::key_text},
 };
 
 /// Where views read the kernel maps from: the running datapath (a short lock per read) or
