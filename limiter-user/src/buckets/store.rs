@@ -60,7 +60,7 @@ use super::{
     strikes::{StrikeBook, Struck},
 };
 
-/// Everything the limiter needs to start; see `protocol::AppArgs` for where it comes from.
+/// Everything the limiter needs to start; `settings::broker` resolves it from the settings.
 #[derive(Clone, Debug)]
 pub struct LimiterConfig {
     pub actions: Vec<ActionSpec>,

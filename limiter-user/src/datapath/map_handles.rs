@@ -55,12 +55,16 @@ pub(super) fn map_error(name: &'static str) -> impl FnOnce(MapError) -> MapsErro
     move |source| MapsError::Map { name, source }
 }
 
-/// A map found by name, on its way to its typed wrapper.
-struct Typed(Result<aya::maps::Map, MapsError>, &'static str);
+/// A map found by name (or the error of looking), on its way to its typed wrapper.
+struct FoundMap {
+    map: Result<aya::maps::Map, MapsError>,
+    name: &'static str,
+}
 
-impl Typed {
-    fn get<T: TryFrom<aya::maps::Map, Error = MapError>>(self) -> Result<T, MapsError> {
-        T::try_from(self.0?).map_err(map_error(self.1))
+impl FoundMap {
+    /// The map as its typed wrapper, an error naming the map if it is of another kind.
+    fn typed<T: TryFrom<aya::maps::Map, Error = MapError>>(self) -> Result<T, MapsError> {
+        T::try_from(self.map?).map_err(map_error(self.name))
     }
 }
 
@@ -222,37 +226,40 @@ impl Maps {
     fn build(
         mut find: impl FnMut(&'static str) -> Result<aya::maps::Map, MapsError>,
     ) -> Result<Self, MapsError> {
-        let mut typed = |name: &'static str| Typed(find(name), name);
+        let mut found = |name: &'static str| FoundMap {
+            map: find(name),
+            name,
+        };
         use map_names::*;
         Ok(Self {
-            config: typed(CONFIG).get()?,
-            ports: typed(PORTS).get()?,
-            flows: typed(FLOWS).get()?,
-            half_open: typed(HALF_OPEN).get()?,
-            source_conns: typed(SOURCE_CONNS).get()?,
-            global_conns: typed(GLOBAL_CONNS).get()?,
-            conn_rate: typed(CONN_RATE).get()?,
-            syn_buckets: typed(SYN_BUCKETS).get()?,
-            bans: typed(BANS).get()?,
+            config: found(CONFIG).typed()?,
+            ports: found(PORTS).typed()?,
+            flows: found(FLOWS).typed()?,
+            half_open: found(HALF_OPEN).typed()?,
+            source_conns: found(SOURCE_CONNS).typed()?,
+            global_conns: found(GLOBAL_CONNS).typed()?,
+            conn_rate: found(CONN_RATE).typed()?,
+            syn_buckets: found(SYN_BUCKETS).typed()?,
+            bans: found(BANS).typed()?,
             allow: Trie {
-                v4: typed(ALLOW_V4).get()?,
-                v6: typed(ALLOW_V6).get()?,
+                v4: found(ALLOW_V4).typed()?,
+                v6: found(ALLOW_V6).typed()?,
                 names: (ALLOW_V4, ALLOW_V6),
             },
             deny: Trie {
-                v4: typed(DENY_V4).get()?,
-                v6: typed(DENY_V6).get()?,
+                v4: found(DENY_V4).typed()?,
+                v6: found(DENY_V6).typed()?,
                 names: (DENY_V4, DENY_V6),
             },
             overrides: Trie {
-                v4: typed(OVERRIDES_V4).get()?,
-                v6: typed(OVERRIDES_V6).get()?,
+                v4: found(OVERRIDES_V4).typed()?,
+                v6: found(OVERRIDES_V6).typed()?,
                 names: (OVERRIDES_V4, OVERRIDES_V6),
             },
-            stats: typed(STATS).get()?,
-            events: typed(EVENTS).get()?,
-            blocked: typed(BLOCKED).get()?,
-            refused_conns: typed(REFUSED_CONNS).get()?,
+            stats: found(STATS).typed()?,
+            events: found(EVENTS).typed()?,
+            blocked: found(BLOCKED).typed()?,
+            refused_conns: found(REFUSED_CONNS).typed()?,
             ports_written: None,
             cookie_terms: CookieTerms::default(),
             auto_cookies: 0,
