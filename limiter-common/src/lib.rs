@@ -11,55 +11,9 @@ pub mod map_catalogue;
 pub mod source;
 pub mod stats;
 
-pub use source::source_key;
+pub use map_catalogue::map_names;
+pub use source::{SourceKey, source_key};
 pub use stats::{Direction, Event, Reason, Verdict};
-
-/// Names of the maps, from the catalogue in [`map_catalogue`], so that a rename breaks the build rather
-/// than the agent.
-pub mod map_names {
-    use crate::map_catalogue;
-    /// The one [`Config`](crate::Config), rewritten by the agent on every settings change.
-    pub const CONFIG: &str = map_catalogue::CONFIG.name;
-    /// One byte per local port, non-zero for a protected port (unless `all_ports` is set).
-    pub const PORTS: &str = map_catalogue::PORTS.name;
-    /// Admitted connections: [`FlowKey`](crate::FlowKey) to [`Flow`](crate::Flow).
-    pub const FLOWS: &str = map_catalogue::FLOWS.name;
-    /// Connections awaiting their handshake's last ACK, which hold no slot until it comes.
-    pub const HALF_OPEN: &str = map_catalogue::HALF_OPEN.name;
-    /// Recent SYN-ACK ISNs, so that only an ACK that may complete a handshake pays a lookup.
-    pub const ACK_HINTS: &str = map_catalogue::ACK_HINTS.name;
-    /// Open connections per [`SourceKey`](crate::SourceKey), for the per-source cap.
-    pub const SOURCE_CONNS: &str = map_catalogue::SOURCE_CONNS.name;
-    /// Open connections to the host, for the total cap: a single counter.
-    pub const GLOBAL_CONNS: &str = map_catalogue::GLOBAL_CONNS.name;
-    /// The connection rate's GCRA word: the theoretical arrival time of the next connection.
-    pub const CONN_RATE: &str = map_catalogue::CONN_RATE.name;
-    /// The SYN rate's [`SynBucket`](crate::SynBucket)s, a slot per keyed hash of a source.
-    pub const SYN_BUCKETS: &str = map_catalogue::SYN_BUCKETS.name;
-    /// Banned sources and when each ban ends.
-    pub const BANS: &str = map_catalogue::BANS.name;
-    /// IPv4 prefixes with limits of their own ([`SourceLimits`](crate::SourceLimits)).
-    pub const OVERRIDES_V4: &str = map_catalogue::OVERRIDES_V4.name;
-    /// IPv6 prefixes with limits of their own.
-    pub const OVERRIDES_V6: &str = map_catalogue::OVERRIDES_V6.name;
-    /// IPv4 prefixes that bypass every limit.
-    pub const ALLOW_V4: &str = map_catalogue::ALLOW_V4.name;
-    /// IPv6 prefixes that bypass every limit.
-    pub const ALLOW_V6: &str = map_catalogue::ALLOW_V6.name;
-    /// IPv4 prefixes whose packets to protected ports are always refused.
-    pub const DENY_V4: &str = map_catalogue::DENY_V4.name;
-    /// IPv6 prefixes whose packets to protected ports are always refused.
-    pub const DENY_V6: &str = map_catalogue::DENY_V6.name;
-    /// Per-CPU packet counters, indexed by [`stat_slot`](crate::stats::stat_slot).
-    pub const STATS: &str = map_catalogue::STATS.name;
-    /// Per-CPU flow event counters, indexed by [`Event`](crate::Event).
-    pub const EVENTS: &str = map_catalogue::EVENTS.name;
-    /// Refused connection attempts per source and reason ([`Blocked`](crate::Blocked)), for
-    /// the top-blocked lists (those refused for their SYN rate count in their bucket).
-    pub const BLOCKED: &str = map_catalogue::BLOCKED.name;
-    /// Per-CPU refused connection attempts by refusal reason.
-    pub const REFUSED_CONNS: &str = map_catalogue::REFUSED_CONNS.name;
-}
 
 /// How a refused SYN is answered.
 #[repr(u8)]
@@ -306,17 +260,6 @@ pub mod syn_cookies {
     /// still charged.
     pub const CHECK: u8 = 2;
 }
-
-/// A source address masked to its configured prefix. IPv4 addresses are stored IPv4-mapped
-/// (`::ffff:a.b.c.d`) so that one set of maps serves both families.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct SourceKey {
-    /// The masked address, IPv6 byte order; bits beyond the prefix are zero.
-    pub addr: [u8; 16],
-}
-
-const _: () = assert!(core::mem::size_of::<SourceKey>() == 16);
 
 /// A connection seen from the client's side: `remote` is the address that sent the SYN,
 /// `local` the protected address. Egress packets are keyed in the same orientation.

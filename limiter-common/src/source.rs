@@ -1,7 +1,16 @@
 //! The source key: the one masking rule the kernel charges connections by and the agent
 //! looks them up by.
 
-use crate::SourceKey;
+/// A source address masked to its configured prefix. IPv4 addresses are stored IPv4-mapped
+/// (`::ffff:a.b.c.d`) so that one set of maps serves both families.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SourceKey {
+    /// The masked address, IPv6 byte order; bits beyond the prefix are zero.
+    pub addr: [u8; 16],
+}
+
+const _: () = assert!(core::mem::size_of::<SourceKey>() == 16);
 
 /// The `::ffff:0:0/96` prefix of an IPv4-mapped address.
 pub const V4_MAPPED: [u8; 12] = [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xFF, 0xFF];
