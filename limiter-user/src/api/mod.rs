@@ -14,5 +14,5 @@ pub use check_body::{CheckAnswer, CheckRequest};
 pub use view_documents::{
     ActionCounts, ActionView, BanEntry, BlockedKey, BlockedSource, BrokerRateLimits, Connections,
     EscalationView, FleetStatus, KernelLimits, KernelRateLimits, RateLimits, SourceConnections,
-    Status, SynCookiesStatus, millis,
+    Status, SynCookiesStatus,
 };

@@ -15,6 +15,8 @@ use super::{
     strikes::StrikeRule,
 };
 
+use crate::duration_units::duration_ms;
+
 /// How an action counts: a GCRA bucket refilled continuously (`rate`, the default), or a fixed
 /// allowance per calendar window (`quota`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -246,7 +248,7 @@ pub struct ActionSpec {
 }
 
 pub(crate) fn as_millis<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
-    s.serialize_u64(u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+    s.serialize_u64(duration_ms(*d))
 }
 
 /// How an action behaves, derived once from its settings.

@@ -42,6 +42,7 @@ use limiter_client::{Escalation, NEVER_MS, Outcome, Verdict};
 
 use crate::{
     api::{ActionCounts, BlockedKey},
+    duration_units::duration_ns,
     events::{self, Event},
 };
 
@@ -1106,8 +1107,7 @@ impl Action {
             }
             table.tracked.fetch_sub(1, Ordering::AcqRel);
             let last = table.cap_swept.load(Ordering::Acquire);
-            let due =
-                last == 0 || now.saturating_sub(last - 1) >= CAP_SWEEP_EVERY.as_nanos() as u64;
+            let due = last == 0 || now.saturating_sub(last - 1) >= duration_ns(CAP_SWEEP_EVERY);
             let ours = attempt == 0
                 && due
                 && table

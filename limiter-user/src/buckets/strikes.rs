@@ -20,6 +20,8 @@ use serde::Serialize;
 
 use super::bucket_keys::StoredKey;
 
+use crate::duration_units::duration_ns;
+
 /// An action's strike settings, validated (`strikes-to-disconnect` ≥ 1, a window above zero,
 /// `oversize-strikes` ≥ 1).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -105,7 +107,7 @@ impl Strikes {
 }
 
 fn window_ns(rule: &StrikeRule) -> u64 {
-    u64::try_from(rule.window.as_nanos()).unwrap_or(u64::MAX)
+    duration_ns(rule.window)
 }
 
 /// The records of an action's connections that have struck.

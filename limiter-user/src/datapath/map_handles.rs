@@ -21,6 +21,8 @@ use super::{
     pins,
 };
 
+use crate::duration_units::duration_ns;
+
 #[derive(Debug, Error)]
 pub enum MapsError {
     #[error("map {0} is missing from the eBPF object")]
@@ -357,8 +359,7 @@ impl Maps {
     /// Bans `addr`'s source key (masked with the live prefix) for `ttl`.
     pub fn ban(&mut self, addr: IpAddr, ttl: Duration) -> Result<SourceKey, MapsError> {
         let key = source_key(addr, &self.config()?);
-        let expires_ns =
-            boot_time_ns()?.saturating_add(ttl.as_nanos().min(u64::MAX as u128) as u64);
+        let expires_ns = boot_time_ns()?.saturating_add(duration_ns(ttl));
         self.bans
             .insert(key, Ban { expires_ns }, 0)
             .map_err(map_error(map_names::BANS))?;

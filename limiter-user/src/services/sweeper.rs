@@ -21,6 +21,7 @@ use crate::{
         local_routes::{LocalAddresses, RouteQueries},
         sockets::SocketTable,
     },
+    duration_units::duration_ns,
     settings::{Live, SweepSettings},
 };
 
@@ -213,7 +214,7 @@ impl Sweeper {
             self.tracked_before = std::mem::take(&mut self.tracked);
             self.checked.clear();
         }
-        let syn_timeout = settings.syn_timeout.as_nanos().min(u128::from(u64::MAX)) as u64;
+        let syn_timeout = duration_ns(settings.syn_timeout);
         report.half_open =
             enforcer.with_maps(|m| m.sweep_half_open(&mut self.cursor, batch, now, syn_timeout))?;
         report.bans = enforcer.with_maps(|m| m.sweep_bans(&mut self.cursor, batch, now))?;

@@ -8,10 +8,11 @@ use limiter_common::{Reason, Verdict as PacketVerdict};
 use crate::{
     api::{
         ActionView, BanEntry, BlockedSource, BrokerRateLimits, Connections, EscalationView,
-        KernelLimits, KernelRateLimits, SourceConnections, Status, millis,
+        KernelLimits, KernelRateLimits, SourceConnections, Status,
     },
     buckets::{Limiter, actions::Mode},
     datapath::{Enforcer, Maps, MapsError, kernel_keys::key_text},
+    duration_units::duration_ms,
 };
 
 /// Where views read the kernel maps from: the running datapath (a short lock per read) or
@@ -135,7 +136,7 @@ pub fn kernel_rate_limits(
             .take(limit)
             .map(|(key, left)| BanEntry {
                 source: key_text(&key, &config),
-                expires_in_ms: millis(left),
+                expires_in_ms: duration_ms(left),
             })
             .collect(),
     })
@@ -164,7 +165,7 @@ pub fn broker_rate_limits(limiter: &Limiter, limit: usize) -> BrokerRateLimits {
                 limit: spec.limit,
                 overrides: spec.overrides.len(),
                 enforcement: spec.mode.unwrap_or(limiter.mode()).as_str().to_owned(),
-                window_ms: millis(spec.window),
+                window_ms: duration_ms(spec.window),
                 burst: spec.burst,
                 key: spec.key.as_str().to_owned(),
                 max_keys: spec.max_keys,
@@ -179,11 +180,11 @@ pub fn broker_rate_limits(limiter: &Limiter, limit: usize) -> BrokerRateLimits {
         let stats = limiter.escalation_stats().unwrap_or_default();
         EscalationView {
             after: config.after,
-            window_ms: millis(config.window),
-            ban_ms: millis(config.ban),
+            window_ms: duration_ms(config.window),
+            ban_ms: duration_ms(config.ban),
             ban_factor: config.increment.factor,
-            max_ban_ms: millis(config.increment.max_ban),
-            memory_ms: millis(config.increment.memory),
+            max_ban_ms: duration_ms(config.increment.max_ban),
+            memory_ms: duration_ms(config.increment.memory),
             tracked_addresses: stats.tracked_addresses,
             bans: stats.bans,
             ban_failures: stats.ban_failures,
