@@ -247,8 +247,8 @@ impl SourceLimits {
 
 /// A rate's emission interval and burst tolerance in nanoseconds; (0, 0) for no limit.
 fn gcra_terms(rate: u32, burst: u32) -> (u64, u64) {
-    let interval = 1_000_000_000u64.checked_div(rate as u64).unwrap_or(0);
-    (interval, interval * burst.max(1) as u64)
+    let interval = 1_000_000_000u64.checked_div(u64::from(rate)).unwrap_or(0);
+    (interval, interval * u64::from(burst.max(1)))
 }
 
 /// The bits of [`Config::syn_cookies`].
@@ -360,7 +360,7 @@ pub fn attempt_signature(src: &[u8; 16], dst: &[u8; 16], sport: u16, dport: u16,
     const K: u64 = 0x9E37_79B9_7F4A_7C15;
     let src = u128::from_ne_bytes(*src);
     let dst = u128::from_ne_bytes(*dst);
-    let mut h = ((sport as u64) << 48 | (dport as u64) << 32 | seq as u64).wrapping_mul(K);
+    let mut h = (u64::from(sport) << 48 | u64::from(dport) << 32 | u64::from(seq)).wrapping_mul(K);
     for word in [
         src as u64,
         (src >> 64) as u64,

@@ -23,9 +23,9 @@ pub const V4_MAPPED: [u8; 12] = [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xFF, 0xFF];
 pub fn source_key(addr: &[u8; 16], ipv4_prefix: u8, ipv6_prefix: u8) -> SourceKey {
     let v4 = addr[..12] == V4_MAPPED;
     let prefix = if v4 {
-        96 + ipv4_prefix.min(32) as u32
+        96 + u32::from(ipv4_prefix.min(32))
     } else {
-        ipv6_prefix.min(128) as u32
+        u32::from(ipv6_prefix.min(128))
     };
     let hi = u64::from_be_bytes([
         addr[0], addr[1], addr[2], addr[3], addr[4], addr[5], addr[6], addr[7],

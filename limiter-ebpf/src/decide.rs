@@ -349,7 +349,10 @@ pub fn egress(seg: &Segment) -> Action {
 
 #[inline(always)]
 fn protected(config: &Config, port: u16) -> bool {
-    config.all_ports != 0 || map_access::PORTS.get(port as u32).is_some_and(|p| *p != 0)
+    config.all_ports != 0
+        || map_access::PORTS
+            .get(u32::from(port))
+            .is_some_and(|p| *p != 0)
 }
 
 /// Whether the source address is in the allow list (`allow`) or the deny list.
@@ -559,13 +562,13 @@ fn at_cap(source: &SourceKey, bucket: *mut SynBucket, cap: u32, config: &Config)
     // SAFETY: pointer from a successful lookup.
     if cap != 0
         && atomics::load(unsafe { &(*bucket).holders }) != 0
-        && source_counts::current(source) >= cap as u64
+        && source_counts::current(source) >= u64::from(cap)
     {
         return Some(Reason::ConnPerIp);
     }
     if config.max_conn_total != 0
         && let Some(global) = GLOBAL_CONNS.get_ptr(0)
-        && atomics::load(global) >= config.max_conn_total as u64
+        && atomics::load(global) >= u64::from(config.max_conn_total)
     {
         return Some(Reason::ConnTotal);
     }
@@ -890,7 +893,7 @@ fn admit(
         // Refused, never let in uncounted: see `source_counts`.
         Taken::Busy => return refuse_at_ack(Blame::Source(&source), Reason::FlowTableFull, config),
     };
-    if enforce && own.cap != 0 && before >= own.cap as u64 {
+    if enforce && own.cap != 0 && before >= u64::from(own.cap) {
         source_counts::give_back(&source, per_source, 1);
         return refuse_at_ack(Blame::Source(&source), Reason::ConnPerIp, config);
     }
@@ -899,7 +902,7 @@ fn admit(
         return Completion::NotAHandshake;
     };
     let before = atomics::fetch_add(global, 1);
-    if enforce && config.max_conn_total != 0 && before >= config.max_conn_total as u64 {
+    if enforce && config.max_conn_total != 0 && before >= u64::from(config.max_conn_total) {
         atomics::decrement(global);
         source_counts::give_back(&source, per_source, 1);
         return refuse_at_ack(Blame::Source(&source), Reason::ConnTotal, config);
@@ -1056,7 +1059,7 @@ pub fn adopt(key: &FlowKey) -> u32 {
     }
     hold(&source, config, 1);
     event(Event::Opened);
-    let over = |before: u64, cap: u32| cap != 0 && before >= cap as u64;
+    let over = |before: u64, cap: u32| cap != 0 && before >= u64::from(cap);
     if over(per_source_before, PerSource::of(&source, config).cap)
         || over(global_before, config.max_conn_total)
     {

@@ -502,7 +502,7 @@ mod tests {
                 f.reason.as_deref()
             );
             assert_eq!(
-                json.get("duration_ms").and_then(|d| d.as_u64()),
+                json.get("duration_ms").and_then(serde_json::Value::as_u64),
                 f.duration_ms
             );
             assert!(timestamp(line).is_some(), "{line}");

@@ -444,7 +444,7 @@ impl Model {
             let blame = Blame::Bucket(place.slot);
             return self.refuse(seg, blame, Reason::SynRate, self.config.reject_rate);
         }
-        let total = self.config.max_conn_total as u64;
+        let total = u64::from(self.config.max_conn_total);
         if per_ip != 0
             && bucket.holders != 0
             && self.source_conns.get(&source).is_some_and(|n| *n >= per_ip)
@@ -509,7 +509,7 @@ impl Model {
         self.half_open.remove(&key);
         let per_source = *self.source_conns.entry(entry.source).or_default();
         let per_ip = self.own(&entry.source).0;
-        let total = self.config.max_conn_total as u64;
+        let total = u64::from(self.config.max_conn_total);
         let refused = if per_ip != 0 && per_source >= per_ip {
             Some(Reason::ConnPerIp)
         } else if total != 0 && self.global >= total {

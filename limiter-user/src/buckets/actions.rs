@@ -626,7 +626,7 @@ fn apply_strikes(
                     window: DEFAULT_STRIKE_WINDOW,
                     oversize: 1,
                 })
-            })
+            });
         }
         None => {}
     }

@@ -569,13 +569,10 @@ impl Limiter {
             return Err(CheckError::NotConcurrency(action.spec.name.clone()));
         }
         let stored = action.store(key)?;
-        let max = match action.limits(&stored).local {
-            Mode::Sessions(max) => max,
-            // Limit 0: sessions are not limited, nor counted.
-            _ => {
-                let verdict = Verdict::new(Outcome::Unlimited, 0, u32::MAX, 0, 0);
-                return Ok(self.count(&action, &stored, verdict, (true, false), true));
-            }
+        // Limit 0: sessions are not limited, nor counted.
+        let Mode::Sessions(max) = action.limits(&stored).local else {
+            let verdict = Verdict::new(Outcome::Unlimited, 0, u32::MAX, 0, 0);
+            return Ok(self.count(&action, &stored, verdict, (true, false), true));
         };
         let counts = &action.table.sessions;
         let (fits, held) = if owner.holds(&action.name, &stored, session) {

@@ -91,13 +91,13 @@ impl<V: aya::Pod + PartialEq> Trie<V> {
     /// Every prefix the tries hold, with its value: IPv4 first.
     fn entries(&self) -> Result<Vec<(IpNet, V)>, MapsError> {
         let mut out = Vec::new();
-        for entry in self.v4.iter() {
+        for entry in &self.v4 {
             let (key, value) = entry.map_err(map_error(self.names.0))?;
             let net = ipnet::Ipv4Net::new(key.data().into(), key.prefix_len() as u8)
                 .map_err(|_| MapsError::BadPrefix(self.names.0))?;
             out.push((IpNet::V4(net), value));
         }
-        for entry in self.v6.iter() {
+        for entry in &self.v6 {
             let (key, value) = entry.map_err(map_error(self.names.1))?;
             let net = ipnet::Ipv6Net::new(key.data().into(), key.prefix_len() as u8)
                 .map_err(|_| MapsError::BadPrefix(self.names.1))?;
@@ -116,10 +116,10 @@ impl<V: aya::Pod + PartialEq> Trie<V> {
         for (net, value) in entries {
             match net {
                 IpNet::V4(n) => {
-                    want4.push(((u32::from(n.prefix_len()), n.network().octets()), *value))
+                    want4.push(((u32::from(n.prefix_len()), n.network().octets()), *value));
                 }
                 IpNet::V6(n) => {
-                    want6.push(((u32::from(n.prefix_len()), n.network().octets()), *value))
+                    want6.push(((u32::from(n.prefix_len()), n.network().octets()), *value));
                 }
             }
         }
@@ -392,7 +392,7 @@ impl Maps {
     pub fn bans(&self) -> Result<Vec<(SourceKey, Duration)>, MapsError> {
         let now = boot_time_ns()?;
         let mut out = Vec::new();
-        for entry in self.bans.iter() {
+        for entry in &self.bans {
             let (key, ban) = entry.map_err(map_error(map_names::BANS))?;
             if ban.expires_ns > now {
                 out.push((key, Duration::from_nanos(ban.expires_ns - now)));
@@ -528,7 +528,7 @@ impl Maps {
     /// and the SYN-rate refusals each source's bucket counts, in the `syn_rate` slot.
     pub fn blocked(&self) -> Result<Vec<(SourceKey, Blocked)>, MapsError> {
         let mut all = std::collections::BTreeMap::<SourceKey, Blocked>::new();
-        for entry in self.blocked.iter() {
+        for entry in &self.blocked {
             let (key, blocked) = entry.map_err(map_error(map_names::BLOCKED))?;
             all.insert(key, blocked);
         }

@@ -125,11 +125,14 @@ impl<T: Scraped> Collector for AtScrape<T> {
     }
 
     fn collect(&self) -> Vec<MetricFamily> {
-        let _serial = self.lock.lock().unwrap_or_else(|e| e.into_inner());
+        let _serial = self
+            .lock
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         self.source
             .refill()
             .into_iter()
-            .flat_map(|c| c.collect())
+            .flat_map(prometheus::core::Collector::collect)
             .collect()
     }
 }

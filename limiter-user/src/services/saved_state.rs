@@ -282,7 +282,7 @@ async fn save(enforcer: &Arc<Enforcer>, path: &Path) {
     match result {
         Ok(Ok(bans)) => tracing::debug!(bans, "state file written"),
         Ok(Err(error)) => {
-            tracing::error!(error = %error_chain(&error), "the state file was not written")
+            tracing::error!(error = %error_chain(&error), "the state file was not written");
         }
         Err(error) => tracing::error!(%error, "the state file's writer failed"),
     }

@@ -279,7 +279,7 @@ impl Sweeper {
                         closed += 1;
                     }
                     Err(error) => {
-                        tracing::warn!(%remote, %error, "a connection got past a cap unjudged and could not be closed; it stays counted")
+                        tracing::warn!(%remote, %error, "a connection got past a cap unjudged and could not be closed; it stays counted");
                     }
                 }
             }
