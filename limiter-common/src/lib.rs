@@ -561,19 +561,29 @@ pub mod helper {
 #[cfg(feature = "user")]
 mod pod {
     use super::*;
-    // SAFETY: each type is `repr(C)`, `Copy`, has no padding the compiler adds (padding is
-    // spelled out as fields) and is valid for any bit pattern.
-    unsafe impl aya::Pod for Config {}
-    unsafe impl aya::Pod for SourceKey {}
-    unsafe impl aya::Pod for SourceLimits {}
-    unsafe impl aya::Pod for FlowKey {}
-    unsafe impl aya::Pod for Flow {}
-    unsafe impl aya::Pod for HalfOpen {}
-    unsafe impl aya::Pod for SynBucket {}
-    unsafe impl aya::Pod for Ban {}
-    unsafe impl aya::Pod for Blocked {}
-    unsafe impl aya::Pod for FlowRequest {}
-    unsafe impl aya::Pod for AdjustRequest {}
+
+    /// `aya::Pod` for each of the map types, under the one argument that holds for them all.
+    macro_rules! pod {
+        ($($ty:ty),* $(,)?) => {$(
+            // SAFETY: each type is `repr(C)`, `Copy`, has no padding the compiler adds
+            // (padding is spelled out as fields) and is valid for any bit pattern.
+            unsafe impl aya::Pod for $ty {}
+        )*};
+    }
+
+    pod!(
+        Config,
+        SourceKey,
+        SourceLimits,
+        FlowKey,
+        Flow,
+        HalfOpen,
+        SynBucket,
+        Ban,
+        Blocked,
+        FlowRequest,
+        AdjustRequest,
+    );
 }
 
 #[cfg(test)]

@@ -144,10 +144,9 @@ fn refused_attempt(blame: Blame, reason: Reason, syn: Option<&Segment>) {
     let Some(slot) = reason.blocked_slot() else {
         return;
     };
-    // SAFETY (all three blocks): pointers from successful lookups; the slot is below
-    // REFUSAL_COUNT.
     let (counter, seen) = match blame {
         Blame::Source(source) => match map_access::get_or_insert(&BLOCKED, source, &NO_REFUSALS) {
+            // SAFETY: a pointer from a successful lookup; the slot is below REFUSAL_COUNT.
             Some(blocked) => unsafe {
                 (&raw mut (*blocked).counts[slot], &raw mut (*blocked).seen)
             },
@@ -156,6 +155,7 @@ fn refused_attempt(blame: Blame, reason: Reason, syn: Option<&Segment>) {
                 return;
             }
         },
+        // SAFETY: a pointer from a successful lookup.
         Blame::Bucket(bucket) => unsafe { (&raw mut (*bucket).refused, &raw mut (*bucket).seen) },
     };
     if let Some(syn) = syn
@@ -559,8 +559,8 @@ const EEXIST: i32 = 17;
 /// flood is made of, then pays no hash lookup.
 #[inline(always)]
 fn at_cap(source: &SourceKey, bucket: *mut SynBucket, cap: u32, config: &Config) -> Option<Reason> {
-    // SAFETY: pointer from a successful lookup.
     if cap != 0
+        // SAFETY: pointer from a successful lookup.
         && atomics::load(unsafe { &(*bucket).holders }) != 0
         && source_counts::current(source) >= u64::from(cap)
     {
@@ -672,8 +672,7 @@ impl Gcra {
         word: u64,
         now: u64,
     ) -> Result<(), ()> {
-        // SAFETY (all blocks): pointer from a successful lookup; besides the word, plain
-        // fields racing CPUs may overwrite, which only the top-blocked counts would feel.
+        // SAFETY: pointer from a successful lookup.
         let tat_tag = unsafe { &raw mut (*bucket).tat_tag };
         let mut current = word;
         for _ in 0..8 {
@@ -688,6 +687,9 @@ impl Gcra {
             match atomics::compare_exchange(tat_tag, current, (next & !BUCKET_TAG_MASK) | tag) {
                 Ok(()) => {
                     if claim {
+                        // SAFETY: pointer from a successful lookup; besides the word, plain
+                        // fields racing CPUs may overwrite, which only the top-blocked counts
+                        // would feel.
                         unsafe {
                             (*bucket).source = *source;
                             (*bucket).refused = 0;
@@ -1084,8 +1086,8 @@ fn reset(seg: &Segment, direction: Direction) -> Action {
         return pass(direction, Reason::Untracked);
     };
     match direction {
-        // SAFETY: pointer from a successful lookup; the field is a plain word.
         Direction::Ingress => {
+            // SAFETY: pointer from a successful lookup; the field is a plain word.
             atomics::fetch_or(unsafe { &mut (*flow).state }, flow_state::RST_IN);
         }
         Direction::Egress => {
