@@ -17,7 +17,7 @@ use thiserror::Error;
 use super::{
     CookieMode, CookieTerms, Policy,
     kernel_keys::{boot_time_ns, bucket_seed, source_key},
-    mmap_array::MappedArray,
+    mmap_array::MmapArray,
     pins,
 };
 
@@ -533,7 +533,7 @@ impl Maps {
             all.insert(key, blocked);
         }
         if let Some(rate) = Reason::SynRate.blocked_slot() {
-            for bucket in self.mapped_buckets()?.iter() {
+            for bucket in self.mmap_buckets()?.iter() {
                 if bucket.refused > 0 {
                     all.entry(bucket.source).or_default().counts[rate] += bucket.refused;
                 }
@@ -546,14 +546,14 @@ impl Maps {
     /// what the differential test holds against its model.
     pub fn syn_buckets(&self) -> Result<Vec<(u32, SynBucket)>, MapsError> {
         Ok((0..)
-            .zip(self.mapped_buckets()?.iter())
+            .zip(self.mmap_buckets()?.iter())
             .filter(|(_, bucket)| bucket.tat_tag != 0 || bucket.holders != 0)
             .collect())
     }
 
     /// The SYN bucket array, mapped read-only: one pass over it costs no syscall per slot.
-    fn mapped_buckets(&self) -> Result<MappedArray<SynBucket>, MapsError> {
-        MappedArray::new(self.syn_buckets.map().fd(), self.syn_buckets.len()).map_err(|source| {
+    fn mmap_buckets(&self) -> Result<MmapArray<SynBucket>, MapsError> {
+        MmapArray::new(self.syn_buckets.map().fd(), self.syn_buckets.len()).map_err(|source| {
             MapsError::Mapping {
                 name: map_names::SYN_BUCKETS,
                 source,
