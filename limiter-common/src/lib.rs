@@ -7,59 +7,13 @@
 #![deny(missing_docs)]
 #![warn(missing_debug_implementations)]
 
-pub mod maps;
+pub mod map_catalogue;
 pub mod source;
 pub mod stats;
 
-pub use source::source_key;
+pub use map_catalogue::map_names;
+pub use source::{SourceKey, source_key};
 pub use stats::{Direction, Event, Reason, Verdict};
-
-/// Names of the maps, from the catalogue in [`maps`], so that a rename breaks the build rather
-/// than the agent.
-pub mod map_names {
-    use crate::maps;
-    /// The one [`Config`](crate::Config), rewritten by the agent on every settings change.
-    pub const CONFIG: &str = maps::CONFIG.name;
-    /// One byte per local port, non-zero for a protected port (unless `all_ports` is set).
-    pub const PORTS: &str = maps::PORTS.name;
-    /// Admitted connections: [`FlowKey`](crate::FlowKey) to [`Flow`](crate::Flow).
-    pub const FLOWS: &str = maps::FLOWS.name;
-    /// Connections awaiting their handshake's last ACK, which hold no slot until it comes.
-    pub const HALF_OPEN: &str = maps::HALF_OPEN.name;
-    /// Recent SYN-ACK ISNs, so that only an ACK that may complete a handshake pays a lookup.
-    pub const ACK_HINTS: &str = maps::ACK_HINTS.name;
-    /// Open connections per [`SourceKey`](crate::SourceKey), for the per-source cap.
-    pub const SOURCE_CONNS: &str = maps::SOURCE_CONNS.name;
-    /// Open connections to the host, for the total cap: a single counter.
-    pub const GLOBAL_CONNS: &str = maps::GLOBAL_CONNS.name;
-    /// The connection rate's GCRA word: the theoretical arrival time of the next connection.
-    pub const CONN_RATE: &str = maps::CONN_RATE.name;
-    /// The SYN rate's [`SynBucket`](crate::SynBucket)s, a slot per keyed hash of a source.
-    pub const SYN_BUCKETS: &str = maps::SYN_BUCKETS.name;
-    /// Banned sources and when each ban ends.
-    pub const BANS: &str = maps::BANS.name;
-    /// IPv4 prefixes with limits of their own ([`SourceLimits`](crate::SourceLimits)).
-    pub const OVERRIDES_V4: &str = maps::OVERRIDES_V4.name;
-    /// IPv6 prefixes with limits of their own.
-    pub const OVERRIDES_V6: &str = maps::OVERRIDES_V6.name;
-    /// IPv4 prefixes that bypass every limit.
-    pub const ALLOW_V4: &str = maps::ALLOW_V4.name;
-    /// IPv6 prefixes that bypass every limit.
-    pub const ALLOW_V6: &str = maps::ALLOW_V6.name;
-    /// IPv4 prefixes whose packets to protected ports are always refused.
-    pub const DENY_V4: &str = maps::DENY_V4.name;
-    /// IPv6 prefixes whose packets to protected ports are always refused.
-    pub const DENY_V6: &str = maps::DENY_V6.name;
-    /// Per-CPU packet counters, indexed by [`stat_slot`](crate::stats::stat_slot).
-    pub const STATS: &str = maps::STATS.name;
-    /// Per-CPU flow event counters, indexed by [`Event`](crate::Event).
-    pub const EVENTS: &str = maps::EVENTS.name;
-    /// Refused connection attempts per source and reason ([`Blocked`](crate::Blocked)), for
-    /// the top-blocked lists (those refused for their SYN rate count in their bucket).
-    pub const BLOCKED: &str = maps::BLOCKED.name;
-    /// Per-CPU refused connection attempts by refusal reason.
-    pub const REFUSED_CONNS: &str = maps::REFUSED_CONNS.name;
-}
 
 /// How a refused SYN is answered.
 #[repr(u8)]
@@ -293,8 +247,8 @@ impl SourceLimits {
 
 /// A rate's emission interval and burst tolerance in nanoseconds; (0, 0) for no limit.
 fn gcra_terms(rate: u32, burst: u32) -> (u64, u64) {
-    let interval = 1_000_000_000u64.checked_div(rate as u64).unwrap_or(0);
-    (interval, interval * burst.max(1) as u64)
+    let interval = 1_000_000_000u64.checked_div(u64::from(rate)).unwrap_or(0);
+    (interval, interval * u64::from(burst.max(1)))
 }
 
 /// The bits of [`Config::syn_cookies`].
@@ -306,17 +260,6 @@ pub mod syn_cookies {
     /// still charged.
     pub const CHECK: u8 = 2;
 }
-
-/// A source address masked to its configured prefix. IPv4 addresses are stored IPv4-mapped
-/// (`::ffff:a.b.c.d`) so that one set of maps serves both families.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct SourceKey {
-    /// The masked address, IPv6 byte order; bits beyond the prefix are zero.
-    pub addr: [u8; 16],
-}
-
-const _: () = assert!(core::mem::size_of::<SourceKey>() == 16);
 
 /// A connection seen from the client's side: `remote` is the address that sent the SYN,
 /// `local` the protected address. Egress packets are keyed in the same orientation.
@@ -417,7 +360,7 @@ pub fn attempt_signature(src: &[u8; 16], dst: &[u8; 16], sport: u16, dport: u16,
     const K: u64 = 0x9E37_79B9_7F4A_7C15;
     let src = u128::from_ne_bytes(*src);
     let dst = u128::from_ne_bytes(*dst);
-    let mut h = ((sport as u64) << 48 | (dport as u64) << 32 | seq as u64).wrapping_mul(K);
+    let mut h = (u64::from(sport) << 48 | u64::from(dport) << 32 | u64::from(seq)).wrapping_mul(K);
     for word in [
         src as u64,
         (src >> 64) as u64,
@@ -618,19 +561,29 @@ pub mod helper {
 #[cfg(feature = "user")]
 mod pod {
     use super::*;
-    // SAFETY: each type is `repr(C)`, `Copy`, has no padding the compiler adds (padding is
-    // spelled out as fields) and is valid for any bit pattern.
-    unsafe impl aya::Pod for Config {}
-    unsafe impl aya::Pod for SourceKey {}
-    unsafe impl aya::Pod for SourceLimits {}
-    unsafe impl aya::Pod for FlowKey {}
-    unsafe impl aya::Pod for Flow {}
-    unsafe impl aya::Pod for HalfOpen {}
-    unsafe impl aya::Pod for SynBucket {}
-    unsafe impl aya::Pod for Ban {}
-    unsafe impl aya::Pod for Blocked {}
-    unsafe impl aya::Pod for FlowRequest {}
-    unsafe impl aya::Pod for AdjustRequest {}
+
+    /// `aya::Pod` for each of the map types, under the one argument that holds for them all.
+    macro_rules! pod {
+        ($($ty:ty),* $(,)?) => {$(
+            // SAFETY: each type is `repr(C)`, `Copy`, has no padding the compiler adds
+            // (padding is spelled out as fields) and is valid for any bit pattern.
+            unsafe impl aya::Pod for $ty {}
+        )*};
+    }
+
+    pod!(
+        Config,
+        SourceKey,
+        SourceLimits,
+        FlowKey,
+        Flow,
+        HalfOpen,
+        SynBucket,
+        Ban,
+        Blocked,
+        FlowRequest,
+        AdjustRequest,
+    );
 }
 
 #[cfg(test)]

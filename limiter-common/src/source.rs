@@ -1,7 +1,16 @@
 //! The source key: the one masking rule the kernel charges connections by and the agent
 //! looks them up by.
 
-use crate::SourceKey;
+/// A source address masked to its configured prefix. IPv4 addresses are stored IPv4-mapped
+/// (`::ffff:a.b.c.d`) so that one set of maps serves both families.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SourceKey {
+    /// The masked address, IPv6 byte order; bits beyond the prefix are zero.
+    pub addr: [u8; 16],
+}
+
+const _: () = assert!(core::mem::size_of::<SourceKey>() == 16);
 
 /// The `::ffff:0:0/96` prefix of an IPv4-mapped address.
 pub const V4_MAPPED: [u8; 12] = [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xFF, 0xFF];
@@ -14,9 +23,9 @@ pub const V4_MAPPED: [u8; 12] = [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xFF, 0xFF];
 pub fn source_key(addr: &[u8; 16], ipv4_prefix: u8, ipv6_prefix: u8) -> SourceKey {
     let v4 = addr[..12] == V4_MAPPED;
     let prefix = if v4 {
-        96 + ipv4_prefix.min(32) as u32
+        96 + u32::from(ipv4_prefix.min(32))
     } else {
-        ipv6_prefix.min(128) as u32
+        u32::from(ipv6_prefix.min(128))
     };
     let hi = u64::from_be_bytes([
         addr[0], addr[1], addr[2], addr[3], addr[4], addr[5], addr[6], addr[7],

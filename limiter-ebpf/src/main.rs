@@ -6,11 +6,11 @@
 
 mod atomics;
 mod cookie;
+mod decide;
 mod headers;
-mod maps;
+mod map_access;
 mod overrides;
 mod parsing;
-mod policy;
 mod reply;
 mod source_counts;
 
@@ -22,13 +22,13 @@ use aya_ebpf::{
     programs::{TcContext, XdpContext},
 };
 use aya_log_ebpf::debug;
+use decide::Action;
 use headers::Window;
 use limiter_common::{
     AdjustRequest, COOKIE_MARK, Direction, Event, FlowKey, FlowRequest, REPLY_MARK, RST_MARK,
     helper,
 };
 use parsing::Segment;
-use policy::Action;
 
 /// Ingress: refuses connections over their limits before the socket layer sees them.
 #[xdp]
@@ -36,7 +36,7 @@ pub fn limiter_xdp(ctx: XdpContext) -> u32 {
     let window = Window::of_xdp(&ctx);
     let segment = match parsing::parse_common(&window) {
         Some(frame) => {
-            if policy::established(&frame) {
+            if decide::established(&frame) {
                 return xdp_action::XDP_PASS;
             }
             if let Some(reason) = frame.discarded() {
@@ -49,12 +49,12 @@ pub fn limiter_xdp(ctx: XdpContext) -> u32 {
             Err(reason) => return unparsed(reason),
         },
     };
-    let action = match policy::ingress(&segment) {
+    let action = match decide::ingress(&segment) {
         Action::CheckCookie => {
             match cookie::check(ctx.ctx as *mut c_void, &Window::of_xdp(&ctx), &segment) {
-                cookie::Check::Valid => policy::cookie_ack(&segment),
-                cookie::Check::Invalid => policy::bad_cookie(),
-                cookie::Check::NotACookie => policy::not_a_cookie(&segment),
+                cookie::Check::Valid => decide::cookie_ack(&segment),
+                cookie::Check::Invalid => decide::bad_cookie(),
+                cookie::Check::NotACookie => decide::not_a_cookie(&segment),
             }
         }
         action => action,
@@ -113,7 +113,7 @@ fn xdp_cookie(ctx: &XdpContext, syn: &Segment) -> u32 {
         };
         reply::xdp_syn_ack(ctx, syn, &cookie)
     };
-    policy::cookie_sent(answered, value as u32);
+    decide::cookie_sent(answered, value as u32);
     if answered {
         xdp_action::XDP_TX
     } else {
@@ -121,10 +121,10 @@ fn xdp_cookie(ctx: &XdpContext, syn: &Segment) -> u32 {
     }
 }
 
-/// The XDP action for an ingress frame the parser could not judge (see `policy::unparsed`).
+/// The XDP action for an ingress frame the parser could not judge (see `decide::unparsed`).
 #[inline(always)]
 fn unparsed(reason: limiter_common::Reason) -> u32 {
-    match policy::unparsed(Direction::Ingress, reason) {
+    match decide::unparsed(Direction::Ingress, reason) {
         Action::Drop => xdp_action::XDP_DROP,
         _ => xdp_action::XDP_PASS,
     }
@@ -175,7 +175,7 @@ fn tc_cookie(ctx: &TcContext, syn: &Segment) -> bool {
         };
         reply::tc_syn_ack(ctx, syn, &cookie)
     };
-    policy::cookie_sent(answered, value as u32);
+    decide::cookie_sent(answered, value as u32);
     answered
 }
 
@@ -189,8 +189,8 @@ pub fn limiter_tc(ctx: TcContext) -> i32 {
         return TC_ACT_OK;
     }
     match parsing::parse(&Window::of_tc(&ctx), Direction::Egress) {
-        Ok(segment) => policy::egress(&segment),
-        Err(reason) => policy::unparsed(Direction::Egress, reason),
+        Ok(segment) => decide::egress(&segment),
+        Err(reason) => decide::unparsed(Direction::Egress, reason),
     };
     TC_ACT_OK
 }
@@ -203,8 +203,8 @@ pub fn limiter_release(ctx: XdpContext) -> u32 {
         return helper::INVALID;
     };
     let key: FlowKey = request.flow;
-    match maps::FLOWS.get_ptr_mut(key) {
-        Some(flow) if policy::close(&key, flow, Event::Released) => helper::DONE,
+    match map_access::FLOWS.get_ptr_mut(key) {
+        Some(flow) if decide::close(&key, flow, Event::Released) => helper::DONE,
         _ => helper::ABSENT,
     }
 }
@@ -216,16 +216,16 @@ pub fn limiter_adjust(ctx: XdpContext) -> u32 {
     let Some(request) = Window::of_xdp(&ctx).read::<AdjustRequest>(0) else {
         return helper::INVALID;
     };
-    policy::adjust(&request.source, request.global != 0, request.delta as u64)
+    decide::adjust(&request.source, request.global != 0, request.delta as u64)
 }
 
 /// Not attached anywhere: the agent runs it through `BPF_PROG_TEST_RUN` with a
 /// [`FlowRequest`] as the packet, to enter an established connection the flow table lacks and
-/// take its slots with the datapath's own atomics (see `policy::adopt`).
+/// take its slots with the datapath's own atomics (see `decide::adopt`).
 #[xdp]
 pub fn limiter_adopt(ctx: XdpContext) -> u32 {
     match Window::of_xdp(&ctx).read::<FlowRequest>(0) {
-        Some(request) => policy::adopt(&request.flow),
+        Some(request) => decide::adopt(&request.flow),
         None => helper::INVALID,
     }
 }

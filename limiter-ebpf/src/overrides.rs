@@ -6,7 +6,7 @@
 use aya_ebpf::maps::lpm_trie::Key;
 use limiter_common::{SourceKey, SourceLimits, source::V4_MAPPED};
 
-use crate::maps::{OVERRIDES_V4, OVERRIDES_V6};
+use crate::map_access::{OVERRIDES_V4, OVERRIDES_V6};
 
 /// The most specific override covering `source`, if any.
 #[inline(always)]

@@ -219,7 +219,13 @@ pub fn xdp_syn_ack(ctx: &XdpContext, syn: &Segment, cookie: &Cookie) -> bool {
     if delta != 0 && unsafe { bpf_xdp_adjust_tail(ctx.ctx, delta) } != 0 {
         return false;
     }
-    write_syn_ack(&Window::of_xdp(ctx), syn, cookie, crate::maps::config()).is_some()
+    write_syn_ack(
+        &Window::of_xdp(ctx),
+        syn,
+        cookie,
+        crate::map_access::config(),
+    )
+    .is_some()
 }
 
 /// Resizes the skb (a marked SYN) to the SYN-ACK answering it with `cookie` and writes it,
@@ -230,7 +236,13 @@ pub fn tc_syn_ack(ctx: &TcContext, syn: &Segment, cookie: &Cookie) -> bool {
     if unsafe { bpf_skb_change_tail(ctx.skb.skb, syn_ack_len(syn) as u32, 0) } != 0 {
         return false;
     }
-    write_syn_ack(&Window::of_tc(ctx), syn, cookie, crate::maps::config()).is_some()
+    write_syn_ack(
+        &Window::of_tc(ctx),
+        syn,
+        cookie,
+        crate::map_access::config(),
+    )
+    .is_some()
 }
 
 /// Writes the SYN-ACK into a packet already sized for it, one header at a time, each by a

@@ -29,7 +29,7 @@ use limiter_common::{SOURCE_RETIRED, SourceKey};
 
 use crate::{
     atomics,
-    maps::{self, SOURCE_CONNS},
+    map_access::{self, SOURCE_CONNS},
 };
 
 /// Looks taken by a source at a contended or retiring entry before giving up.
@@ -57,7 +57,7 @@ fn is_entry_of(source: &SourceKey, counter: *mut u64) -> bool {
 #[inline(always)]
 pub fn take(source: &SourceKey, delta: u64) -> Taken {
     for _ in 0..TRIES {
-        let Some(counter) = maps::get_or_insert(&SOURCE_CONNS, source, &0) else {
+        let Some(counter) = map_access::get_or_insert(&SOURCE_CONNS, source, &0) else {
             return Taken::Full;
         };
         let before = atomics::load(counter);

@@ -23,6 +23,8 @@
 
 use std::{net::IpAddr, time::Duration};
 
+use crate::duration_units::duration_ms;
+
 /// The `tracing` target every event is written to, and nothing else is.
 pub const TARGET: &str = "limiter::events";
 
@@ -152,10 +154,6 @@ pub struct Fields {
     pub message: String,
 }
 
-fn millis(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
-}
-
 fn text(d: Duration) -> humantime::FormattedDuration {
     humantime::format_duration(d)
 }
@@ -168,7 +166,7 @@ impl Event {
                 source: Some(addr.to_string()),
                 cause: Some(cause.name()),
                 reason: Some(cause.reason()),
-                duration_ms: Some(millis(*ttl)),
+                duration_ms: Some(duration_ms(*ttl)),
                 message: format!("banned {addr} for {}: {}", text(*ttl), cause.reason()),
                 ..Fields::default()
             },
@@ -198,7 +196,7 @@ impl Event {
                     kind: "would-ban",
                     source: Some(addr.to_string()),
                     cause: Some("escalation"),
-                    duration_ms: Some(millis(*ttl)),
+                    duration_ms: Some(duration_ms(*ttl)),
                     message: format!(
                         "monitor mode: would have banned {addr} for {}: {reason}",
                         text(*ttl)
@@ -504,7 +502,7 @@ mod tests {
                 f.reason.as_deref()
             );
             assert_eq!(
-                json.get("duration_ms").and_then(|d| d.as_u64()),
+                json.get("duration_ms").and_then(serde_json::Value::as_u64),
                 f.duration_ms
             );
             assert!(timestamp(line).is_some(), "{line}");

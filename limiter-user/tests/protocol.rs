@@ -370,7 +370,7 @@ async fn unknown_actions_and_bad_keys_get_their_own_errors() {
             code: ErrorCode::UnknownAction,
             message,
         }) => {
-            assert!(message.contains("nope"), "{message}")
+            assert!(message.contains("nope"), "{message}");
         }
         other => panic!("{other:?}"),
     }

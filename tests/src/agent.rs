@@ -19,9 +19,10 @@ use crate::netns::Netns;
 
 /// The agent binary: `LIMITER_BIN` (set by `cargo xtask test`), else the release build.
 pub fn binary() -> PathBuf {
-    std::env::var_os("LIMITER_BIN")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/release/limiter"))
+    std::env::var_os("LIMITER_BIN").map_or_else(
+        || Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/release/limiter"),
+        PathBuf::from,
+    )
 }
 
 /// Multiplies the startup deadline where the machine is known to be slower than the ones the

@@ -1,4 +1,4 @@
-//! A plain-Rust reference model of the kernel policy (limiter-ebpf's `policy.rs`), written
+//! A plain-Rust reference model of the kernel policy (limiter-ebpf's `decide.rs`), written
 //! from the code as it stands, for the differential test: the same frames go through the real
 //! programs and through this model, and every verdict and counter must agree.
 //!
@@ -451,7 +451,7 @@ impl Model {
             let blame = Blame::Bucket(place.slot);
             return self.refuse(seg, blame, Reason::SynRate, self.config.reject_rate);
         }
-        let total = self.config.max_conn_total as u64;
+        let total = u64::from(self.config.max_conn_total);
         if per_ip != 0
             && bucket.holders != 0
             && self.source_conns.get(&source).is_some_and(|n| *n >= per_ip)
@@ -516,7 +516,7 @@ impl Model {
         self.half_open.remove(&key);
         let per_source = *self.source_conns.entry(entry.source).or_default();
         let per_ip = self.own(&entry.source).0;
-        let total = self.config.max_conn_total as u64;
+        let total = u64::from(self.config.max_conn_total);
         // Monitor mode admits past the caps and the rates, taking what tokens there are (its
         // SYN counted the refusal enforce mode would have made).
         let enforce = self.config.monitor == 0;

@@ -15,11 +15,10 @@ use crate::netns::Netns;
 
 /// The plugin: `LIMITER_MOSQUITTO_PLUGIN` (set by `cargo xtask test`), else the release build.
 pub fn plugin() -> PathBuf {
-    std::env::var_os("LIMITER_MOSQUITTO_PLUGIN")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/release/liblimiter_mosquitto.so")
-        })
+    std::env::var_os("LIMITER_MOSQUITTO_PLUGIN").map_or_else(
+        || Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/release/liblimiter_mosquitto.so"),
+        PathBuf::from,
+    )
 }
 
 /// The MQTT port the broker listens on inside its namespace.

@@ -666,7 +666,7 @@ fn repeated_auth_refusals_become_a_kernel_ban() {
     let bans = s.pins.maps().bans().unwrap();
     assert_eq!(bans.len(), 1, "one kernel ban");
     assert_eq!(
-        limiter::datapath::keys::key_address(&bans[0].0),
+        limiter::datapath::kernel_keys::key_address(&bans[0].0),
         IpAddr::V4(CLIENT_V4)
     );
     assert!(
@@ -987,7 +987,10 @@ fn admin_requests_over_tcp_need_the_broker_admin_token() {
     );
     let bans = s.pins.maps().bans().unwrap();
     assert_eq!(bans.len(), 1, "a kernel ban");
-    assert_eq!(limiter::datapath::keys::key_address(&bans[0].0), addr);
+    assert_eq!(
+        limiter::datapath::kernel_keys::key_address(&bans[0].0),
+        addr
+    );
 }
 
 #[test]

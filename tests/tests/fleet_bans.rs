@@ -11,7 +11,7 @@ use std::{
 };
 
 use limiter::{
-    datapath::keys::key_address,
+    datapath::kernel_keys::key_address,
     fleet::{BanChange, FleetBans, LogId, Redis, RedisTarget},
 };
 use limiter_tests::{

@@ -1315,7 +1315,7 @@ fn who_check_answers_changes_with_a_reload() {
         h.agent.settings.replace(Settings {
             check,
             ..h.agent.settings()
-        })
+        });
     };
     reload(CheckAccess::Token(CHECK_TOKEN.into()));
     let answer = h.send(Method::POST, "/v1/check", None, Some(body.clone()));

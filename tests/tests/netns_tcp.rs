@@ -66,7 +66,7 @@ fn open_counted(
                 if counted {
                     assert_eq!(t.wait_global(before + 1), before + 1);
                 }
-                open.push(conn)
+                open.push(conn);
             }
             Err(e) => assert_eq!(e.kind(), ErrorKind::ConnectionRefused, "{e}"),
         }

@@ -15,7 +15,7 @@ use etherparse::{
 use limiter::datapath::{ADJUST_PROGRAM, RELEASE_PROGRAM};
 use limiter_common::{
     AdjustRequest, Direction, Event, FlowKey, FlowRequest, HalfOpen, RST_MARK, Reason, Verdict,
-    attempt_signature, bucket_place, flow_state, helper, maps, seen_slot, source_key,
+    attempt_signature, bucket_place, flow_state, helper, map_catalogue, seen_slot, source_key,
 };
 use limiter_tests::{
     frames::{self, CLIENT_MAC, Flags, SERVER_MAC, Tcp, Vlans},
@@ -1492,7 +1492,7 @@ fn a_spoofed_syn_flood_holds_no_slot_and_locks_no_one_out() {
     );
     assert_eq!(k.global(), 0);
     assert!(k.dp.maps.all_source_connections().unwrap().is_empty());
-    assert!(half_open(&k).len() <= maps::HALF_OPEN.default_entries as usize);
+    assert!(half_open(&k).len() <= map_catalogue::HALF_OPEN.default_entries as usize);
     // A real client right after gets in on its first try.
     let real = syn(
         IpAddr::V6(Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, 9)),
@@ -1507,16 +1507,16 @@ fn a_spoofed_syn_flood_holds_no_slot_and_locks_no_one_out() {
 fn the_object_holds_exactly_the_catalogued_maps() {
     use aya::maps::Map;
     let ebpf = aya::Ebpf::load(limiter::datapath::EBPF_OBJECT).expect("the object");
-    for def in maps::ALL {
+    for def in map_catalogue::ALL {
         let map = ebpf
             .map(def.name)
             .unwrap_or_else(|| panic!("{} is catalogued but not in the object", def.name));
         let kind = match map {
-            Map::Array(_) => maps::MapKind::Array,
-            Map::PerCpuArray(_) => maps::MapKind::PerCpuArray,
-            Map::HashMap(_) => maps::MapKind::Hash,
-            Map::LruHashMap(_) => maps::MapKind::LruHash,
-            Map::LpmTrie(_) => maps::MapKind::LpmTrie,
+            Map::Array(_) => map_catalogue::MapKind::Array,
+            Map::PerCpuArray(_) => map_catalogue::MapKind::PerCpuArray,
+            Map::HashMap(_) => map_catalogue::MapKind::Hash,
+            Map::LruHashMap(_) => map_catalogue::MapKind::LruHash,
+            Map::LpmTrie(_) => map_catalogue::MapKind::LpmTrie,
             other => panic!("{}: unexpected {other:?}", def.name),
         };
         assert_eq!(kind, def.kind, "{}", def.name);
@@ -1525,7 +1525,7 @@ fn the_object_holds_exactly_the_catalogued_maps() {
     let others: Vec<&str> = ebpf
         .maps()
         .map(|(name, _)| name)
-        .filter(|name| !maps::ALL.iter().any(|def| def.name == *name))
+        .filter(|name| !map_catalogue::ALL.iter().any(|def| def.name == *name))
         .filter(|name| *name != "AYA_LOGS" && !name.starts_with('.'))
         .collect();
     assert!(others.is_empty(), "not catalogued: {others:?}");

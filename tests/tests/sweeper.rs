@@ -11,7 +11,7 @@ use std::{
 
 use limiter::{
     buckets::{LimiterConfig, actions::builtin_actions},
-    datapath::{Adoption, SweepCursor, keys::source_key},
+    datapath::{Adoption, SweepCursor, kernel_keys::source_key},
     services::sweeper::Sweeper,
     settings::SweepSettings,
 };

@@ -289,7 +289,7 @@ fn only_an_ack_with_the_right_cookie_takes_a_slot() {
                 let socket = PacketSocket::bind(&t.pair.client_if).unwrap();
                 assert!(socket.send(frame).unwrap());
             })
-            .unwrap()
+            .unwrap();
     };
     let global = || t.dp.maps.global_connections().unwrap();
     let bad = || {

@@ -40,7 +40,7 @@ fn unmount_if_empty() {
     }
     let left: Vec<String> = std::fs::read_dir(BPFFS)
         .map(|d| {
-            d.filter_map(|e| e.ok())
+            d.filter_map(std::result::Result::ok)
                 .map(|e| e.file_name().to_string_lossy().into_owned())
                 .collect()
         })

@@ -1,6 +1,6 @@
-//! Cross-building the agent for arm64 on an x86_64 machine (shared/notes/KERNELS.md): the
-//! Rust target, Debian's aarch64 GCC as linker and C compiler, and qemu-user to run what it
-//! builds. The eBPF object is the same for both: it is built once, for `bpfel`.
+//! Cross-building the agent for arm64 on an x86_64 machine (docs/architecture.md, "Kernels
+//! under qemu"): the Rust target, Debian's aarch64 GCC as linker and C compiler, and qemu-user
+//! to run what it builds. The eBPF object is the same for both: it is built once, for `bpfel`.
 
 use std::{path::PathBuf, process::Command};
 

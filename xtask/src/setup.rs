@@ -1,4 +1,4 @@
-//! Installs the eBPF toolchain idempotently, following shared/notes/TOOLCHAIN.md.
+//! Installs the eBPF toolchain idempotently, as docs/architecture.md ("Toolchain") describes.
 
 use std::{fs, os::unix::fs::symlink, path::Path, process::Command};
 

@@ -10,10 +10,12 @@ use limiter_client::MAX_ACTION_NAME;
 use serde::{Deserialize, Deserializer, Serialize, de};
 
 use super::{
+    calendar_quota::{self, Quota},
     gcra::Rate,
-    quota::{self, Quota},
     strikes::StrikeRule,
 };
+
+use crate::duration_units::duration_ms;
 
 /// How an action counts: a GCRA bucket refilled continuously (`rate`, the default), or a fixed
 /// allowance per calendar window (`quota`).
@@ -246,7 +248,7 @@ pub struct ActionSpec {
 }
 
 pub(crate) fn as_millis<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
-    s.serialize_u64(u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+    s.serialize_u64(duration_ms(*d))
 }
 
 /// How an action behaves, derived once from its settings.
@@ -382,7 +384,7 @@ fn apply(
                 limit: config.limit.ok_or_else(|| missing("limit"))?,
                 window: match kind {
                     ActionKind::Rate => config.window.ok_or_else(|| missing("window"))?.0,
-                    ActionKind::Quota => quota::DAY,
+                    ActionKind::Quota => calendar_quota::DAY,
                     ActionKind::Concurrency => Duration::ZERO,
                 },
                 burst: 0,
@@ -408,7 +410,7 @@ fn apply(
         // starts from its own defaults.
         spec.kind = kind;
         spec.window = match kind {
-            ActionKind::Quota => quota::DAY,
+            ActionKind::Quota => calendar_quota::DAY,
             ActionKind::Concurrency => Duration::ZERO,
             ActionKind::Rate => {
                 config
@@ -490,7 +492,7 @@ fn apply_overrides(
 ) -> Result<(), ConfigError> {
     for (key, &limit) in overrides {
         let setting = || format!("{origin}.overrides.{key:?}");
-        super::keys::store(spec.key, key.as_bytes()).map_err(|e| {
+        super::bucket_keys::store(spec.key, key.as_bytes()).map_err(|e| {
             ConfigError::new(setting(), format!("not a {} key: {e}", spec.key.as_str()))
         })?;
         if limit == 0 {
@@ -624,7 +626,7 @@ fn apply_strikes(
                     window: DEFAULT_STRIKE_WINDOW,
                     oversize: 1,
                 })
-            })
+            });
         }
         None => {}
     }
@@ -712,7 +714,7 @@ fn apply_quota(
         ));
     }
     if let Some(period) = config.period {
-        if !(quota::MIN_PERIOD..=quota::MAX_PERIOD).contains(&period.0) {
+        if !(calendar_quota::MIN_PERIOD..=calendar_quota::MAX_PERIOD).contains(&period.0) {
             return Err(ConfigError::new(
                 format!("{origin}.period"),
                 "must be from 1s to 366 days",
@@ -964,12 +966,15 @@ mod tests {
         .unwrap();
         let sends = find(&specs, "sends");
         assert_eq!(sends.kind, ActionKind::Quota);
-        assert_eq!((sends.window, sends.burst), (quota::DAY, 500));
+        assert_eq!((sends.window, sends.burst), (calendar_quota::DAY, 500));
         assert!(matches!(sends.mode(), Mode::Quota(_)));
-        assert_eq!(find(&specs, "exports").window, 7 * quota::DAY);
+        assert_eq!(find(&specs, "exports").window, 7 * calendar_quota::DAY);
         // A built-in turned into a quota leaves its rate window behind.
         let publish = find(&specs, "publish");
-        assert_eq!((publish.window, publish.burst), (quota::DAY, 10_000));
+        assert_eq!(
+            (publish.window, publish.burst),
+            (calendar_quota::DAY, 10_000)
+        );
         assert_eq!(find(&specs, "auth").kind, ActionKind::Rate);
     }
 

@@ -1,6 +1,6 @@
 //! One key's state as a single `u64`, settled by compare-and-swap, whatever the algorithm.
 //!
-//! Both algorithms ([`Rate`](super::gcra::Rate) and [`Quota`](super::quota::Quota)) keep all a
+//! Both algorithms ([`Rate`](super::gcra::Rate) and [`Quota`](super::calendar_quota::Quota)) keep all a
 //! key needs in one word, so one compare-and-swap makes a check exact under concurrency without
 //! a lock: of any number of racing requests, exactly those that fit are admitted.
 

@@ -6,6 +6,8 @@ use std::{
     time::{Duration, SystemTime},
 };
 
+use crate::duration_units::duration_ns;
+
 /// Two readings: a monotonic one for rates, and the calendar for quotas.
 pub trait Clock: Send + Sync {
     /// Nanoseconds since the clock's own origin. Only differences matter, and a monotonic
@@ -84,11 +86,6 @@ impl Clock for ManualClock {
     fn unix_ns(&self) -> u64 {
         self.now_ns()
     }
-}
-
-/// Saturating, so an absurd configured duration means "forever" rather than wrapping to zero.
-pub fn duration_ns(duration: Duration) -> u64 {
-    u64::try_from(duration.as_nanos()).unwrap_or(u64::MAX)
 }
 
 /// Rounded up: a client that waits this long is guaranteed to find what it was promised.

@@ -24,10 +24,8 @@ use serde::Serialize;
 
 use crate::events::{self, BanCause, Event};
 
-use super::{
-    ban::Banner,
-    clock::{Clock, duration_ns},
-};
+use super::{ban::Banner, clock::Clock};
+use crate::duration_units::duration_ns;
 
 /// Addresses tracked when the config does not say.
 pub const DEFAULT_MAX_ADDRESSES: usize = 100_000;

@@ -9,10 +9,8 @@ use std::time::Duration;
 
 use limiter_client::Outcome;
 
-use super::{
-    cell::{Algorithm, Evaluation},
-    clock::duration_ns,
-};
+use super::cell::{Algorithm, Evaluation};
+use crate::duration_units::duration_ns;
 
 /// A limit turned into the two numbers GCRA works with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

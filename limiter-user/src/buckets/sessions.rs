@@ -18,8 +18,8 @@ use dashmap::{DashMap, mapref::entry::Entry};
 use foldhash::quality::RandomState;
 
 use super::{
-    keys::StoredKey,
-    shared::{SessionLease, SharedBuckets, SharedFuture},
+    bucket_keys::StoredKey,
+    shared_store::{SessionLease, SharedBuckets, SharedFuture},
 };
 
 /// Each key's sessions held now through this agent (in a fleet, its brokers' share).
@@ -251,10 +251,10 @@ mod tests {
     use std::{sync::Barrier, thread};
 
     use super::*;
-    use crate::buckets::{KeyKind, keys};
+    use crate::buckets::{KeyKind, bucket_keys};
 
     fn key(k: &str) -> StoredKey {
-        keys::store(KeyKind::User, k.as_bytes()).unwrap()
+        bucket_keys::store(KeyKind::User, k.as_bytes()).unwrap()
     }
 
     #[test]

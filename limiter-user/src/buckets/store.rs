@@ -42,25 +42,26 @@ use limiter_client::{Escalation, NEVER_MS, Outcome, Verdict};
 
 use crate::{
     api::{ActionCounts, BlockedKey},
+    duration_units::duration_ns,
     events::{self, Event},
 };
 
 use super::{
+    action_stats::{ActionStats, OutcomeCounters},
     actions::{ActionKind, ActionSpec, Enforcement, KeyKind, Mode},
     ban::{BanError, Banner, SharedBanStats},
+    bucket_keys::{self, KeyError, StoredKey},
+    calendar_quota::Quota,
     cell::{Algorithm, Cell, Evaluation},
     clock::{Clock, ns_to_ms_ceil},
     escalation::{EscalationConfig, EscalationStats, Escalator},
     gcra::Rate,
-    keys::{self, KeyError, StoredKey},
-    quota::Quota,
     sessions::{OwnerHandle, Released, SessionCounts, SessionOwner},
-    shared::{Pending, SessionLease, SharedBuckets, SharedCheck, SharedLimit},
-    stats::{ActionStats, OutcomeCounters},
+    shared_store::{Pending, SessionLease, SharedBuckets, SharedCheck, SharedLimit},
     strikes::{StrikeBook, Struck},
 };
 
-/// Everything the limiter needs to start; see `protocol::AppArgs` for where it comes from.
+/// Everything the limiter needs to start; `settings::broker` resolves it from the settings.
 #[derive(Clone, Debug)]
 pub struct LimiterConfig {
     pub actions: Vec<ActionSpec>,
@@ -341,7 +342,7 @@ impl Action {
             .iter()
             .filter_map(|(key, &limit)| {
                 // Checked by the resolve; a key that does not store is no key a check has.
-                let stored = keys::store(spec.key, key.as_bytes()).ok()?;
+                let stored = bucket_keys::store(spec.key, key.as_bytes()).ok()?;
                 Some((stored, Limits::of(&spec.overridden(limit), replicas)))
             })
             .collect();
@@ -518,7 +519,7 @@ impl Limiter {
         {
             let answer = store.sessions_held(
                 Arc::clone(&action.name),
-                keys::shared_name(action.spec.key, &stored),
+                bucket_keys::shared_name(action.spec.key, &stored),
                 max,
             );
             let limiter = Arc::clone(self);
@@ -544,7 +545,7 @@ impl Limiter {
         };
         let answer = store.take(SharedCheck {
             action: Arc::clone(&action.name),
-            key: keys::shared_name(action.spec.key, &stored),
+            key: bucket_keys::shared_name(action.spec.key, &stored),
             limit,
             cost,
             consume,
@@ -635,7 +636,7 @@ impl Limiter {
         };
         let lease = SessionLease {
             action: Arc::clone(&action.name),
-            key: keys::shared_name(action.spec.key, &stored),
+            key: bucket_keys::shared_name(action.spec.key, &stored),
             session: owner.lease_name(session),
         };
         let answer = store.acquire_session(lease.clone(), fleet_max, action.monitor);
@@ -734,7 +735,7 @@ impl Limiter {
         };
         let there = store.forget(
             Arc::clone(&action.name),
-            keys::shared_name(action.spec.key, &stored),
+            bucket_keys::shared_name(action.spec.key, &stored),
         );
         Ok(Pending::Waiting(Box::pin(async move {
             there.await.unwrap_or(false) || here
@@ -916,7 +917,7 @@ impl Limiter {
             .into_iter()
             .take(n)
             .map(|(count, key)| BlockedKey {
-                key: keys::display(action.spec.key, &key),
+                key: bucket_keys::display(action.spec.key, &key),
                 blocked: count,
             })
             .collect())
@@ -1004,7 +1005,7 @@ impl Limiter {
                 .fetch_add(1, Ordering::Relaxed);
             events::emit(&Event::Disconnect {
                 action: action.name.to_string(),
-                key: keys::display(action.spec.key, stored),
+                key: bucket_keys::display(action.spec.key, stored),
                 strikes,
                 window: rule.window,
             });
@@ -1171,7 +1172,7 @@ impl Limiter {
 impl Action {
     #[inline(always)]
     fn store(&self, key: &[u8]) -> Result<StoredKey, CheckError> {
-        keys::store(self.spec.key, key).map_err(|source| CheckError::InvalidKey {
+        bucket_keys::store(self.spec.key, key).map_err(|source| CheckError::InvalidKey {
             action: self.spec.name.clone(),
             source,
         })
@@ -1209,8 +1210,7 @@ impl Action {
             }
             table.tracked.fetch_sub(1, Ordering::AcqRel);
             let last = table.cap_swept.load(Ordering::Acquire);
-            let due =
-                last == 0 || now.saturating_sub(last - 1) >= CAP_SWEEP_EVERY.as_nanos() as u64;
+            let due = last == 0 || now.saturating_sub(last - 1) >= duration_ns(CAP_SWEEP_EVERY);
             let ours = attempt == 0
                 && due
                 && table

@@ -18,7 +18,9 @@ use dashmap::{DashMap, mapref::entry::Entry};
 use foldhash::quality::RandomState;
 use serde::Serialize;
 
-use super::keys::StoredKey;
+use super::bucket_keys::StoredKey;
+
+use crate::duration_units::duration_ns;
 
 /// An action's strike settings, validated (`strikes-to-disconnect` ≥ 1, a window above zero,
 /// `oversize-strikes` ≥ 1).
@@ -105,7 +107,7 @@ impl Strikes {
 }
 
 fn window_ns(rule: &StrikeRule) -> u64 {
-    u64::try_from(rule.window.as_nanos()).unwrap_or(u64::MAX)
+    duration_ns(rule.window)
 }
 
 /// The records of an action's connections that have struck.
@@ -251,8 +253,9 @@ mod tests {
     fn the_book_is_bounded_forgets_and_sweeps_idle_records() {
         let rule = rule(2, 10, 1);
         let book = StrikeBook::default();
-        let key =
-            |k: &[u8]| crate::buckets::keys::store(crate::buckets::KeyKind::Connection, k).unwrap();
+        let key = |k: &[u8]| {
+            crate::buckets::bucket_keys::store(crate::buckets::KeyKind::Connection, k).unwrap()
+        };
         let (a, b) = (key(b"a"), key(b"b"));
         assert!(!book.strike(&rule, &a, 0, 1, 1).disconnects());
         // At the cap, another connection is not counted (and so never closed).

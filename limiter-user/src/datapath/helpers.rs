@@ -52,7 +52,7 @@ impl Datapath {
     }
 
     /// Enters an established connection the flow table lacks and takes its slots, in the
-    /// kernel (see `policy::adopt` in the kernel crate).
+    /// kernel (see `decide::adopt` in the kernel crate).
     pub fn adopt(&mut self, flow: &FlowKey) -> Result<Adoption, LoadError> {
         Ok(
             match self.run_helper(ADOPT_PROGRAM, &FlowRequest { flow: *flow })? {

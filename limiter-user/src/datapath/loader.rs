@@ -126,8 +126,8 @@ pub struct LoadOptions {
 impl Default for LoadOptions {
     fn default() -> Self {
         Self {
-            flow_table_size: limiter_common::maps::FLOWS.default_entries,
-            half_open_size: limiter_common::maps::HALF_OPEN.default_entries,
+            flow_table_size: limiter_common::map_catalogue::FLOWS.default_entries,
+            half_open_size: limiter_common::map_catalogue::HALF_OPEN.default_entries,
             kernel_debug: false,
             pin_dir: None,
         }
@@ -139,7 +139,7 @@ impl Default for LoadOptions {
 /// this build's types.
 fn check_pinned_layouts(pin_dir: &Path) -> Result<(), LoadError> {
     let object = aya_obj::Object::parse(EBPF_OBJECT)?;
-    for def in limiter_common::maps::ALL {
+    for def in limiter_common::map_catalogue::ALL {
         let path = pins::map(pin_dir, def.name);
         if !path.exists() {
             continue;
@@ -262,7 +262,7 @@ impl Datapath {
                 .map_err(|source| LoadError::Pin { path: maps, source })?;
             check_pinned_layouts(dir)?;
             // Every catalogued map outlives the agent (the log ring buffer is not one of them).
-            for map in limiter_common::maps::ALL {
+            for map in limiter_common::map_catalogue::ALL {
                 loader.map_pin_path(map.name, pins::map(dir, map.name));
             }
         }

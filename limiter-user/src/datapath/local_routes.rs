@@ -152,7 +152,7 @@ impl RouteQueries {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::datapath::keys::mapped;
+    use crate::datapath::kernel_keys::mapped;
 
     /// An address as flows key it.
     fn key(addr: &str) -> [u8; 16] {

@@ -194,7 +194,7 @@ pub fn detach(pin_dir: &Path, iface: Option<&str>) -> Result<Vec<String>, LoadEr
         Some(iface) => vec![iface.to_string()],
         None => match std::fs::read_dir(&all_links) {
             Ok(entries) => entries
-                .filter_map(|e| e.ok())
+                .filter_map(std::result::Result::ok)
                 .map(|e| e.file_name().to_string_lossy().into_owned())
                 .collect(),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
@@ -212,9 +212,7 @@ pub fn detach(pin_dir: &Path, iface: Option<&str>) -> Result<Vec<String>, LoadEr
             detached.push(iface);
         }
     }
-    let remaining = std::fs::read_dir(&all_links)
-        .map(|d| d.count())
-        .unwrap_or(0);
+    let remaining = std::fs::read_dir(&all_links).map_or(0, std::iter::Iterator::count);
     if remaining == 0 {
         remove_tree(pin_dir)?;
     }

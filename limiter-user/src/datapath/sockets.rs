@@ -16,7 +16,7 @@ use netlink_sys::protocols::NETLINK_SOCK_DIAG;
 use thiserror::Error;
 
 use super::{
-    keys::mapped,
+    kernel_keys::mapped,
     netlink::{self, NetlinkError},
 };
 

@@ -8,7 +8,7 @@ use aya::{
 };
 use limiter_common::{Flow, FlowKey, SourceKey, map_names};
 
-use super::maps::{Maps, MapsError, map_error};
+use super::map_handles::{Maps, MapsError, map_error};
 
 fn walk_error(name: &'static str) -> impl FnOnce(std::io::Error) -> MapsError {
     move |io_error| MapsError::Map {

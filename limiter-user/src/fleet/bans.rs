@@ -15,6 +15,8 @@ use redis::{RedisResult, Script};
 
 use super::Redis;
 
+use crate::duration_units::duration_ms;
+
 static BAN: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("lua/ban.lua")));
 static IN_FORCE: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("lua/bans_in_force.lua")));
@@ -121,7 +123,7 @@ impl FleetBans {
             .key(&self.log)
             .arg(op)
             .arg(addr.to_canonical().to_string())
-            .arg(u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX))
+            .arg(duration_ms(ttl))
             .arg(&self.origin)
             .arg(LOG_LENGTH);
         let changed: i64 = self.redis.run_script(&invocation).await?;
@@ -159,9 +161,9 @@ impl FleetBans {
         let mut invocation = FAILURE.prepare_invoke();
         invocation
             .key(self.failure_key(addr))
-            .arg(u64::try_from(window.as_millis()).unwrap_or(u64::MAX))
+            .arg(duration_ms(window))
             .arg(after)
-            .arg(u64::try_from(ban.as_millis()).unwrap_or(u64::MAX));
+            .arg(duration_ms(ban));
         self.redis.run_script(&invocation).await
     }
 
@@ -195,7 +197,7 @@ impl FleetBans {
                     .arg("COUNT")
                     .arg(256)
                     .arg("BLOCK")
-                    .arg(READ_BLOCK.as_millis() as u64)
+                    .arg(duration_ms(READ_BLOCK))
                     .arg("STREAMS")
                     .arg(&self.log)
                     .arg(after.to_string()),

@@ -9,13 +9,13 @@
 mod bans;
 mod config;
 mod connection;
-mod quota;
+mod redis_buckets;
+mod redis_quota;
 mod sessions;
-mod shared;
 
 pub use bans::{BanChange, BansInForce, FleetBans, LogId};
 pub use config::{FleetConfig, RedisTarget, defaults};
 pub use connection::{Connection, FleetError, Redis};
-pub use quota::{QuotaAnswer, SharedQuota};
+pub use redis_buckets::{GCRA_SCRIPT, SharedGcra};
+pub use redis_quota::{QuotaAnswer, SharedQuota};
 pub use sessions::{FleetSessions, LeaseAnswer};
-pub use shared::{GCRA_SCRIPT, SharedGcra};

@@ -19,15 +19,17 @@ use reqwest::Method;
 use serde::Serialize;
 
 pub use events_command::EventsArgs;
-use remote::{AskError, Remote, open_pinned, root_cause, runtime};
+use remote::{AskError, Remote, open_pinned, root_cause};
 pub use render::{render_status, render_top};
 
 use crate::{
     api::{
         BanAnswer, BanRequest, Connections, ListAnswer, ListKind, ListRequest, RateLimits, Status,
     },
-    datapath::keys::{key_text, source_key},
-    services::views::{connections_view, kernel_rate_limits, kernel_status},
+    command_runtime::command_runtime,
+    datapath::kernel_keys::{key_text, source_key},
+    duration_units::duration_ms,
+    services::view_builder::{connections_view, kernel_rate_limits, kernel_status},
     settings::defaults,
 };
 
@@ -154,7 +156,7 @@ impl StatusArgs {
 
     /// What `limiter status` prints.
     pub fn output(&self) -> Result<String> {
-        let status = runtime()?.block_on(self.fetch())?;
+        let status = command_runtime()?.block_on(self.fetch())?;
         if self.fallback.json {
             return to_json(&status);
         }
@@ -181,7 +183,7 @@ impl TopArgs {
 
     /// What `limiter top` prints.
     pub fn output(&self) -> Result<String> {
-        let (connections, rate_limits) = runtime()?.block_on(self.fetch())?;
+        let (connections, rate_limits) = command_runtime()?.block_on(self.fetch())?;
         if self.fallback.json {
             return to_json(&Top {
                 connections,
@@ -229,7 +231,7 @@ impl BanArgs {
             addr: self.addr.to_string(),
             ttl: humantime::format_duration(self.ttl).to_string(),
         };
-        let asked = runtime()?.block_on(remote.ask(
+        let asked = command_runtime()?.block_on(remote.ask(
             Method::POST,
             remote.url(&["v1", "bans"]),
             &[],
@@ -246,7 +248,7 @@ impl BanArgs {
                 BanAnswer {
                     addr: self.addr.to_string(),
                     source: key_text(&source, &config),
-                    ttl_ms: Some(self.ttl.as_millis().try_into().unwrap_or(u64::MAX)),
+                    ttl_ms: Some(duration_ms(self.ttl)),
                     lifted: None,
                 }
             }
@@ -267,7 +269,7 @@ impl UnbanArgs {
     pub fn output(&self) -> Result<String> {
         let remote = Remote::new(&self.admin.connect, self.admin.admin_token.clone())?;
         let addr = self.addr.to_string();
-        let asked = runtime()?.block_on(remote.ask(
+        let asked = command_runtime()?.block_on(remote.ask(
             Method::DELETE,
             remote.url(&["v1", "bans", &addr]),
             &[],
@@ -329,7 +331,7 @@ impl ListArgs {
         let request = ListRequest {
             cidr: entry.cidr.clone(),
         };
-        let answer: ListAnswer = runtime()?
+        let answer: ListAnswer = command_runtime()?
             .block_on(async {
                 if add {
                     remote.ask(Method::POST, url, &[], Some(&request)).await

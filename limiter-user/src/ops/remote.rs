@@ -113,13 +113,6 @@ pub(super) fn refusal(status: StatusCode, body: &str) -> anyhow::Error {
     anyhow!("the agent refused ({status}): {detail}{hint}")
 }
 
-pub(super) fn runtime() -> Result<tokio::runtime::Runtime> {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .context("starting the tokio runtime")
-}
-
 pub(super) fn open_pinned(pin_dir: &Path, http: SocketAddr, why: &reqwest::Error) -> Result<Maps> {
     let maps = Maps::open_pinned(pin_dir).map_err(|e| {
         anyhow!(

@@ -7,6 +7,8 @@ use std::{net::SocketAddr, path::PathBuf, process::ExitCode};
 use anyhow::{Context, Result};
 use limiter_client::{Client, NEVER_MS, Verdict};
 
+use crate::command_runtime::command_runtime;
+
 #[derive(clap::Args, Debug)]
 pub struct CheckArgs {
     /// The action to check, e.g. `auth`.
@@ -29,10 +31,7 @@ pub struct CheckArgs {
 
 impl CheckArgs {
     pub fn execute(self) -> Result<ExitCode> {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .context("starting the tokio runtime")?;
+        let runtime = command_runtime()?;
         match runtime.block_on(self.ask()) {
             Ok(verdict) => {
                 println!("{}", render(&verdict));

@@ -366,7 +366,7 @@ async fn follow(
                         }
                         Err(error) => {
                             let error = error_chain(&error);
-                            tracing::error!(?change, %error, "applying a fleet ban change")
+                            tracing::error!(?change, %error, "applying a fleet ban change");
                         }
                     }
                 }

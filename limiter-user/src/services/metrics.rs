@@ -125,11 +125,14 @@ impl<T: Scraped> Collector for AtScrape<T> {
     }
 
     fn collect(&self) -> Vec<MetricFamily> {
-        let _serial = self.lock.lock().unwrap_or_else(|e| e.into_inner());
+        let _serial = self
+            .lock
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         self.source
             .refill()
             .into_iter()
-            .flat_map(|c| c.collect())
+            .flat_map(prometheus::core::Collector::collect)
             .collect()
     }
 }
@@ -639,7 +642,7 @@ impl Scraped for MonitorMetrics {
 /// could reach a protected port or the host would discard it (only ingress checks that) and
 /// a tunnel unless `tunnels` is `pass`, and passes for every other reason but a plain segment
 /// (left
-/// uncounted: see `policy::established` in the kernel crate), and for a full flow table when
+/// uncounted: see `decide::established` in the kernel crate), and for a full flow table when
 /// failing open.
 fn possible(direction: Direction, verdict: Verdict, reason: Reason) -> bool {
     let refusal = (reason as usize) < Reason::REFUSAL_COUNT;

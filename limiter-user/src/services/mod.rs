@@ -13,4 +13,4 @@ mod sweep_rules;
 pub mod sweeper;
 pub mod syn_cookies;
 pub mod systemd_notify;
-pub mod views;
+pub mod view_builder;

@@ -19,7 +19,8 @@ use thiserror::Error;
 
 use crate::{
     api::{ListKind, MAX_BAN_TTL, MIN_BAN_TTL},
-    datapath::{Enforcer, Lists, MapsError, keys::key_address},
+    datapath::{Enforcer, Lists, MapsError, kernel_keys::key_address},
+    duration_units::duration_ms,
     errors::error_chain,
     settings::parse_cidr,
 };
@@ -136,7 +137,7 @@ pub fn snapshot(enforcer: &Enforcer, now: SystemTime) -> Result<SavedState, Stat
                 let source = IpNet::new(addr, prefix).map_or(IpNet::from(addr), |n| n.trunc());
                 SavedBan {
                     source: source.to_string(),
-                    expires_unix_ms: now_ms.saturating_add(left.as_millis() as u64),
+                    expires_unix_ms: now_ms.saturating_add(duration_ms(left)),
                 }
             })
             .collect(),
@@ -281,7 +282,7 @@ async fn save(enforcer: &Arc<Enforcer>, path: &Path) {
     match result {
         Ok(Ok(bans)) => tracing::debug!(bans, "state file written"),
         Ok(Err(error)) => {
-            tracing::error!(error = %error_chain(&error), "the state file was not written")
+            tracing::error!(error = %error_chain(&error), "the state file was not written");
         }
         Err(error) => tracing::error!(%error, "the state file's writer failed"),
     }
@@ -289,7 +290,7 @@ async fn save(enforcer: &Arc<Enforcer>, path: &Path) {
 
 fn unix_ms(at: SystemTime) -> u64 {
     at.duration_since(SystemTime::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
+        .map_or(0, duration_ms)
 }
 
 #[cfg(test)]

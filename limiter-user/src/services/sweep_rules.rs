@@ -8,7 +8,10 @@ use std::{collections::HashMap, net::Ipv6Addr, time::Duration};
 use ipnet::IpNet;
 use limiter_common::{AdjustRequest, FlowKey, SourceKey};
 
-use crate::datapath::{Adoption, local_routes::LocalAddresses};
+use crate::{
+    datapath::{Adoption, local_routes::LocalAddresses},
+    duration_units::duration_ns,
+};
 
 /// How long a new flow may go without a socket: the programs insert the flow as the
 /// handshake's last ACK passes, a moment before the host makes the socket.
@@ -55,7 +58,7 @@ pub fn judge_flow(
 }
 
 fn older_than(now: u64, then: u64, age: Duration) -> bool {
-    now.saturating_sub(then) > age.as_nanos().min(u64::MAX as u128) as u64
+    now.saturating_sub(then) > duration_ns(age)
 }
 
 /// Whether an established connection is worth a run of the adoption helper. The kernel
@@ -191,7 +194,7 @@ mod tests {
     use std::net::{IpAddr, Ipv4Addr};
 
     use super::*;
-    use crate::datapath::keys::mapped;
+    use crate::datapath::kernel_keys::mapped;
 
     const SECOND: u64 = 1_000_000_000;
 

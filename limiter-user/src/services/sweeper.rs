@@ -17,10 +17,11 @@ use crate::{
     buckets::Limiter,
     datapath::{
         Adoption, EnforceError, Enforcer, SweepCursor,
-        keys::boot_time_ns,
+        kernel_keys::boot_time_ns,
         local_routes::{LocalAddresses, RouteQueries},
         sockets::SocketTable,
     },
+    duration_units::duration_ns,
     settings::{Live, SweepSettings},
 };
 
@@ -213,7 +214,7 @@ impl Sweeper {
             self.tracked_before = std::mem::take(&mut self.tracked);
             self.checked.clear();
         }
-        let syn_timeout = settings.syn_timeout.as_nanos().min(u128::from(u64::MAX)) as u64;
+        let syn_timeout = duration_ns(settings.syn_timeout);
         report.half_open =
             enforcer.with_maps(|m| m.sweep_half_open(&mut self.cursor, batch, now, syn_timeout))?;
         report.bans = enforcer.with_maps(|m| m.sweep_bans(&mut self.cursor, batch, now))?;
@@ -278,7 +279,7 @@ impl Sweeper {
                         closed += 1;
                     }
                     Err(error) => {
-                        tracing::warn!(%remote, %error, "a connection got past a cap unjudged and could not be closed; it stays counted")
+                        tracing::warn!(%remote, %error, "a connection got past a cap unjudged and could not be closed; it stays counted");
                     }
                 }
             }
@@ -304,7 +305,7 @@ impl Sweeper {
         for repair in &verdict.repairs {
             enforcer.datapath().adjust(&repair.request)?;
             let (count, counted) = (repair.count, repair.counted);
-            tracing::warn!(source = ?repair.who.map(|s| crate::datapath::keys::key_address(&s)), count, counted, "repaired a drifted connection counter");
+            tracing::warn!(source = ?repair.who.map(|s| crate::datapath::kernel_keys::key_address(&s)), count, counted, "repaired a drifted connection counter");
         }
         self.suspects = verdict.seen;
         Ok(verdict.repairs.len() as u64)

@@ -56,8 +56,8 @@ pub mod defaults {
     pub const SYN_COOKIES_THRESHOLD: u32 = 2_000;
     pub const IPV4_PREFIX: u8 = 32;
     pub const IPV6_PREFIX: u8 = 64;
-    pub const FLOW_TABLE_SIZE: u32 = limiter_common::maps::FLOWS.default_entries;
-    pub const HALF_OPEN_TABLE_SIZE: u32 = limiter_common::maps::HALF_OPEN.default_entries;
+    pub const FLOW_TABLE_SIZE: u32 = limiter_common::map_catalogue::FLOWS.default_entries;
+    pub const HALF_OPEN_TABLE_SIZE: u32 = limiter_common::map_catalogue::HALF_OPEN.default_entries;
     pub const SWEEP_INTERVAL: Duration = Duration::from_secs(5);
     pub const SYN_TIMEOUT: Duration = Duration::from_secs(30);
     pub const SWEEP_BATCH: u32 = 65_536;

@@ -223,7 +223,7 @@ fn xdp_program(installed: &Installed) -> Result<Option<ProgramInfo>> {
         None
     };
     program
-        .map(|p| p.info())
+        .map(aya::programs::Program::info)
         .transpose()
         .context("the XDP program's info")
 }

@@ -1,5 +1,6 @@
 //! Boots a kernel and its initramfs under qemu with TCG (KVM guests hang on these machines:
-//! shared/notes/KERNELS.md) and collects what the guest prints on its serial console.
+//! docs/architecture.md, "Kernels under qemu") and collects what the guest prints on its
+//! serial console.
 
 use std::{
     io::{BufRead, BufReader},

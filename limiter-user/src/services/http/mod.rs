@@ -8,9 +8,9 @@
 //! a keep-alive connection idle that long. The timeout is read from the live settings for
 //! each new connection; a reload changes the cap through [`HttpServer::slots`].
 
-mod admin;
+mod admin_routes;
 mod auth;
-mod check;
+mod check_route;
 mod problem;
 mod read;
 
@@ -90,7 +90,7 @@ impl HttpServer {
             )
         });
         if closed {
-            tracing::warn!("{}", check::CLOSED);
+            tracing::warn!("{}", check_route::CLOSED);
         }
         let listener = tokio::net::TcpListener::bind(addr)
             .await
@@ -179,21 +179,23 @@ impl HttpServer {
 /// Every route of the listener.
 fn router(state: AppState) -> Router {
     let admin = Router::new()
-        .route("/v1/bans", post(admin::ban))
-        .route("/v1/bans/{addr}", delete(admin::unban))
+        .route("/v1/bans", post(admin_routes::ban))
+        .route("/v1/bans/{addr}", delete(admin_routes::unban))
         .route(
             "/v1/allow",
-            post(admin::list_add::<admin::Allow>).delete(admin::list_del::<admin::Allow>),
+            post(admin_routes::list_add::<admin_routes::Allow>)
+                .delete(admin_routes::list_del::<admin_routes::Allow>),
         )
         .route(
             "/v1/deny",
-            post(admin::list_add::<admin::Deny>).delete(admin::list_del::<admin::Deny>),
+            post(admin_routes::list_add::<admin_routes::Deny>)
+                .delete(admin_routes::list_del::<admin_routes::Deny>),
         )
         // A route layer runs before the handler's extractors: an unauthorised request is
         // refused before its body is even read.
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
-            admin::require_admin,
+            admin_routes::require_admin,
         ));
     Router::new()
         .route("/metrics", get(read::metrics))
@@ -204,10 +206,10 @@ fn router(state: AppState) -> Router {
         .route("/v1/status", get(read::status))
         .merge(
             Router::new()
-                .route("/v1/check", post(check::check))
+                .route("/v1/check", post(check_route::check))
                 .route_layer(middleware::from_fn_with_state(
                     state.clone(),
-                    check::require_check_token,
+                    check_route::require_check_token,
                 )),
         )
         .merge(admin)

@@ -18,7 +18,7 @@ use crate::{
     datapath::CookieMode,
     services::{
         metrics,
-        views::{broker_rate_limits, connections_view, kernel_rate_limits, kernel_status},
+        view_builder::{broker_rate_limits, connections_view, kernel_rate_limits, kernel_status},
     },
 };
 

@@ -2,7 +2,7 @@
 //! operator commands read them from the agent, or build the same documents from pinned maps
 //! when no agent runs.
 
-use std::{collections::BTreeMap, time::Duration};
+use std::collections::BTreeMap;
 
 use ipnet::IpNet;
 use limiter_common::{Config, Refusal, SourceLimits};
@@ -318,10 +318,6 @@ pub struct EscalationView {
     pub bans: u64,
     pub ban_failures: u64,
     pub untracked: u64,
-}
-
-pub fn millis(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 /// One of the most-blocked keys of an action, shown as an operator may see it (a session is

@@ -8,6 +8,7 @@ use std::{sync::LazyLock, time::Duration};
 use redis::{RedisResult, Script};
 
 use super::Redis;
+use crate::duration_units::duration_ms;
 
 static SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("lua/quota.lua")));
 
@@ -31,10 +32,6 @@ pub struct QuotaAnswer {
     pub reset_after_ms: u64,
 }
 
-fn millis(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
-}
-
 impl SharedQuota {
     /// Checks `cost` against the quota stored under `key` (a whole Redis key, hash-tagged by
     /// the caller), spending it if it fits and `spend` is set.
@@ -49,8 +46,8 @@ impl SharedQuota {
         invocation
             .key(key)
             .arg(self.limit)
-            .arg(millis(self.period))
-            .arg(millis(self.margin))
+            .arg(duration_ms(self.period))
+            .arg(duration_ms(self.margin))
             .arg(cost)
             .arg(u8::from(spend));
         let (allowed, remaining, retry, reset): (i64, i64, i64, i64) =

@@ -25,13 +25,13 @@ use aya_ebpf::{
 use limiter_common::{
     BUCKET_TAG_MASK, Blocked, Config, Direction, Event, Flow, FlowKey, HalfOpen, Reason, Refusal,
     SEEN_ATTEMPTS, SeenAttempts, SourceKey, SynBucket, Verdict, attempt_signature, bucket_place,
-    flow_state, helper, maps::ACK_HINT_BITS, seen_slot, source::V4_MAPPED, source_key,
+    flow_state, helper, map_catalogue::ACK_HINT_BITS, seen_slot, source::V4_MAPPED, source_key,
     stats::stat_slot, syn_cookies,
 };
 
 use crate::{
     atomics,
-    maps::{
+    map_access::{
         self, ACK_HINTS, BANS, BLOCKED, CONN_RATE, EVENTS, FLOWS, GLOBAL_CONNS, HALF_OPEN,
         REFUSED_CONNS, STATS, SYN_BUCKETS,
     },
@@ -65,12 +65,12 @@ pub enum Action {
 
 #[inline(always)]
 fn count(direction: Direction, verdict: Verdict, reason: Reason) {
-    maps::bump(&STATS, stat_slot(direction, verdict, reason));
+    map_access::bump(&STATS, stat_slot(direction, verdict, reason));
 }
 
 #[inline(always)]
 fn event(event: Event) {
-    maps::bump(&EVENTS, event as u32);
+    map_access::bump(&EVENTS, event as u32);
 }
 
 /// Counts a packet passed for `reason`.
@@ -90,7 +90,7 @@ pub fn pass(direction: Direction, reason: Reason) -> Action {
 pub fn unparsed(direction: Direction, reason: Reason) -> Action {
     let passes = match reason {
         Reason::NonIp | Reason::NonTcp => true,
-        Reason::Tunnel => maps::config().tunnels_pass != 0,
+        Reason::Tunnel => map_access::config().tunnels_pass != 0,
         _ => false,
     };
     if direction == Direction::Ingress && !passes {
@@ -144,18 +144,18 @@ fn refused_attempt(blame: Blame, reason: Reason, syn: Option<&Segment>) {
     let Some(slot) = reason.blocked_slot() else {
         return;
     };
-    // SAFETY (all three blocks): pointers from successful lookups; the slot is below
-    // REFUSAL_COUNT.
     let (counter, seen) = match blame {
-        Blame::Source(source) => match maps::get_or_insert(&BLOCKED, source, &NO_REFUSALS) {
+        Blame::Source(source) => match map_access::get_or_insert(&BLOCKED, source, &NO_REFUSALS) {
+            // SAFETY: a pointer from a successful lookup; the slot is below REFUSAL_COUNT.
             Some(blocked) => unsafe {
                 (&raw mut (*blocked).counts[slot], &raw mut (*blocked).seen)
             },
             None => {
-                maps::bump(&REFUSED_CONNS, slot as u32);
+                map_access::bump(&REFUSED_CONNS, slot as u32);
                 return;
             }
         },
+        // SAFETY: a pointer from a successful lookup.
         Blame::Bucket(bucket) => unsafe { (&raw mut (*bucket).refused, &raw mut (*bucket).seen) },
     };
     if let Some(syn) = syn
@@ -163,7 +163,7 @@ fn refused_attempt(blame: Blame, reason: Reason, syn: Option<&Segment>) {
     {
         return;
     }
-    maps::bump(&REFUSED_CONNS, slot as u32);
+    map_access::bump(&REFUSED_CONNS, slot as u32);
     atomics::fetch_add(counter, 1);
 }
 
@@ -258,7 +258,7 @@ fn rate_now() -> u64 {
 /// stayed live across the map reads and were spilled to the stack.
 #[inline(always)]
 pub fn established(frame: &Common) -> bool {
-    let config = maps::config();
+    let config = map_access::config();
     let flags = frame.flags();
     if config.has_allow | config.has_deny | config.has_bans != 0
         || flags & (TCP_SYN | TCP_RST | TCP_FIN) != 0
@@ -273,7 +273,7 @@ pub fn established(frame: &Common) -> bool {
 /// Policy for a packet arriving at the host (XDP).
 #[inline(never)]
 pub fn ingress(seg: &Segment) -> Action {
-    let config = maps::config();
+    let config = map_access::config();
     if !protected(config, seg.dport) {
         return pass(Direction::Ingress, Reason::UnprotectedPort);
     }
@@ -331,7 +331,7 @@ pub fn ingress(seg: &Segment) -> Action {
 /// Policy for a packet leaving the host (TC): the server's ISN, and close tracking.
 #[inline(never)]
 pub fn egress(seg: &Segment) -> Action {
-    let config = maps::config();
+    let config = map_access::config();
     if !protected(config, seg.sport) {
         return pass(Direction::Egress, Reason::UnprotectedPort);
     }
@@ -349,7 +349,10 @@ pub fn egress(seg: &Segment) -> Action {
 
 #[inline(always)]
 fn protected(config: &Config, port: u16) -> bool {
-    config.all_ports != 0 || maps::PORTS.get(port as u32).is_some_and(|p| *p != 0)
+    config.all_ports != 0
+        || map_access::PORTS
+            .get(u32::from(port))
+            .is_some_and(|p| *p != 0)
 }
 
 /// Whether the source address is in the allow list (`allow`) or the deny list.
@@ -364,17 +367,17 @@ fn listed_address(src: &[u8; 16], ipv6: bool, allow: bool) -> bool {
     if ipv6 {
         let key = Key::new(128, *src);
         let trie = if allow {
-            &maps::ALLOW_V6
+            &map_access::ALLOW_V6
         } else {
-            &maps::DENY_V6
+            &map_access::DENY_V6
         };
         trie.get(&key).is_some()
     } else {
         let key = Key::new(32, [src[12], src[13], src[14], src[15]]);
         let trie = if allow {
-            &maps::ALLOW_V4
+            &map_access::ALLOW_V4
         } else {
-            &maps::DENY_V4
+            &map_access::DENY_V4
         };
         trie.get(&key).is_some()
     }
@@ -491,7 +494,7 @@ pub fn bad_cookie() -> Action {
 /// than resetting the host.
 #[inline(never)]
 pub fn cookie_ack(seg: &Segment) -> Action {
-    let config = maps::config();
+    let config = map_access::config();
     let now = now();
     let source = source_of(seg, config);
     match admit(&inbound(seg), source, now, config, now) {
@@ -556,16 +559,16 @@ const EEXIST: i32 = 17;
 /// flood is made of, then pays no hash lookup.
 #[inline(always)]
 fn at_cap(source: &SourceKey, bucket: *mut SynBucket, cap: u32, config: &Config) -> Option<Reason> {
-    // SAFETY: pointer from a successful lookup.
     if cap != 0
+        // SAFETY: pointer from a successful lookup.
         && atomics::load(unsafe { &(*bucket).holders }) != 0
-        && source_counts::current(source) >= cap as u64
+        && source_counts::current(source) >= u64::from(cap)
     {
         return Some(Reason::ConnPerIp);
     }
     if config.max_conn_total != 0
         && let Some(global) = GLOBAL_CONNS.get_ptr(0)
-        && atomics::load(global) >= config.max_conn_total as u64
+        && atomics::load(global) >= u64::from(config.max_conn_total)
     {
         return Some(Reason::ConnTotal);
     }
@@ -669,8 +672,7 @@ impl Gcra {
         word: u64,
         now: u64,
     ) -> Result<(), ()> {
-        // SAFETY (all blocks): pointer from a successful lookup; besides the word, plain
-        // fields racing CPUs may overwrite, which only the top-blocked counts would feel.
+        // SAFETY: pointer from a successful lookup.
         let tat_tag = unsafe { &raw mut (*bucket).tat_tag };
         let mut current = word;
         for _ in 0..8 {
@@ -685,6 +687,9 @@ impl Gcra {
             match atomics::compare_exchange(tat_tag, current, (next & !BUCKET_TAG_MASK) | tag) {
                 Ok(()) => {
                     if claim {
+                        // SAFETY: pointer from a successful lookup; besides the word, plain
+                        // fields racing CPUs may overwrite, which only the top-blocked counts
+                        // would feel.
                         unsafe {
                             (*bucket).source = *source;
                             (*bucket).refused = 0;
@@ -890,7 +895,7 @@ fn admit(
         // Refused, never let in uncounted: see `source_counts`.
         Taken::Busy => return refuse_at_ack(Blame::Source(&source), Reason::FlowTableFull, config),
     };
-    if enforce && own.cap != 0 && before >= own.cap as u64 {
+    if enforce && own.cap != 0 && before >= u64::from(own.cap) {
         source_counts::give_back(&source, per_source, 1);
         return refuse_at_ack(Blame::Source(&source), Reason::ConnPerIp, config);
     }
@@ -899,7 +904,7 @@ fn admit(
         return Completion::NotAHandshake;
     };
     let before = atomics::fetch_add(global, 1);
-    if enforce && config.max_conn_total != 0 && before >= config.max_conn_total as u64 {
+    if enforce && config.max_conn_total != 0 && before >= u64::from(config.max_conn_total) {
         atomics::decrement(global);
         source_counts::give_back(&source, per_source, 1);
         return refuse_at_ack(Blame::Source(&source), Reason::ConnTotal, config);
@@ -1016,7 +1021,7 @@ fn full_at_ack(source: &SourceKey, config: &Config) -> Completion {
 /// an allowlisted source is left alone.
 #[inline(always)]
 pub fn adopt(key: &FlowKey) -> u32 {
-    let config = maps::config();
+    let config = map_access::config();
     let ipv6 = key.remote[..12] != V4_MAPPED;
     if !protected(config, key.local_port)
         || (config.has_allow != 0 && listed_address(&key.remote, ipv6, true))
@@ -1056,7 +1061,7 @@ pub fn adopt(key: &FlowKey) -> u32 {
     }
     hold(&source, config, 1);
     event(Event::Opened);
-    let over = |before: u64, cap: u32| cap != 0 && before >= cap as u64;
+    let over = |before: u64, cap: u32| cap != 0 && before >= u64::from(cap);
     if over(per_source_before, PerSource::of(&source, config).cap)
         || over(global_before, config.max_conn_total)
     {
@@ -1081,8 +1086,8 @@ fn reset(seg: &Segment, direction: Direction) -> Action {
         return pass(direction, Reason::Untracked);
     };
     match direction {
-        // SAFETY: pointer from a successful lookup; the field is a plain word.
         Direction::Ingress => {
+            // SAFETY: pointer from a successful lookup; the field is a plain word.
             atomics::fetch_or(unsafe { &mut (*flow).state }, flow_state::RST_IN);
         }
         Direction::Egress => {
@@ -1124,7 +1129,7 @@ pub fn close(key: &FlowKey, flow: *mut Flow, why: Event) -> bool {
         return false;
     }
     if source_counts::release(&source, 1) {
-        hold(&source, maps::config(), u64::MAX);
+        hold(&source, map_access::config(), u64::MAX);
     }
     if let Some(global) = GLOBAL_CONNS.get_ptr_mut(0) {
         atomics::decrement(global);
@@ -1162,6 +1167,6 @@ pub fn adjust(source: &SourceKey, global: bool, delta: u64) -> u32 {
     if !adjusted {
         return helper::ABSENT;
     }
-    hold(source, maps::config(), delta);
+    hold(source, map_access::config(), delta);
     helper::DONE
 }

@@ -27,7 +27,7 @@ use crate::{
         cell::Algorithm,
         cell::Evaluation,
         gcra::Rate,
-        shared::{SessionLease, SessionsHeld},
+        shared_store::{SessionLease, SessionsHeld},
     },
     events::{self, Event, FleetPart},
 };

@@ -1,6 +1,6 @@
 //! The catalogue of the kernel programs' maps: the one place their names, kinds, key and value
 //! types and default sizes are written down. The eBPF statics take their sizes from here, the
-//! agent its names (through [`crate::map_names`]) and its default table sizes.
+//! agent its names (through [`map_names`]) and its default table sizes.
 //!
 //! Kinds are chosen per map, and each entry says why: a plain hash where an eviction would
 //! leak a slot or lift a limit, an LRU where losing an entry only loses history.
@@ -84,7 +84,7 @@ pub const HALF_OPEN: MapDef = MapDef {
 
 /// The ingress pre-filter for handshake-completing ACKs: per hash of (server ISN + 1), the
 /// coarse time of the last SYN-ACK that carried such an ISN, and in one more slot at the end
-/// the coarse time of the last SYN-ACK of all (see the kernel's `policy.rs`).
+/// the coarse time of the last SYN-ACK of all (see the kernel's `decide.rs`).
 pub const ACK_HINTS: MapDef = MapDef {
     name: "ACK_HINTS",
     kind: MapKind::Array,
@@ -222,7 +222,7 @@ pub const EVENTS: MapDef = MapDef {
     kind: MapKind::PerCpuArray,
     key: "u32",
     value: "u64",
-    default_entries: crate::Event::COUNT as u32,
+    default_entries: crate::stats::Event::COUNT as u32,
 };
 
 /// Refused connection attempts per source key, for the top-blocked lists. An LRU: losing an
@@ -243,7 +243,7 @@ pub const REFUSED_CONNS: MapDef = MapDef {
     kind: MapKind::PerCpuArray,
     key: "u32",
     value: "u64",
-    default_entries: crate::Reason::REFUSAL_COUNT as u32,
+    default_entries: crate::stats::Reason::REFUSAL_COUNT as u32,
 };
 
 /// Every map of the kernel object.
@@ -282,4 +282,50 @@ mod tests {
             }
         }
     }
+}
+
+/// Names of the maps, from this catalogue, so that a rename breaks the build rather
+/// than the agent.
+pub mod map_names {
+    /// The one [`Config`](crate::Config), rewritten by the agent on every settings change.
+    pub const CONFIG: &str = super::CONFIG.name;
+    /// One byte per local port, non-zero for a protected port (unless `all_ports` is set).
+    pub const PORTS: &str = super::PORTS.name;
+    /// Admitted connections: [`FlowKey`](crate::FlowKey) to [`Flow`](crate::Flow).
+    pub const FLOWS: &str = super::FLOWS.name;
+    /// Connections awaiting their handshake's last ACK, which hold no slot until it comes.
+    pub const HALF_OPEN: &str = super::HALF_OPEN.name;
+    /// Recent SYN-ACK ISNs, so that only an ACK that may complete a handshake pays a lookup.
+    pub const ACK_HINTS: &str = super::ACK_HINTS.name;
+    /// Open connections per [`SourceKey`](crate::SourceKey), for the per-source cap.
+    pub const SOURCE_CONNS: &str = super::SOURCE_CONNS.name;
+    /// Open connections to the host, for the total cap: a single counter.
+    pub const GLOBAL_CONNS: &str = super::GLOBAL_CONNS.name;
+    /// The connection rate's GCRA word: the theoretical arrival time of the next connection.
+    pub const CONN_RATE: &str = super::CONN_RATE.name;
+    /// The SYN rate's [`SynBucket`](crate::SynBucket)s, a slot per keyed hash of a source.
+    pub const SYN_BUCKETS: &str = super::SYN_BUCKETS.name;
+    /// Banned sources and when each ban ends.
+    pub const BANS: &str = super::BANS.name;
+    /// IPv4 prefixes with limits of their own ([`SourceLimits`](crate::SourceLimits)).
+    pub const OVERRIDES_V4: &str = super::OVERRIDES_V4.name;
+    /// IPv6 prefixes with limits of their own.
+    pub const OVERRIDES_V6: &str = super::OVERRIDES_V6.name;
+    /// IPv4 prefixes that bypass every limit.
+    pub const ALLOW_V4: &str = super::ALLOW_V4.name;
+    /// IPv6 prefixes that bypass every limit.
+    pub const ALLOW_V6: &str = super::ALLOW_V6.name;
+    /// IPv4 prefixes whose packets to protected ports are always refused.
+    pub const DENY_V4: &str = super::DENY_V4.name;
+    /// IPv6 prefixes whose packets to protected ports are always refused.
+    pub const DENY_V6: &str = super::DENY_V6.name;
+    /// Per-CPU packet counters, indexed by [`stat_slot`](crate::stats::stat_slot).
+    pub const STATS: &str = super::STATS.name;
+    /// Per-CPU flow event counters, indexed by [`Event`](crate::Event).
+    pub const EVENTS: &str = super::EVENTS.name;
+    /// Refused connection attempts per source and reason ([`Blocked`](crate::Blocked)), for
+    /// the top-blocked lists (those refused for their SYN rate count in their bucket).
+    pub const BLOCKED: &str = super::BLOCKED.name;
+    /// Per-CPU refused connection attempts by refusal reason.
+    pub const REFUSED_CONNS: &str = super::REFUSED_CONNS.name;
 }

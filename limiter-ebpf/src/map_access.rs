@@ -1,6 +1,6 @@
 //! The programs' maps, and the small accessors every path uses.
 //!
-//! Names, kinds and default sizes come from `limiter_common::maps`, which says per map why it
+//! Names, kinds and default sizes come from `limiter_common::map_catalogue`, which says per map why it
 //! has its type; the agent sets the real sizes of the sized ones before loading.
 
 use aya_ebpf::{
@@ -9,7 +9,7 @@ use aya_ebpf::{
 };
 use limiter_common::{
     Ban, Blocked, Config, Flow, FlowKey, HalfOpen, Ipv4Bits, Ipv6Bits, SourceKey, SourceLimits,
-    SynBucket, maps as catalogue,
+    SynBucket, map_catalogue as catalogue,
 };
 
 #[map]

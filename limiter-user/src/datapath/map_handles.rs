@@ -16,10 +16,12 @@ use thiserror::Error;
 
 use super::{
     CookieMode, CookieTerms, Policy,
-    keys::{boot_time_ns, bucket_seed, source_key},
-    mapped::MappedArray,
+    kernel_keys::{boot_time_ns, bucket_seed, source_key},
+    mmap_array::MmapArray,
     pins,
 };
+
+use crate::duration_units::duration_ns;
 
 #[derive(Debug, Error)]
 pub enum MapsError {
@@ -55,12 +57,16 @@ pub(super) fn map_error(name: &'static str) -> impl FnOnce(MapError) -> MapsErro
     move |source| MapsError::Map { name, source }
 }
 
-/// A map found by name, on its way to its typed wrapper.
-struct Typed(Result<aya::maps::Map, MapsError>, &'static str);
+/// A map found by name (or the error of looking), on its way to its typed wrapper.
+struct FoundMap {
+    map: Result<aya::maps::Map, MapsError>,
+    name: &'static str,
+}
 
-impl Typed {
-    fn get<T: TryFrom<aya::maps::Map, Error = MapError>>(self) -> Result<T, MapsError> {
-        T::try_from(self.0?).map_err(map_error(self.1))
+impl FoundMap {
+    /// The map as its typed wrapper, an error naming the map if it is of another kind.
+    fn typed<T: TryFrom<aya::maps::Map, Error = MapError>>(self) -> Result<T, MapsError> {
+        T::try_from(self.map?).map_err(map_error(self.name))
     }
 }
 
@@ -85,13 +91,13 @@ impl<V: aya::Pod + PartialEq> Trie<V> {
     /// Every prefix the tries hold, with its value: IPv4 first.
     fn entries(&self) -> Result<Vec<(IpNet, V)>, MapsError> {
         let mut out = Vec::new();
-        for entry in self.v4.iter() {
+        for entry in &self.v4 {
             let (key, value) = entry.map_err(map_error(self.names.0))?;
             let net = ipnet::Ipv4Net::new(key.data().into(), key.prefix_len() as u8)
                 .map_err(|_| MapsError::BadPrefix(self.names.0))?;
             out.push((IpNet::V4(net), value));
         }
-        for entry in self.v6.iter() {
+        for entry in &self.v6 {
             let (key, value) = entry.map_err(map_error(self.names.1))?;
             let net = ipnet::Ipv6Net::new(key.data().into(), key.prefix_len() as u8)
                 .map_err(|_| MapsError::BadPrefix(self.names.1))?;
@@ -110,10 +116,10 @@ impl<V: aya::Pod + PartialEq> Trie<V> {
         for (net, value) in entries {
             match net {
                 IpNet::V4(n) => {
-                    want4.push(((u32::from(n.prefix_len()), n.network().octets()), *value))
+                    want4.push(((u32::from(n.prefix_len()), n.network().octets()), *value));
                 }
                 IpNet::V6(n) => {
-                    want6.push(((u32::from(n.prefix_len()), n.network().octets()), *value))
+                    want6.push(((u32::from(n.prefix_len()), n.network().octets()), *value));
                 }
             }
         }
@@ -222,37 +228,40 @@ impl Maps {
     fn build(
         mut find: impl FnMut(&'static str) -> Result<aya::maps::Map, MapsError>,
     ) -> Result<Self, MapsError> {
-        let mut typed = |name: &'static str| Typed(find(name), name);
+        let mut found = |name: &'static str| FoundMap {
+            map: find(name),
+            name,
+        };
         use map_names::*;
         Ok(Self {
-            config: typed(CONFIG).get()?,
-            ports: typed(PORTS).get()?,
-            flows: typed(FLOWS).get()?,
-            half_open: typed(HALF_OPEN).get()?,
-            source_conns: typed(SOURCE_CONNS).get()?,
-            global_conns: typed(GLOBAL_CONNS).get()?,
-            conn_rate: typed(CONN_RATE).get()?,
-            syn_buckets: typed(SYN_BUCKETS).get()?,
-            bans: typed(BANS).get()?,
+            config: found(CONFIG).typed()?,
+            ports: found(PORTS).typed()?,
+            flows: found(FLOWS).typed()?,
+            half_open: found(HALF_OPEN).typed()?,
+            source_conns: found(SOURCE_CONNS).typed()?,
+            global_conns: found(GLOBAL_CONNS).typed()?,
+            conn_rate: found(CONN_RATE).typed()?,
+            syn_buckets: found(SYN_BUCKETS).typed()?,
+            bans: found(BANS).typed()?,
             allow: Trie {
-                v4: typed(ALLOW_V4).get()?,
-                v6: typed(ALLOW_V6).get()?,
+                v4: found(ALLOW_V4).typed()?,
+                v6: found(ALLOW_V6).typed()?,
                 names: (ALLOW_V4, ALLOW_V6),
             },
             deny: Trie {
-                v4: typed(DENY_V4).get()?,
-                v6: typed(DENY_V6).get()?,
+                v4: found(DENY_V4).typed()?,
+                v6: found(DENY_V6).typed()?,
                 names: (DENY_V4, DENY_V6),
             },
             overrides: Trie {
-                v4: typed(OVERRIDES_V4).get()?,
-                v6: typed(OVERRIDES_V6).get()?,
+                v4: found(OVERRIDES_V4).typed()?,
+                v6: found(OVERRIDES_V6).typed()?,
                 names: (OVERRIDES_V4, OVERRIDES_V6),
             },
-            stats: typed(STATS).get()?,
-            events: typed(EVENTS).get()?,
-            blocked: typed(BLOCKED).get()?,
-            refused_conns: typed(REFUSED_CONNS).get()?,
+            stats: found(STATS).typed()?,
+            events: found(EVENTS).typed()?,
+            blocked: found(BLOCKED).typed()?,
+            refused_conns: found(REFUSED_CONNS).typed()?,
             ports_written: None,
             cookie_terms: CookieTerms::default(),
             auto_cookies: 0,
@@ -350,8 +359,7 @@ impl Maps {
     /// Bans `addr`'s source key (masked with the live prefix) for `ttl`.
     pub fn ban(&mut self, addr: IpAddr, ttl: Duration) -> Result<SourceKey, MapsError> {
         let key = source_key(addr, &self.config()?);
-        let expires_ns =
-            boot_time_ns()?.saturating_add(ttl.as_nanos().min(u64::MAX as u128) as u64);
+        let expires_ns = boot_time_ns()?.saturating_add(duration_ns(ttl));
         self.bans
             .insert(key, Ban { expires_ns }, 0)
             .map_err(map_error(map_names::BANS))?;
@@ -384,7 +392,7 @@ impl Maps {
     pub fn bans(&self) -> Result<Vec<(SourceKey, Duration)>, MapsError> {
         let now = boot_time_ns()?;
         let mut out = Vec::new();
-        for entry in self.bans.iter() {
+        for entry in &self.bans {
             let (key, ban) = entry.map_err(map_error(map_names::BANS))?;
             if ban.expires_ns > now {
                 out.push((key, Duration::from_nanos(ban.expires_ns - now)));
@@ -520,12 +528,12 @@ impl Maps {
     /// and the SYN-rate refusals each source's bucket counts, in the `syn_rate` slot.
     pub fn blocked(&self) -> Result<Vec<(SourceKey, Blocked)>, MapsError> {
         let mut all = std::collections::BTreeMap::<SourceKey, Blocked>::new();
-        for entry in self.blocked.iter() {
+        for entry in &self.blocked {
             let (key, blocked) = entry.map_err(map_error(map_names::BLOCKED))?;
             all.insert(key, blocked);
         }
         if let Some(rate) = Reason::SynRate.blocked_slot() {
-            for bucket in self.mapped_buckets()?.iter() {
+            for bucket in self.mmap_buckets()?.iter() {
                 if bucket.refused > 0 {
                     all.entry(bucket.source).or_default().counts[rate] += bucket.refused;
                 }
@@ -538,14 +546,14 @@ impl Maps {
     /// what the differential test holds against its model.
     pub fn syn_buckets(&self) -> Result<Vec<(u32, SynBucket)>, MapsError> {
         Ok((0..)
-            .zip(self.mapped_buckets()?.iter())
+            .zip(self.mmap_buckets()?.iter())
             .filter(|(_, bucket)| bucket.tat_tag != 0 || bucket.holders != 0)
             .collect())
     }
 
     /// The SYN bucket array, mapped read-only: one pass over it costs no syscall per slot.
-    fn mapped_buckets(&self) -> Result<MappedArray<SynBucket>, MapsError> {
-        MappedArray::new(self.syn_buckets.map().fd(), self.syn_buckets.len()).map_err(|source| {
+    fn mmap_buckets(&self) -> Result<MmapArray<SynBucket>, MapsError> {
+        MmapArray::new(self.syn_buckets.map().fd(), self.syn_buckets.len()).map_err(|source| {
             MapsError::Mapping {
                 name: map_names::SYN_BUCKETS,
                 source,

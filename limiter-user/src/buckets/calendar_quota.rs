@@ -12,10 +12,8 @@ use std::time::Duration;
 
 use limiter_client::Outcome;
 
-use super::{
-    cell::{Algorithm, Evaluation},
-    clock::duration_ns,
-};
+use super::cell::{Algorithm, Evaluation};
+use crate::duration_units::duration_ns;
 
 /// The shortest period: below a second the window index would repeat within a human lifetime.
 pub const MIN_PERIOD: Duration = Duration::from_secs(1);

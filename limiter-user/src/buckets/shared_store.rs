@@ -14,7 +14,7 @@ use std::{
 
 use crate::api::FleetStatus;
 
-use super::{cell::Evaluation, gcra::Rate, quota::Quota};
+use super::{calendar_quota::Quota, cell::Evaluation, gcra::Rate};
 
 /// The limit a shared check is held to: a rate's bucket or a quota's window.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -30,7 +30,7 @@ pub type SharedFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 #[derive(Clone, Debug)]
 pub struct SharedCheck {
     pub action: Arc<str>,
-    /// The key as the store names it ([`super::keys::shared_name`]).
+    /// The key as the store names it ([`super::bucket_keys::shared_name`]).
     pub key: Vec<u8>,
     pub limit: SharedLimit,
     pub cost: u32,

@@ -19,11 +19,12 @@ use super::{
     problem::{Problem, blocking, json_rejection, maps_problem, query_rejection},
 };
 use crate::{
-    api::{BanAnswer, BanRequest, ListAnswer, ListKind, ListRequest, millis, parse_ban_ttl},
+    api::{BanAnswer, BanRequest, ListAnswer, ListKind, ListRequest, parse_ban_ttl},
     datapath::{
         EnforceError, Enforcer,
-        keys::{key_text, source_key},
+        kernel_keys::{key_text, source_key},
     },
+    duration_units::duration_ms,
     events::{self, BanCause, Event},
     settings::parse_cidr,
 };
@@ -87,7 +88,7 @@ pub(super) async fn ban(
         Ok(BanAnswer {
             addr: addr.to_string(),
             source,
-            ttl_ms: Some(millis(ttl)),
+            ttl_ms: Some(duration_ms(ttl)),
             lifted: None,
         })
     })

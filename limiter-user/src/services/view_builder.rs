@@ -8,10 +8,11 @@ use limiter_common::{Reason, Verdict as PacketVerdict};
 use crate::{
     api::{
         ActionView, BanEntry, BlockedSource, BrokerRateLimits, Connections, EscalationView,
-        KernelLimits, KernelRateLimits, SourceConnections, Status, millis,
+        KernelLimits, KernelRateLimits, SourceConnections, Status,
     },
     buckets::{Limiter, actions::Mode},
-    datapath::{Enforcer, Maps, MapsError, keys::key_text},
+    datapath::{Enforcer, Maps, MapsError, kernel_keys::key_text},
+    duration_units::duration_ms,
 };
 
 /// Where views read the kernel maps from: the running datapath (a short lock per read) or
@@ -34,8 +35,8 @@ impl ReadMaps for Maps {
 
 /// Builds the status from the maps; `version` and `ready` are the agent's to add.
 pub fn kernel_status(maps: &impl ReadMaps) -> Result<Status, MapsError> {
-    let config = maps.read(|m| m.config())?;
-    let counts = maps.read(|m| m.packet_counts())?;
+    let config = maps.read(Maps::config)?;
+    let counts = maps.read(Maps::packet_counts)?;
     let mut refused = BTreeMap::new();
     let mut refused_packets = BTreeMap::new();
     for &reason in &Reason::ALL[..Reason::REFUSAL_COUNT] {
@@ -48,18 +49,18 @@ pub fn kernel_status(maps: &impl ReadMaps) -> Result<Status, MapsError> {
         let attempts = maps.read(|m| m.refused_connections(reason))?;
         refused.insert(reason.label().to_owned(), attempts);
     }
-    let sources = maps.read(|m| m.all_source_connections())?;
+    let sources = maps.read(Maps::all_source_connections)?;
     Ok(Status {
         version: None,
         ready: None,
-        connections: maps.read(|m| m.global_connections())?,
+        connections: maps.read(Maps::global_connections)?,
         tracked_sources: sources.iter().filter(|(_, n)| *n > 0).count(),
-        flow_table_entries: maps.read(|m| m.flow_count())?,
-        flow_table_capacity: maps.read(|m| m.flow_capacity())?,
-        bans_active: maps.read(|m| m.bans())?.len(),
+        flow_table_entries: maps.read(Maps::flow_count)?,
+        flow_table_capacity: maps.read(Maps::flow_capacity)?,
+        bans_active: maps.read(Maps::bans)?.len(),
         refused,
         refused_packets,
-        limits: KernelLimits::new(&config, &maps.read(|m| m.overrides())?),
+        limits: KernelLimits::new(&config, &maps.read(Maps::overrides)?),
         pinned: None,
         restart_required: None,
         fleet: None,
@@ -69,10 +70,10 @@ pub fn kernel_status(maps: &impl ReadMaps) -> Result<Status, MapsError> {
 
 /// `GET /connections`: open connections per source, largest first.
 pub fn connections_view(maps: &impl ReadMaps, limit: usize) -> Result<Connections, MapsError> {
-    let global = maps.read(|m| m.global_connections())?;
-    let config = maps.read(|m| m.config())?;
+    let global = maps.read(Maps::global_connections)?;
+    let config = maps.read(Maps::config)?;
     let mut sources: Vec<_> = maps
-        .read(|m| m.all_source_connections())?
+        .read(Maps::all_source_connections)?
         .into_iter()
         .filter(|(_, n)| *n > 0)
         .collect();
@@ -97,8 +98,8 @@ pub fn kernel_rate_limits(
     maps: &impl ReadMaps,
     limit: usize,
 ) -> Result<KernelRateLimits, MapsError> {
-    let config = maps.read(|m| m.config())?;
-    let blocked = maps.read(|m| m.blocked())?;
+    let config = maps.read(Maps::config)?;
+    let blocked = maps.read(Maps::blocked)?;
     let mut top_blocked = BTreeMap::new();
     for &reason in &Reason::ALL[..Reason::REFUSAL_COUNT] {
         let Some(slot) = reason.blocked_slot() else {
@@ -121,10 +122,10 @@ pub fn kernel_rate_limits(
                 .collect(),
         );
     }
-    let mut bans = maps.read(|m| m.bans())?;
+    let mut bans = maps.read(Maps::bans)?;
     bans.sort_unstable_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
     Ok(KernelRateLimits {
-        limits: KernelLimits::new(&config, &maps.read(|m| m.overrides())?),
+        limits: KernelLimits::new(&config, &maps.read(Maps::overrides)?),
         ports: None,
         allow: None,
         deny: None,
@@ -135,7 +136,7 @@ pub fn kernel_rate_limits(
             .take(limit)
             .map(|(key, left)| BanEntry {
                 source: key_text(&key, &config),
-                expires_in_ms: millis(left),
+                expires_in_ms: duration_ms(left),
             })
             .collect(),
     })
@@ -164,7 +165,7 @@ pub fn broker_rate_limits(limiter: &Limiter, limit: usize) -> BrokerRateLimits {
                 limit: spec.limit,
                 overrides: spec.overrides.len(),
                 enforcement: spec.mode.unwrap_or(limiter.mode()).as_str().to_owned(),
-                window_ms: millis(spec.window),
+                window_ms: duration_ms(spec.window),
                 burst: spec.burst,
                 key: spec.key.as_str().to_owned(),
                 max_keys: spec.max_keys,
@@ -179,11 +180,11 @@ pub fn broker_rate_limits(limiter: &Limiter, limit: usize) -> BrokerRateLimits {
         let stats = limiter.escalation_stats().unwrap_or_default();
         EscalationView {
             after: config.after,
-            window_ms: millis(config.window),
-            ban_ms: millis(config.ban),
+            window_ms: duration_ms(config.window),
+            ban_ms: duration_ms(config.ban),
             ban_factor: config.increment.factor,
-            max_ban_ms: millis(config.increment.max_ban),
-            memory_ms: millis(config.increment.memory),
+            max_ban_ms: duration_ms(config.increment.max_ban),
+            memory_ms: duration_ms(config.increment.memory),
             tracked_addresses: stats.tracked_addresses,
             bans: stats.bans,
             ban_failures: stats.ban_failures,

@@ -8,13 +8,13 @@ use nix::sys::mman::{MapFlags, ProtFlags, mmap, munmap};
 
 /// The array's values, mapped read-only while this lives. The programs keep writing them: a
 /// value read here may be torn, which callers accept for what they read (counts to show).
-pub struct MappedArray<T> {
+pub struct MmapArray<T> {
     values: NonNull<T>,
     len: usize,
     bytes: NonZeroUsize,
 }
 
-impl<T: Copy> MappedArray<T> {
+impl<T: Copy> MmapArray<T> {
     /// Maps the `len` values of the array behind `fd`. The kernel lays them out at strides of
     /// their size rounded up to eight bytes, from the start of the mapping, so `T`'s size must
     /// be a multiple of eight.
@@ -52,7 +52,7 @@ impl<T: Copy> MappedArray<T> {
     }
 }
 
-impl<T> Drop for MappedArray<T> {
+impl<T> Drop for MmapArray<T> {
     fn drop(&mut self) {
         // SAFETY: the mapping made in `new`, unmapped once.
         if let Err(error) = unsafe { munmap(self.values.cast(), self.bytes.get()) } {
