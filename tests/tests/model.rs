@@ -223,6 +223,9 @@ fn counted(model: &Model, verdict: Verdict, reason: Reason) -> u64 {
         .unwrap_or(0)
 }
 
+/// The least time a rated run takes: enough for the floors below at 25,000 frames.
+const RATED_SPAN: Duration = Duration::from_secs(8);
+
 /// Frames per test: a seventh of `LIMITER_FUZZ_FRAMES` (`cargo xtask fuzz`), else 25,000.
 fn frames() -> usize {
     env_u64("LIMITER_FUZZ_FRAMES").map_or(25_000, |n| (n / 7).max(1) as usize)
@@ -250,11 +253,23 @@ fn run(flags: &[&str], seed: u64, count: usize) -> Model {
     let mut model = Model::new(&settings(flags).policy, &live);
     let mut generator = Generator::new(seed);
     let started = std::time::Instant::now();
+    // A rate's tokens come back only with time, which the kernel's clock measures: spread a
+    // rated run's frames over at least this long, so that a fast machine meets refills as a
+    // slow one does (a run of 2 s saw too few to compare).
+    let span = if model.rated() {
+        RATED_SPAN
+    } else {
+        Duration::ZERO
+    };
     // Frames whose run straddled a tick of the rate clock, and of those, the ones the kernel
     // judged at the later instant.
     let (mut straddled, mut late) = (0, 0);
     println!("model: seed {seed} ({count} frames, flags {flags:?})");
     for index in 0..count {
+        let due = started + span.mul_f64(index as f64 / count as f64);
+        if let Some(early) = due.checked_duration_since(std::time::Instant::now()) {
+            std::thread::sleep(early);
+        }
         on_cpu(index % 2);
         if let Some(change) = generator.ban_change() {
             change_bans(&mut k, &mut model, &change);
