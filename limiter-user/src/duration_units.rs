@@ -10,6 +10,11 @@ pub fn duration_ms(duration: Duration) -> u64 {
     u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
 }
 
+/// A duration serialized as [`duration_ms`] (`serialize_with`), for views whose fields say `_ms`.
+pub fn serialize_ms<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_u64(duration_ms(*d))
+}
+
 /// Whole nanoseconds; `u64::MAX` for a duration that does not fit (about 584 years).
 pub fn duration_ns(duration: Duration) -> u64 {
     u64::try_from(duration.as_nanos()).unwrap_or(u64::MAX)

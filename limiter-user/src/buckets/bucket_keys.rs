@@ -1,12 +1,86 @@
-//! Turning a key as the broker sends it into the bytes a bucket is stored under, and back into
-//! something an operator can read.
+//! What an action's keys identify (`KeyKind`), and turning a key as the broker sends it into
+//! the bytes a bucket is stored under, and back into something an operator can read.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use limiter_client::{MAX_KEY_LEN, USER_TOPIC_SEPARATOR};
+use serde::{Deserialize, Deserializer, Serialize, de};
 use sha2::{Digest, Sha256};
 
-use super::actions::KeyKind;
+/// What an action's keys identify. It decides how a key is checked and stored: addresses are
+/// parsed and stored in canonical form (so `::ffff:10.0.0.1` and `10.0.0.1` share a bucket),
+/// session tokens are stored and shown only as a SHA-256 digest, a `user+topic` key by its
+/// user and its topic's first levels, anything else as given. Read and shown as its name
+/// (`ip`, ..., `user+topic`); a `user+topic` kind's levels come from `topic-levels`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KeyKind {
+    Ip,
+    Session,
+    User,
+    Other,
+    /// A connection as the broker names it (an MQTT client id): the key strikes close, and
+    /// one the broker releases when the connection is gone (`connection-gone`).
+    Connection,
+    /// A user and the topic it publishes to (`limiter_client::user_topic_key`), named by the
+    /// topic's first `levels` levels: one bucket per user and topic subtree. The levels are
+    /// part of the kind, so a reload that changes them starts with empty buckets, as any
+    /// change of what a key means does.
+    UserTopic {
+        levels: u8,
+    },
+}
+
+/// `topic-levels` when an action keyed by `user+topic` does not say.
+pub const DEFAULT_TOPIC_LEVELS: u8 = 1;
+/// The most `topic-levels` may be: deeper than any topic tree a limit is set on needs.
+pub const MAX_TOPIC_LEVELS: u8 = 32;
+
+impl KeyKind {
+    /// The kind as configured and shown (`ip`, `session`, `user`, `other`, `connection`,
+    /// `user+topic`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KeyKind::Ip => "ip",
+            KeyKind::Session => "session",
+            KeyKind::User => "user",
+            KeyKind::Other => "other",
+            KeyKind::Connection => "connection",
+            KeyKind::UserTopic { .. } => "user+topic",
+        }
+    }
+
+    /// The kind named `name` as configured; `user+topic` with [`DEFAULT_TOPIC_LEVELS`].
+    pub fn from_name(name: &str) -> Option<Self> {
+        Some(match name {
+            "ip" => KeyKind::Ip,
+            "session" => KeyKind::Session,
+            "user" => KeyKind::User,
+            "other" => KeyKind::Other,
+            "connection" => KeyKind::Connection,
+            "user+topic" => KeyKind::UserTopic {
+                levels: DEFAULT_TOPIC_LEVELS,
+            },
+            _ => return None,
+        })
+    }
+}
+
+impl Serialize for KeyKind {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.as_str())
+    }
+}
+
+impl<'de> Deserialize<'de> for KeyKind {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let name = String::deserialize(deserializer)?;
+        KeyKind::from_name(&name).ok_or_else(|| {
+            de::Error::custom(format!(
+                "unknown key kind {name:?} (ip, session, user, other, connection, user+topic)"
+            ))
+        })
+    }
+}
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum KeyError {

@@ -28,7 +28,10 @@ use crate::duration_units::duration_ns;
 pub struct StrikeRule {
     /// Strikes within the window that close the connection.
     pub to_disconnect: u32,
-    #[serde(rename = "window_ms", serialize_with = "super::actions::as_millis")]
+    #[serde(
+        rename = "window_ms",
+        serialize_with = "crate::duration_units::serialize_ms"
+    )]
     pub window: Duration,
     /// What one payload over `max-payload-bytes` weighs.
     pub oversize: u32,

@@ -5,6 +5,7 @@
 //! naming the setting.
 
 mod broker;
+mod cidr_text;
 mod cluster;
 mod event_log;
 mod file;
@@ -21,12 +22,12 @@ use std::{
 };
 
 pub use broker::{ActionFlags, AdminPeers, BrokerLayer, BrokerSettings, ClientLimits, ServeConfig};
+pub use cidr_text::{parse_cidr, parse_cidrs};
 pub use cluster::ClusterLayer;
 pub use event_log::{EventLog, JOURNALD_IDENTIFIER};
 pub use file::FileConfig;
 pub use flags::{Layer, RefusalArg, TunnelsArg, XdpModeArg};
 pub use list_file::{ListFile, ListFiles, parse_list};
-pub use resolve::{parse_cidr, parse_cidrs};
 pub use source_overrides::OverrideArg;
 
 pub use crate::errors::ConfigError;

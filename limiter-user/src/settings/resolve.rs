@@ -1,14 +1,15 @@
 //! Checks a merged [`Layer`] and fills in the defaults: the one path from what the operator
 //! wrote to the [`Settings`] the agent runs with, taken alike at start and on SIGHUP.
 
-use std::{net::IpAddr, path::PathBuf, time::Duration};
+use std::{path::PathBuf, time::Duration};
 
-use ipnet::IpNet;
 use limiter_common::{Config, Refusal};
 
 use super::{
     BrokerLayer, BrokerSettings, CheckAccess, ClientLimits, ConfigError, ListFile, ListFiles,
-    RestartOnly, Settings, SweepSettings, defaults,
+    RestartOnly, Settings, SweepSettings,
+    cidr_text::parse_cidrs,
+    defaults,
     flags::{Layer, RefusalArg, SynCookiesArg, TunnelsArg, XdpModeArg},
 };
 use crate::{
@@ -262,45 +263,6 @@ fn parse_port(port: u32) -> Result<u16, ConfigError> {
             format!("{port} is not a TCP port (1-65535)"),
         )),
     }
-}
-
-/// Parses CIDRs (a bare address is a host route); host bits set below the prefix are refused,
-/// since they usually mean a typo in the prefix.
-pub fn parse_cidrs(setting: &'static str, texts: &[String]) -> Result<Vec<IpNet>, ConfigError> {
-    texts
-        .iter()
-        .filter(|t| !t.trim().is_empty())
-        .map(|text| parse_cidr(setting, text))
-        .collect()
-}
-
-pub fn parse_cidr(setting: &'static str, text: &str) -> Result<IpNet, ConfigError> {
-    let text = text.trim();
-    let net = match text.parse::<IpNet>() {
-        Ok(net) => net,
-        Err(_) => match text.parse::<IpAddr>() {
-            Ok(addr) => IpNet::from(addr),
-            Err(_) => return Err(ConfigError::new(setting, format!("`{text}` is not a CIDR"))),
-        },
-    };
-    // An IPv4-mapped network is the IPv4 network it maps: IPv4 packets consult the IPv4 tries.
-    let net = match net {
-        IpNet::V6(v6) if v6.prefix_len() >= 96 => match v6.addr().to_ipv4_mapped() {
-            Some(v4) => IpNet::new(IpAddr::V4(v4), v6.prefix_len() - 96).unwrap_or(net),
-            None => net,
-        },
-        _ => net,
-    };
-    if net.trunc() != net {
-        return Err(ConfigError::new(
-            setting,
-            format!(
-                "`{text}` has host bits set below its prefix (did you mean {}?)",
-                net.trunc()
-            ),
-        ));
-    }
-    Ok(net)
 }
 
 /// A table size, checked here, before the kernel is asked for the maps, so a size it would

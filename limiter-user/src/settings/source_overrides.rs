@@ -8,7 +8,7 @@ use ipnet::IpNet;
 use limiter_common::{Config, SourceLimits};
 use serde::{Deserialize, Serialize};
 
-use super::{ConfigError, resolve::parse_cidr};
+use super::{ConfigError, cidr_text::parse_cidr};
 use crate::datapath::SourceOverride;
 
 /// The setting every problem here is reported under.
