@@ -186,53 +186,34 @@ pub enum Response {
     },
 }
 
-/// Error reply codes. The connection stays open after every one but `FrameTooLarge`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[repr(u8)]
-pub enum ErrorCode {
-    /// The frame could not be read: short, trailing bytes, a bad length or encoding.
-    Malformed = 1,
-    /// The opcode is not one this side knows.
-    UnknownOpcode = 2,
-    /// No action has this name in the agent's configuration.
-    UnknownAction = 3,
-    /// The key is empty, too long, or not what the action is keyed by (e.g. not an address).
-    InvalidKey = 4,
-    /// A cost of 0.
-    InvalidCost = 5,
-    /// The frame's length exceeds the maximum; the agent closes the connection after this,
-    /// since skipping the frame would mean reading what a misbehaving client chose.
-    FrameTooLarge = 6,
-    /// A ban or unban could not be written to the kernel, or its TTL is out of range.
-    BanFailed = 7,
-    /// The request changes state (ban, unban, reset) and this client may not: over the Unix
-    /// socket its uid and gid are not in the agent's admin lists, and it has not presented
-    /// the admin token on this connection (the only way over TCP). Also the answer to
-    /// [`Request::Authenticate`] when the agent has no admin token configured.
-    NotPermitted = 8,
-    /// [`Request::Authenticate`] with a token that is not the agent's; the connection stays
-    /// as trusted as it was.
-    BadToken = 9,
-    /// An acquire or release of an action that is not of kind `concurrency` (protocol 1.3).
-    WrongKind = 10,
-}
-
-impl ErrorCode {
-    /// The code for a wire byte, or `None` for a byte no version of the protocol uses.
-    pub fn from_wire(value: u8) -> Option<Self> {
-        Some(match value {
-            1 => ErrorCode::Malformed,
-            2 => ErrorCode::UnknownOpcode,
-            3 => ErrorCode::UnknownAction,
-            4 => ErrorCode::InvalidKey,
-            5 => ErrorCode::InvalidCost,
-            6 => ErrorCode::FrameTooLarge,
-            7 => ErrorCode::BanFailed,
-            8 => ErrorCode::NotPermitted,
-            9 => ErrorCode::BadToken,
-            10 => ErrorCode::WrongKind,
-            _ => return None,
-        })
+wire_enum! {
+    /// Error reply codes. The connection stays open after every one but `FrameTooLarge`.
+    pub enum ErrorCode {
+        /// The frame could not be read: short, trailing bytes, a bad length or encoding.
+        Malformed = 1,
+        /// The opcode is not one this side knows.
+        UnknownOpcode = 2,
+        /// No action has this name in the agent's configuration.
+        UnknownAction = 3,
+        /// The key is empty, too long, or not what the action is keyed by (e.g. not an address).
+        InvalidKey = 4,
+        /// A cost of 0.
+        InvalidCost = 5,
+        /// The frame's length exceeds the maximum; the agent closes the connection after this,
+        /// since skipping the frame would mean reading what a misbehaving client chose.
+        FrameTooLarge = 6,
+        /// A ban or unban could not be written to the kernel, or its TTL is out of range.
+        BanFailed = 7,
+        /// The request changes state (ban, unban, reset) and this client may not: over the Unix
+        /// socket its uid and gid are not in the agent's admin lists, and it has not presented
+        /// the admin token on this connection (the only way over TCP). Also the answer to
+        /// [`Request::Authenticate`] when the agent has no admin token configured.
+        NotPermitted = 8,
+        /// [`Request::Authenticate`] with a token that is not the agent's; the connection stays
+        /// as trusted as it was.
+        BadToken = 9,
+        /// An acquire or release of an action that is not of kind `concurrency` (protocol 1.3).
+        WrongKind = 10,
     }
 }
 

@@ -44,6 +44,8 @@
 #![deny(missing_docs)]
 #![warn(missing_debug_implementations)]
 
+#[macro_use]
+mod wire_enum;
 mod client;
 mod codec;
 mod frame;

@@ -1,28 +1,28 @@
 //! The answers the agent gives, shaped so that each front end (the socket protocol, an HTTP
 //! 429, a broker's own error page) can render them without knowing how buckets work.
 
-/// Why a check passed or not. The numbers are the protocol's wire values.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[repr(u8)]
-pub enum Outcome {
-    /// The bucket paid the cost.
-    Allowed = 0,
-    /// The action has no limit (limit 0 on an ordinary action); nothing is counted per key.
-    Unlimited = 1,
-    /// The bucket cannot pay the cost now; `retry_after_ms` says when it can.
-    Limited = 2,
-    /// The cost is larger than the bucket can ever hold: waiting will not help.
-    CostExceedsBurst = 3,
-    /// A security action configured with limit 0: every attempt is refused.
-    Closed = 4,
-    /// The cost is larger than a quota's whole allowance per period: waiting will not help.
-    CostExceedsLimit = 5,
-    /// The connection has collected its strikes (refusals, oversize payloads) within the
-    /// action's strike window: the broker closes it and drops what it sends until then.
-    /// Protocol 1.3; a client of an earlier version treats it as a refusal.
-    Disconnect = 6,
-    /// The payload is larger than the action's `max-payload-bytes`: drop it. Protocol 1.3.
-    PayloadTooLarge = 7,
+wire_enum! {
+    /// Why a check passed or not. The numbers are the protocol's wire values.
+    pub enum Outcome {
+        /// The bucket paid the cost.
+        Allowed = 0 => "allowed",
+        /// The action has no limit (limit 0 on an ordinary action); nothing is counted per key.
+        Unlimited = 1 => "unlimited",
+        /// The bucket cannot pay the cost now; `retry_after_ms` says when it can.
+        Limited = 2 => "limited",
+        /// The cost is larger than the bucket can ever hold: waiting will not help.
+        CostExceedsBurst = 3 => "cost_exceeds_burst",
+        /// A security action configured with limit 0: every attempt is refused.
+        Closed = 4 => "closed",
+        /// The cost is larger than a quota's whole allowance per period: waiting will not help.
+        CostExceedsLimit = 5 => "cost_exceeds_limit",
+        /// The connection has collected its strikes (refusals, oversize payloads) within the
+        /// action's strike window: the broker closes it and drops what it sends until then.
+        /// Protocol 1.3; a client of an earlier version treats it as a refusal.
+        Disconnect = 6 => "disconnect",
+        /// The payload is larger than the action's `max-payload-bytes`: drop it. Protocol 1.3.
+        PayloadTooLarge = 7 => "payload_too_large",
+    }
 }
 
 impl Outcome {
@@ -30,36 +30,6 @@ impl Outcome {
     /// need yes or no should not have to know which are which.
     pub fn allowed(self) -> bool {
         matches!(self, Outcome::Allowed | Outcome::Unlimited)
-    }
-
-    /// The outcome for a wire byte, or `None` for a byte no version of the protocol uses.
-    pub fn from_wire(value: u8) -> Option<Self> {
-        Some(match value {
-            0 => Outcome::Allowed,
-            1 => Outcome::Unlimited,
-            2 => Outcome::Limited,
-            3 => Outcome::CostExceedsBurst,
-            4 => Outcome::Closed,
-            5 => Outcome::CostExceedsLimit,
-            6 => Outcome::Disconnect,
-            7 => Outcome::PayloadTooLarge,
-            _ => return None,
-        })
-    }
-
-    /// The outcome's stable name (`cost_exceeds_burst`), as in JSON answers, metrics labels
-    /// and `limiter check`'s output.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Outcome::Allowed => "allowed",
-            Outcome::Unlimited => "unlimited",
-            Outcome::Limited => "limited",
-            Outcome::CostExceedsBurst => "cost_exceeds_burst",
-            Outcome::Closed => "closed",
-            Outcome::CostExceedsLimit => "cost_exceeds_limit",
-            Outcome::Disconnect => "disconnect",
-            Outcome::PayloadTooLarge => "payload_too_large",
-        }
     }
 }
 

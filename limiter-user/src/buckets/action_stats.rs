@@ -18,7 +18,7 @@ const STRIPES: usize = 16;
 #[derive(Default)]
 struct Stripe([AtomicU64; OUTCOMES]);
 
-const OUTCOMES: usize = 8;
+const OUTCOMES: usize = limiter_client::Outcome::COUNT;
 
 /// Which stripes a live thread owns.
 static CLAIMED: [AtomicBool; STRIPES] = [const { AtomicBool::new(false) }; STRIPES];

@@ -343,17 +343,6 @@ struct BrokerMetrics {
     families: Broker,
 }
 
-const OUTCOMES: [Outcome; 8] = [
-    Outcome::Allowed,
-    Outcome::Unlimited,
-    Outcome::Limited,
-    Outcome::CostExceedsBurst,
-    Outcome::CostExceedsLimit,
-    Outcome::Closed,
-    Outcome::Disconnect,
-    Outcome::PayloadTooLarge,
-];
-
 impl BrokerMetrics {
     fn new(limiter: Arc<Limiter>) -> Result<Self, MetricsError> {
         let r = MetricsError::Register;
@@ -492,7 +481,7 @@ impl Scraped for BrokerMetrics {
         for stats in self.limiter.stats() {
             let action = stats.action.as_str();
             let counts = &stats.counts;
-            for outcome in OUTCOMES {
+            for outcome in Outcome::ALL {
                 let n = match outcome {
                     Outcome::Allowed => counts.allowed,
                     Outcome::Unlimited => counts.unlimited,
