@@ -170,6 +170,33 @@ impl SharedGcra {
         name
     }
 
+    /// Asks Redis through `ask` within the check timeout. `None` (a check decided locally,
+    /// counted as a fallback) while Redis is away, or when it fails or answers too late, which
+    /// is recorded against its health.
+    fn ask<T, E, F>(&self, ask: impl FnOnce(Redis) -> F) -> SharedFuture<Option<T>>
+    where
+        T: Send + 'static,
+        E: ToString,
+        F: std::future::Future<Output = Result<T, E>> + Send + 'static,
+    {
+        if !self.health.is_up() {
+            self.health.fell_back();
+            return Box::pin(std::future::ready(None));
+        }
+        let (redis, health, timeout) = (self.redis.clone(), Arc::clone(&self.health), self.timeout);
+        let asked = ask(redis.clone());
+        Box::pin(async move {
+            let failure = match tokio::time::timeout(timeout, asked).await {
+                Ok(Ok(answer)) => return Some(answer),
+                Ok(Err(error)) => error.to_string(),
+                Err(_) => format!("no answer within the check timeout ({timeout:?})"),
+            };
+            health.failed(&redis.target().to_string(), &failure);
+            health.fell_back();
+            None
+        })
+    }
+
     /// One PING and the script loaded on every node; marks Redis up when both answer.
     async fn probe(&self) -> Result<(), String> {
         let asked = async {
@@ -305,45 +332,26 @@ fn evaluation(reply: &[i64]) -> Option<Evaluation> {
 
 impl SharedBuckets for SharedGcra {
     fn take(&self, check: SharedCheck) -> SharedFuture<Option<Evaluation>> {
-        if !self.health.is_up() {
-            self.health.fell_back();
-            return Box::pin(std::future::ready(None));
-        }
         let key = self.bucket_key(&check.action, &check.key);
-        let (redis, script, health, timeout) = (
-            self.redis.clone(),
-            Arc::clone(&self.script),
-            Arc::clone(&self.health),
-            self.timeout,
-        );
-        Box::pin(async move {
-            let asked = async {
-                match check.limit {
-                    SharedLimit::Rate(rate) => {
-                        gcra(&redis, &script, key, &rate, check.cost, check.consume).await
-                    }
-                    SharedLimit::Quota(quota) => {
-                        let quota = SharedQuota {
-                            limit: quota.capacity(),
-                            period: quota.period(),
-                            margin: quota.expiry_margin(),
-                        };
-                        let answer = quota.check(&redis, &key, check.cost, check.consume);
-                        answer
-                            .await
-                            .map_err(|e| e.to_string())
-                            .map(quota_evaluation)
-                    }
+        let script = Arc::clone(&self.script);
+        self.ask(move |redis| async move {
+            match check.limit {
+                SharedLimit::Rate(rate) => {
+                    gcra(&redis, &script, key, &rate, check.cost, check.consume).await
                 }
-            };
-            let failure = match tokio::time::timeout(timeout, asked).await {
-                Ok(Ok(evaluation)) => return Some(evaluation),
-                Ok(Err(error)) => error,
-                Err(_) => format!("no answer within the check timeout ({timeout:?})"),
-            };
-            health.failed(&redis.target().to_string(), &failure);
-            health.fell_back();
-            None
+                SharedLimit::Quota(quota) => {
+                    let quota = SharedQuota {
+                        limit: quota.capacity(),
+                        period: quota.period(),
+                        margin: quota.expiry_margin(),
+                    };
+                    let answer = quota.check(&redis, &key, check.cost, check.consume);
+                    answer
+                        .await
+                        .map_err(|e| e.to_string())
+                        .map(quota_evaluation)
+                }
+            }
         })
     }
 
@@ -370,27 +378,11 @@ impl SharedBuckets for SharedGcra {
         limit: u32,
         force: bool,
     ) -> SharedFuture<Option<SessionsHeld>> {
-        if !self.health.is_up() {
-            self.health.fell_back();
-            return Box::pin(std::future::ready(None));
-        }
         let key = self.bucket_key(&lease.action, &lease.key);
-        let (redis, sessions, health, timeout) = (
-            self.redis.clone(),
-            Arc::clone(&self.sessions),
-            Arc::clone(&self.health),
-            self.timeout,
-        );
-        Box::pin(async move {
-            let asked = sessions.acquire(&redis, key, &lease.session, (limit, force));
-            let failure = match tokio::time::timeout(timeout, asked).await {
-                Ok(Ok(answer)) => return Some(sessions_held(answer)),
-                Ok(Err(error)) => error.to_string(),
-                Err(_) => format!("no answer within the check timeout ({timeout:?})"),
-            };
-            health.failed(&redis.target().to_string(), &failure);
-            health.fell_back();
-            None
+        let sessions = Arc::clone(&self.sessions);
+        self.ask(move |redis| async move {
+            let answer = sessions.acquire(&redis, key, &lease.session, (limit, force));
+            answer.await.map(sessions_held)
         })
     }
 
@@ -418,27 +410,10 @@ impl SharedBuckets for SharedGcra {
         key: Vec<u8>,
         limit: u32,
     ) -> SharedFuture<Option<SessionsHeld>> {
-        if !self.health.is_up() {
-            self.health.fell_back();
-            return Box::pin(std::future::ready(None));
-        }
         let key = self.bucket_key(&action, &key);
-        let (redis, sessions, health, timeout) = (
-            self.redis.clone(),
-            Arc::clone(&self.sessions),
-            Arc::clone(&self.health),
-            self.timeout,
-        );
-        Box::pin(async move {
-            let failure =
-                match tokio::time::timeout(timeout, sessions.count(&redis, &key, limit)).await {
-                    Ok(Ok(answer)) => return Some(sessions_held(answer)),
-                    Ok(Err(error)) => error.to_string(),
-                    Err(_) => format!("no answer within the check timeout ({timeout:?})"),
-                };
-            health.failed(&redis.target().to_string(), &failure);
-            health.fell_back();
-            None
+        let sessions = Arc::clone(&self.sessions);
+        self.ask(move |redis| async move {
+            sessions.count(&redis, &key, limit).await.map(sessions_held)
         })
     }
 
