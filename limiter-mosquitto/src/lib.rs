@@ -25,7 +25,7 @@
 //! plugin_opt_timeout 50
 //! ```
 
-pub mod agent;
+pub mod agent_link;
 pub mod broker_conf;
 mod ffi;
 pub mod options;

@@ -40,7 +40,7 @@ use std::{
 };
 
 use crate::{
-    agent::{Agent, Strike},
+    agent_link::{Agent, Strike},
     broker_conf::{self, BrokerConf, ConfError},
     ffi::{self, Client, EvtAclCheck, EvtBasicAuth, EvtDisconnect, Opt, PluginId},
     options::{FailMode, Options},

@@ -1,7 +1,7 @@
 //! Sessions per key (`kind = "concurrency"`): at most `limit` held at once, each acquired and
 //! released over the broker protocol, and owned by the protocol connection that acquired it,
 //! so a broker that dies (its connection drops) frees every session it held. A shared action's
-//! session is a lease in the fleet's store as well (`fleet/sessions.rs`), given back with it.
+//! session is a lease in the fleet's store as well (`fleet/redis_sessions.rs`), given back with it.
 //!
 //! A key's count moves only under its map entry's lock, so concurrent acquires of one key
 //! never take more than the limit; a count back at zero is removed with its entry.

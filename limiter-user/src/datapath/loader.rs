@@ -16,7 +16,7 @@ use thiserror::Error;
 
 use super::{
     Maps, MapsError,
-    kernel::{self, KernelError},
+    kernel_floor::{self, KernelError},
     pins,
     programs::{
         ADJUST_PROGRAM, ADOPT_PROGRAM, RELEASE_PROGRAM, TC_INGRESS_PROGRAM, TC_PROGRAM,
@@ -241,7 +241,7 @@ impl Datapath {
         if EBPF_OBJECT.is_empty() {
             return Err(LoadError::NoObject);
         }
-        kernel::check_running()?;
+        kernel_floor::check_running()?;
         // aya-log's levels: 0 turns every statement off, 4 keeps debug and above.
         let log_level: u8 = if options.kernel_debug { 4 } else { 0 };
         let mut loader = EbpfLoader::new();

@@ -5,7 +5,7 @@
 mod enforcer;
 mod helpers;
 mod host_tcp;
-pub mod kernel;
+pub mod kernel_floor;
 pub mod kernel_keys;
 mod kernel_policy;
 mod loader;

@@ -11,11 +11,11 @@ mod config;
 mod connection;
 mod redis_buckets;
 mod redis_quota;
-mod sessions;
+mod redis_sessions;
 
 pub use bans::{BanChange, BansInForce, FleetBans, LogId};
 pub use config::{FleetConfig, RedisTarget, defaults};
 pub use connection::{Connection, FleetError, Redis};
 pub use redis_buckets::{GCRA_SCRIPT, SharedGcra};
 pub use redis_quota::{QuotaAnswer, SharedQuota};
-pub use sessions::{FleetSessions, LeaseAnswer};
+pub use redis_sessions::{FleetSessions, LeaseAnswer};

@@ -18,7 +18,7 @@ use redis::Script;
 
 use super::{
     FleetConfig, FleetError, QuotaAnswer, Redis, SharedQuota,
-    sessions::{FleetSessions, LeaseAnswer, renew_every},
+    redis_sessions::{FleetSessions, LeaseAnswer, renew_every},
 };
 use crate::{
     api::FleetStatus,
