@@ -59,8 +59,7 @@ pub fn run() -> Result<()> {
     package::check(&deb)?;
     let agent = paths::agent_binary();
     step("privileged tests");
-    preflight()?;
-    let bpffs = crate::bpffs::Restore::new();
+    let bpffs = preflight()?;
     // Every test binary runs even after one fails, so a failure never hides the others'.
     let counts = run_counting(
         cargo("stable")
@@ -93,7 +92,7 @@ pub fn run() -> Result<()> {
 /// the clock unless given, and is printed so a failure can be replayed.
 pub fn fuzz(frames: u64, seed: Option<u64>) -> Result<()> {
     let agent = build::all()?;
-    preflight()?;
+    let _bpffs = preflight()?;
     let seed = match seed {
         Some(seed) => seed,
         None => std::time::SystemTime::now()
@@ -114,7 +113,7 @@ pub fn fuzz(frames: u64, seed: Option<u64>) -> Result<()> {
 
 pub fn bench_kernel(page: Option<&Path>) -> Result<()> {
     let agent = build::all()?;
-    preflight()?;
+    let _bpffs = preflight()?;
     status(reported(
         cargo("stable")
             .args(["bench", "-p", PRIVILEGED, "--bench", "kernel"])
@@ -135,7 +134,7 @@ fn reported<'a>(bench: &'a mut Command, page: Option<&Path>) -> &'a mut Command 
 /// The firewalls it is compared with come from Debian's packages.
 pub fn bench_flood(sources: &[u32], spoofed: bool, page: Option<&Path>) -> Result<()> {
     let agent = build::all()?;
-    preflight()?;
+    let _bpffs = preflight()?;
     setup::ensure_bench_tools()?;
     let mut bench = cargo("stable");
     bench
@@ -173,8 +172,9 @@ fn step(name: &str) {
     println!("==> {name}");
 }
 
-/// Privileged tests never skip: where they cannot run, say why and fail.
-fn preflight() -> Result<()> {
+/// Privileged tests never skip: where they cannot run, say why and fail. Keep the guard it
+/// returns while they run: a BPF filesystem their agents mounted is taken down with it.
+fn preflight() -> Result<crate::bpffs::Restore> {
     if !build::is_root() {
         bail!(
             "the privileged tests need root (BPF and network namespaces): run `sudo -E cargo xtask test`"
@@ -188,7 +188,8 @@ fn preflight() -> Result<()> {
     if !Path::new("/sys/kernel/btf/vmlinux").exists() {
         bail!("this kernel exposes no BTF (/sys/kernel/btf/vmlinux): the kernel programs need it");
     }
-    setup::ensure_test_tools()
+    setup::ensure_test_tools()?;
+    Ok(crate::bpffs::Restore::new())
 }
 
 #[derive(Default)]
