@@ -8,10 +8,12 @@
 #![warn(missing_debug_implementations)]
 
 pub mod map_catalogue;
+pub mod profile;
 pub mod source;
 pub mod stats;
 
 pub use map_catalogue::map_names;
+pub use profile::{Limits, MAX_PROFILES, PROFILE_SLOTS, Profile, ProfileSource};
 pub use source::{SourceKey, source_key};
 pub use stats::{Direction, Event, Reason, Verdict};
 
@@ -43,30 +45,20 @@ impl Refusal {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Config {
-    /// Concurrent connections per source key; 0 = no limit.
-    pub max_conn_per_ip: u32,
-    /// Concurrent connections to the host; 0 = no limit.
-    pub max_conn_total: u32,
-    /// New connections (SYNs) per second per source key; 0 = no limit.
-    pub syn_rate: u32,
-    /// SYNs a source may send back to back before the rate applies.
-    pub syn_burst: u32,
+    /// The top level's limits: those of every protected port no profile names (profile slot
+    /// 0). A profile's are in `PROFILES`.
+    pub limits: Limits,
     /// Prefix length an IPv4 source is masked to before it becomes a key (32: per address).
     pub ipv4_prefix: u8,
     /// Prefix length an IPv6 source is masked to (e.g. 64, since one host often holds a /64).
     pub ipv6_prefix: u8,
-    /// [`Refusal`] for the connection caps and a full flow table (fail-closed), as `u8` so
-    /// that any byte the agent writes is valid.
-    pub reject_conn: u8,
-    /// [`Refusal`] for the SYN rate.
-    pub reject_rate: u8,
     /// [`Refusal`] for banned sources.
     pub reject_ban: u8,
     /// [`Refusal`] for denylisted sources.
     pub reject_deny: u8,
     /// Non-zero: a new connection that finds the flow table full is refused, not let through.
     pub fail_closed: u8,
-    /// Non-zero: every local port is protected and `PORTS` is not consulted.
+    /// Non-zero: every local port is protected; a port `PORTS` leaves at 0 is the top level's.
     pub all_ports: u8,
     /// Non-zero when the allow tries hold entries: lets the fast path skip empty tries.
     pub has_allow: u8,
@@ -83,19 +75,6 @@ pub struct Config {
     /// a marked SYN would reach the host). Non-zero: the RST|ACK is sent with `XDP_TX`, which
     /// is cheaper but on a veth reaches the client only if the peer runs NAPI (an XDP program).
     pub rst_xdp_tx: u8,
-    /// `SYN_BUCKETS` slots minus one (their count is a power of two): the mask of
-    /// [`bucket_place`]. Follows the map the programs run with, which a pinned table keeps.
-    pub bucket_mask: u32,
-    /// The secret key of [`bucket_place`]: which sources share a slot must not be something a
-    /// sender can work out. Chosen once, when the maps are made, and kept with them (a new
-    /// seed would move every source to a slot that counted others' connections).
-    pub bucket_seed: u64,
-    /// The SYN rate's emission interval in nanoseconds (0: not limited), derived from
-    /// `syn_rate` by [`Config::derive_rate_terms`].
-    pub syn_interval_ns: u64,
-    /// The SYN rate's burst tolerance in nanoseconds (the interval times `syn_burst`), derived
-    /// with the interval.
-    pub syn_tolerance_ns: u64,
     /// Non-zero: a SYN to a protected port from a source holding no connection is answered
     /// by the programs with a SYN cookie's SYN-ACK, made with the host's own secret
     /// (`bpf_tcp_gen_syncookie`), and never reaches the host; its ACK, checked against the
@@ -106,11 +85,6 @@ pub struct Config {
     /// connection it builds from the cookie (derived, as the kernel does, from
     /// `net.ipv4.tcp_rmem` and `net.core.rmem_max`), so that both ends agree on it.
     pub cookie_wscale: u8,
-    /// The MSS a cookie's SYN-ACK offers over IPv4 (the protected interfaces' smallest MTU
-    /// less 40).
-    pub cookie_mss_v4: u16,
-    /// The MSS a cookie's SYN-ACK offers over IPv6 (the MTU less 60).
-    pub cookie_mss_v6: u16,
     /// Non-zero: a cookie's SYN-ACK carries a timestamp whose low bits keep the client's
     /// window scale and SACK (as the kernel's own cookies do). Only when the host runs
     /// `net.ipv4.tcp_timestamps = 2`: with 1, the host adds a per-connection secret offset
@@ -120,29 +94,24 @@ pub struct Config {
     /// ingress; zero: they are dropped as [`Reason::Tunnel`], since the SYN inside would
     /// reach the host through its tunnel device unjudged.
     pub tunnels_pass: u8,
-    /// New connections per second admitted to the protected ports from all sources together
-    /// (a reconnect storm after an outage); 0 = no limit. Charged at the proven handshake,
-    /// so spoofed SYNs spend none of it.
-    pub conn_rate: u32,
-    /// Connections admitted back to back before `conn_rate` applies.
-    pub conn_burst: u32,
-    /// The connection rate's emission interval in nanoseconds (0: not limited), derived
-    /// by [`Config::derive_rate_terms`].
-    pub conn_interval_ns: u64,
-    /// The connection rate's burst tolerance in nanoseconds, derived with the interval.
-    pub conn_tolerance_ns: u64,
     /// Non-zero when the override tries hold entries ([`SourceLimits`]): only then does a
     /// SYN or a completing handshake pay the longest-prefix lookup of its source.
     pub has_overrides: u8,
-    /// Non-zero: monitor mode (`mode = "monitor"`), the dry run. Every packet is judged as in
-    /// enforce mode, but what the source and rate policy would refuse (the caps, the rates,
-    /// bans, the deny list, a full flow table) passes, counted as [`Verdict::WouldRefuse`]
-    /// with the reason. Frames that cannot be judged (fragments, cut-short or malformed
-    /// headers, a bad checksum, a martian source, a forged cookie) are refused as ever: they
-    /// are not policy an operator tries out, and passing them would open what they close.
-    pub monitor: u8,
-    /// Explicit padding (see the module's doc).
-    pub _pad: [u8; 6],
+    /// Non-zero when some port belongs to a profile: only then does a packet to a port
+    /// protected by `all_ports` pay the read of its `PORTS` byte.
+    pub has_profiles: u8,
+    /// The MSS a cookie's SYN-ACK offers over IPv4 (the protected interfaces' smallest MTU
+    /// less 40).
+    pub cookie_mss_v4: u16,
+    /// The MSS a cookie's SYN-ACK offers over IPv6 (the MTU less 60).
+    pub cookie_mss_v6: u16,
+    /// `SYN_BUCKETS` slots minus one (their count is a power of two): the mask of
+    /// [`bucket_place`]. Follows the map the programs run with, which a pinned table keeps.
+    pub bucket_mask: u32,
+    /// The secret key of [`bucket_place`]: which sources share a slot must not be something a
+    /// sender can work out. Chosen once, when the maps are made, and kept with them (a new
+    /// seed would move every source to a slot that counted others' connections).
+    pub bucket_seed: u64,
 }
 
 const _: () = assert!(core::mem::size_of::<Config>() == 96);
@@ -150,14 +119,9 @@ const _: () = assert!(core::mem::size_of::<Config>() == 96);
 impl Config {
     /// What the programs do before the agent writes a configuration: count, limit nothing.
     pub const UNCONFIGURED: Config = Config {
-        max_conn_per_ip: 0,
-        max_conn_total: 0,
-        syn_rate: 0,
-        syn_burst: 0,
+        limits: Limits::UNLIMITED,
         ipv4_prefix: 32,
         ipv6_prefix: 128,
-        reject_conn: Refusal::Rst as u8,
-        reject_rate: Refusal::Drop as u8,
         reject_ban: Refusal::Drop as u8,
         reject_deny: Refusal::Drop as u8,
         fail_closed: 0,
@@ -166,33 +130,17 @@ impl Config {
         has_deny: 0,
         has_bans: 0,
         rst_xdp_tx: 0,
-        bucket_mask: 0,
-        bucket_seed: 0,
-        syn_interval_ns: 0,
-        syn_tolerance_ns: 0,
         syn_cookies: 0,
         cookie_wscale: 0,
-        cookie_mss_v4: 536,
-        cookie_mss_v6: 1220,
         cookie_timestamps: 0,
         tunnels_pass: 1,
-        conn_rate: 0,
-        conn_burst: 0,
-        conn_interval_ns: 0,
-        conn_tolerance_ns: 0,
         has_overrides: 0,
-        monitor: 0,
-        _pad: [0; 6],
+        has_profiles: 0,
+        cookie_mss_v4: 536,
+        cookie_mss_v6: 1220,
+        bucket_mask: 0,
+        bucket_seed: 0,
     };
-
-    /// Sets the GCRA terms the programs meter SYNs and connections with from the rates and
-    /// bursts (at least one of burst), as whoever writes a config must before writing it:
-    /// the programs would otherwise divide by a rate on every SYN.
-    pub fn derive_rate_terms(&mut self) {
-        (self.syn_interval_ns, self.syn_tolerance_ns) = gcra_terms(self.syn_rate, self.syn_burst);
-        (self.conn_interval_ns, self.conn_tolerance_ns) =
-            gcra_terms(self.conn_rate, self.conn_burst);
-    }
 }
 
 /// A source prefix's own limits (`[[overrides]]`): the value of the override tries, which a
@@ -231,22 +179,10 @@ impl SourceLimits {
             syn_tolerance_ns,
         }
     }
-
-    /// The config's own per-source limits: what a source no override covers gets.
-    pub fn of(config: &Config) -> Self {
-        Self {
-            max_conn_per_ip: config.max_conn_per_ip,
-            syn_rate: config.syn_rate,
-            syn_burst: config.syn_burst,
-            _pad: 0,
-            syn_interval_ns: config.syn_interval_ns,
-            syn_tolerance_ns: config.syn_tolerance_ns,
-        }
-    }
 }
 
 /// A rate's emission interval and burst tolerance in nanoseconds; (0, 0) for no limit.
-fn gcra_terms(rate: u32, burst: u32) -> (u64, u64) {
+pub(crate) fn gcra_terms(rate: u32, burst: u32) -> (u64, u64) {
     let interval = 1_000_000_000u64.checked_div(u64::from(rate)).unwrap_or(0);
     (interval, interval * u64::from(burst.max(1)))
 }
@@ -310,15 +246,17 @@ pub struct Flow {
     /// that would be a map write on the fast path. Whether a connection still lives is the
     /// host's socket table's to say, not an idle timer's.
     pub last_seen_ns: u64,
-    /// The source key the slot was charged to, so release finds it even if the prefix changed.
-    pub source: SourceKey,
+    /// The source key and profile slot the slots were charged to, so that release finds them
+    /// even if the prefix changed or a reload moved the port to another profile. Kept whole,
+    /// so the programs hand it to the count table as it is, without a copy on the stack.
+    pub counted: ProfileSource,
     /// [`flow_state`] bits.
     pub state: u32,
     /// Explicit padding, always zero.
     pub _pad: u32,
 }
 
-const _: () = assert!(core::mem::size_of::<Flow>() == 40);
+const _: () = assert!(core::mem::size_of::<Flow>() == 48);
 
 /// A connection between the server's SYN-ACK and the client's ACK of it, in the LRU
 /// `HALF_OPEN` map keyed by its [`FlowKey`]. Written when the SYN-ACK leaves the host, not
@@ -328,8 +266,9 @@ const _: () = assert!(core::mem::size_of::<Flow>() == 40);
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HalfOpen {
-    /// The source key the connection will be charged to.
-    pub source: SourceKey,
+    /// The source key the connection will be charged to, in the profile of the port the
+    /// SYN-ACK left from.
+    pub counted: ProfileSource,
     /// `CLOCK_BOOTTIME` nanoseconds of the SYN-ACK.
     pub first_seen_ns: u64,
     /// The server's initial sequence number: the client's ACK must acknowledge it plus one.
@@ -338,7 +277,7 @@ pub struct HalfOpen {
     pub _pad: u32,
 }
 
-const _: () = assert!(core::mem::size_of::<HalfOpen>() == 32);
+const _: () = assert!(core::mem::size_of::<HalfOpen>() == 40);
 
 /// How many of a source's last refused SYNs it remembers, to tell a new connection attempt
 /// from a retransmission of a refused one.
@@ -434,16 +373,19 @@ pub struct BucketPlace {
     pub tag: u64,
 }
 
-/// The `SYN_BUCKETS` place of a source key: a hash keyed with the secret `seed`, its high
-/// half masked to the array (`mask`: its size, a power of two, minus one) for the slot, its
-/// low bits for the tag. Each of the key's two words is mixed in with a half of the seed by a
-/// full avalanche (murmur3's finaliser), so every bit of the slot and of the tag depends on
-/// every bit of the key: sources sharing a first octet or a /104 spread over all slots and
-/// tags, and without the seed a sender learns which of its addresses share a bucket only by
-/// probing about as many addresses as there are slots times tags.
+/// The `SYN_BUCKETS` place of a source key in a profile: a hash keyed with the secret `seed`,
+/// its high half masked to the array (`mask`: its size, a power of two, minus one) for the
+/// slot, its low bits for the tag. Each of the key's two words is mixed in with a half of the
+/// seed by a full avalanche (murmur3's finaliser), so every bit of the slot and of the tag
+/// depends on every bit of the key: sources sharing a first octet or a /104 spread over all
+/// slots and tags, and without the seed a sender learns which of its addresses share a bucket
+/// only by probing about as many addresses as there are slots times tags. The profile slot
+/// moves the seed (profile 0 keeps it), so a source's rate in one profile is a bucket apart
+/// from its rate in another.
 #[inline(always)]
-pub fn bucket_place(source: &SourceKey, seed: u64, mask: u32) -> BucketPlace {
-    let addr = u128::from_ne_bytes(source.addr);
+pub fn bucket_place(key: &ProfileSource, seed: u64, mask: u32) -> BucketPlace {
+    let seed = seed ^ u64::from(key.profile).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    let addr = u128::from_ne_bytes(key.source.addr);
     let h = avalanche(seed ^ addr as u64);
     let h = avalanche(h ^ (addr >> 64) as u64 ^ seed.rotate_left(32));
     BucketPlace {
@@ -519,13 +461,39 @@ pub struct AdjustRequest {
     /// remove its entry if it holds zero, the sweeper's idle sources (a read from user space
     /// and a delete after it would race a handshake taking a slot in between).
     pub delta: i64,
-    /// Non-zero: adjust the global counter, not `source`'s.
-    pub global: u32,
+    /// Non-zero: adjust the profile's global counter, not `source`'s.
+    pub global: u8,
+    /// The profile slot whose counter drifted.
+    pub profile: u8,
     /// Explicit padding, always zero.
-    pub _pad: u32,
+    pub _pad: [u8; 6],
 }
 
 const _: () = assert!(core::mem::size_of::<AdjustRequest>() == 32);
+
+impl AdjustRequest {
+    /// Adds `delta` to a source's count in its profile (0: remove its entry if it holds 0).
+    pub fn source(counted: &ProfileSource, delta: i64) -> Self {
+        Self {
+            source: counted.source,
+            delta,
+            global: 0,
+            profile: counted.profile as u8,
+            _pad: [0; 6],
+        }
+    }
+
+    /// Adds `delta` to a profile's global count.
+    pub fn global(profile: u32, delta: i64) -> Self {
+        Self {
+            source: SourceKey { addr: [0; 16] },
+            delta,
+            global: 1,
+            profile: profile as u8,
+            _pad: [0; 6],
+        }
+    }
+}
 
 /// The XDP metadata word that marks a SYN refused with `rst` for `limiter_tc_ingress` to
 /// answer (see [`Config::rst_xdp_tx`]). Only XDP writes metadata, so no sender can forge it.
@@ -573,6 +541,9 @@ mod pod {
 
     pod!(
         Config,
+        Limits,
+        Profile,
+        ProfileSource,
         SourceKey,
         SourceLimits,
         FlowKey,
@@ -621,7 +592,7 @@ mod tests {
             let mut slots = [0u64; 256];
             let mut tags = [0u64; 256];
             for key in keys(ipv6) {
-                let place = bucket_place(&key, seed, 255);
+                let place = bucket_place(&ProfileSource::new(key, 0), seed, 255);
                 slots[place.slot as usize] += 1;
                 tags[place.tag as usize] += 1;
             }
@@ -640,14 +611,30 @@ mod tests {
         // tag (and so its bucket): about 256 * 255 probes for a 256-slot table.
         let seed = 0x5EED_0000_5EED_0001;
         let mut keys = keys(false);
-        let victim = bucket_place(&keys.next().unwrap(), seed, 255);
+        let victim = bucket_place(&ProfileSource::new(keys.next().unwrap(), 0), seed, 255);
         let sharing = keys
             .take(65_535)
-            .filter(|key| bucket_place(key, seed, 255) == victim)
+            .filter(|key| bucket_place(&ProfileSource::new(*key, 0), seed, 255) == victim)
             .count();
         assert!(
             sharing <= 4,
             "{sharing} of 65,535 share the victim's bucket"
+        );
+    }
+
+    #[test]
+    fn a_source_has_a_bucket_of_its_own_in_each_profile() {
+        let seed = 0x5EED_0000_5EED_0001;
+        let same = keys(false)
+            .filter(|key| {
+                bucket_place(&ProfileSource::new(*key, 0), seed, 255)
+                    == bucket_place(&ProfileSource::new(*key, 1), seed, 255)
+            })
+            .count();
+        // One in 256 * 255 by chance: about one of 65,536.
+        assert!(
+            same <= 4,
+            "{same} of 65,536 share their two profiles' bucket"
         );
     }
 }

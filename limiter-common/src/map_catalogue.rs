@@ -52,7 +52,8 @@ pub const CONFIG: MapDef = MapDef {
     default_entries: 1,
 };
 
-/// One byte per local port, non-zero when protected: the check is one array lookup.
+/// One byte per local port: 0 unprotected (or, with `all_ports`, the top level's), else the
+/// port's profile slot plus one. The check is one array lookup.
 pub const PORTS: MapDef = MapDef {
     name: "PORTS",
     kind: MapKind::Array,
@@ -96,34 +97,44 @@ pub const ACK_HINTS: MapDef = MapDef {
 /// `ACK_HINTS` has `2^ACK_HINT_BITS` hint slots.
 pub const ACK_HINT_BITS: u32 = 16;
 
-/// Admitted connections per source key. A plain hash for the same reason as `FLOWS`; entries
-/// are created only when a slot is taken, so a flood of sources that never complete a
-/// handshake creates none. Sized like `FLOWS`.
+/// Admitted connections per source key and profile. A plain hash for the same reason as
+/// `FLOWS`; entries are created only when a slot is taken, so a flood of sources that never
+/// complete a handshake creates none. Sized like `FLOWS`.
 pub const SOURCE_CONNS: MapDef = MapDef {
     name: "SOURCE_CONNS",
     kind: MapKind::Hash,
-    key: "SourceKey",
+    key: "ProfileSource",
     value: "u64",
     default_entries: FLOWS.default_entries,
 };
 
-/// Admitted connections to the host: one slot, changed only with atomics.
+/// Admitted connections to the host, a slot per profile, changed only with atomics.
 pub const GLOBAL_CONNS: MapDef = MapDef {
     name: "GLOBAL_CONNS",
     kind: MapKind::Array,
     key: "u32",
     value: "u64",
-    default_entries: 1,
+    default_entries: crate::PROFILE_SLOTS,
 };
 
-/// The connection rate's GCRA state: the theoretical arrival time of the next connection
-/// admitted from any source, one word moved by compare-and-swap.
+/// The connection rate's GCRA state, a slot per profile: the theoretical arrival time of the
+/// next connection admitted from any source, one word moved by compare-and-swap.
 pub const CONN_RATE: MapDef = MapDef {
     name: "CONN_RATE",
     kind: MapKind::Array,
     key: "u32",
     value: "u64",
-    default_entries: 1,
+    default_entries: crate::PROFILE_SLOTS,
+};
+
+/// The profiles' limits and names by slot (slot 0, the top level, lives in `CONFIG`). An
+/// array: a port's profile is found with one more array read.
+pub const PROFILES: MapDef = MapDef {
+    name: "PROFILES",
+    kind: MapKind::Array,
+    key: "u32",
+    value: "Profile",
+    default_entries: crate::PROFILE_SLOTS,
 };
 
 /// SYN-rate GCRA state, one cache line per slot, a source's slot a keyed hash of its key
@@ -237,19 +248,21 @@ pub const BLOCKED: MapDef = MapDef {
 
 /// Refused connection attempts (a refused SYN that is not a retransmission of one of its
 /// source's last refused SYNs, see [`crate::SeenAttempts`], or a handshake refused at its
-/// ACK) by refusal reason, per CPU.
+/// ACK) by profile and refusal reason, and the packets monitor mode would have refused, per
+/// CPU ([`crate::profile::refusal_slot`]).
 pub const REFUSED_CONNS: MapDef = MapDef {
     name: "REFUSED_CONNS",
     kind: MapKind::PerCpuArray,
     key: "u32",
     value: "u64",
-    default_entries: crate::stats::Reason::REFUSAL_COUNT as u32,
+    default_entries: crate::profile::REFUSAL_SLOTS,
 };
 
 /// Every map of the kernel object.
-pub const ALL: [MapDef; 20] = [
+pub const ALL: [MapDef; 21] = [
     CONFIG,
     PORTS,
+    PROFILES,
     FLOWS,
     HALF_OPEN,
     ACK_HINTS,
@@ -289,19 +302,22 @@ mod tests {
 pub mod map_names {
     /// The one [`Config`](crate::Config), rewritten by the agent on every settings change.
     pub const CONFIG: &str = super::CONFIG.name;
-    /// One byte per local port, non-zero for a protected port (unless `all_ports` is set).
+    /// One byte per local port: its profile slot plus one, 0 for none.
     pub const PORTS: &str = super::PORTS.name;
+    /// The profiles' [`Profile`](crate::Profile)s, by slot.
+    pub const PROFILES: &str = super::PROFILES.name;
     /// Admitted connections: [`FlowKey`](crate::FlowKey) to [`Flow`](crate::Flow).
     pub const FLOWS: &str = super::FLOWS.name;
     /// Connections awaiting their handshake's last ACK, which hold no slot until it comes.
     pub const HALF_OPEN: &str = super::HALF_OPEN.name;
     /// Recent SYN-ACK ISNs, so that only an ACK that may complete a handshake pays a lookup.
     pub const ACK_HINTS: &str = super::ACK_HINTS.name;
-    /// Open connections per [`SourceKey`](crate::SourceKey), for the per-source cap.
+    /// Open connections per [`ProfileSource`](crate::ProfileSource), for the per-source cap.
     pub const SOURCE_CONNS: &str = super::SOURCE_CONNS.name;
-    /// Open connections to the host, for the total cap: a single counter.
+    /// Open connections to the host, for the total cap: a counter per profile.
     pub const GLOBAL_CONNS: &str = super::GLOBAL_CONNS.name;
-    /// The connection rate's GCRA word: the theoretical arrival time of the next connection.
+    /// The connection rate's GCRA words, per profile: the theoretical arrival time of the
+    /// next connection.
     pub const CONN_RATE: &str = super::CONN_RATE.name;
     /// The SYN rate's [`SynBucket`](crate::SynBucket)s, a slot per keyed hash of a source.
     pub const SYN_BUCKETS: &str = super::SYN_BUCKETS.name;
@@ -326,6 +342,7 @@ pub mod map_names {
     /// Refused connection attempts per source and reason ([`Blocked`](crate::Blocked)), for
     /// the top-blocked lists (those refused for their SYN rate count in their bucket).
     pub const BLOCKED: &str = super::BLOCKED.name;
-    /// Per-CPU refused connection attempts by refusal reason.
+    /// Per-CPU refused connection attempts by profile and refusal reason, and monitor
+    /// mode's would-be refusals.
     pub const REFUSED_CONNS: &str = super::REFUSED_CONNS.name;
 }

@@ -23,16 +23,16 @@ use aya_ebpf::{
     maps::lpm_trie::Key,
 };
 use limiter_common::{
-    BUCKET_TAG_MASK, Blocked, Config, Direction, Event, Flow, FlowKey, HalfOpen, Reason, Refusal,
-    SEEN_ATTEMPTS, SeenAttempts, SourceKey, SynBucket, Verdict, attempt_signature, bucket_place,
-    flow_state, helper, map_catalogue::ACK_HINT_BITS, seen_slot, source::V4_MAPPED, source_key,
-    stats::stat_slot, syn_cookies,
+    BUCKET_TAG_MASK, Blocked, Config, Direction, Event, Flow, FlowKey, HalfOpen, Limits,
+    ProfileSource, Reason, Refusal, SEEN_ATTEMPTS, SeenAttempts, SourceKey, SynBucket, Verdict,
+    attempt_signature, bucket_place, flow_state, helper, map_catalogue::ACK_HINT_BITS,
+    profile::refusal_slot, seen_slot, source::V4_MAPPED, source_key, stats::stat_slot, syn_cookies,
 };
 
 use crate::{
     atomics,
     map_access::{
-        self, ACK_HINTS, BANS, BLOCKED, CONN_RATE, EVENTS, FLOWS, GLOBAL_CONNS, HALF_OPEN,
+        self, ACK_HINTS, BANS, BLOCKED, CONN_RATE, EVENTS, FLOWS, GLOBAL_CONNS, HALF_OPEN, PORTS,
         REFUSED_CONNS, STATS, SYN_BUCKETS,
     },
     overrides,
@@ -61,6 +61,8 @@ pub enum Action {
     /// valid cookie, [`cookie_ack`] admits it; if a listener's cookie is wrong, drop it
     /// ([`bad_cookie`]); else pass it.
     CheckCookie,
+    /// An ACK that may complete a handshake the host answered: [`handshake`] judges it.
+    Handshake,
 }
 
 #[inline(always)]
@@ -114,21 +116,22 @@ enum Blame<'a> {
 /// counts in `STATS`; a SYN that is not a retransmission of one its source had refused also
 /// counts as a refused connection attempt, in `REFUSED_CONNS` and against its source.
 ///
-/// In monitor mode it only counts the packet as [`Verdict::WouldRefuse`] and passes it: a SYN
-/// then goes to the host, and its handshake completes at its ACK, by [`admit`].
+/// In monitor mode (the profile's) it only counts the packet as [`Verdict::WouldRefuse`], in
+/// all and in its profile, and passes it: a SYN then goes to the host, and its handshake
+/// completes at its ACK, by [`admit`].
 #[inline(always)]
-fn refuse(seg: &Segment, blame: Blame, reason: Reason, mode: u8, config: &Config) -> Action {
-    if config.monitor != 0 {
-        count(Direction::Ingress, Verdict::WouldRefuse, reason);
+fn refuse(seg: &Segment, blame: Blame, reason: Reason, mode: u8, scope: Scope) -> Action {
+    if scope.limits.monitor != 0 {
+        would_refuse(reason, scope.profile);
         return Action::Pass;
     }
     if seg.is_syn() {
-        refused_attempt(blame, reason, Some(seg));
+        refused_attempt(blame, reason, Some(seg), scope.profile);
     }
     if Refusal::from_u8(mode) == Refusal::Rst && seg.is_syn() {
         count(Direction::Ingress, Verdict::Rst, reason);
         Action::Rst {
-            xdp_tx: config.rst_xdp_tx != 0,
+            xdp_tx: scope.config.rst_xdp_tx != 0,
         }
     } else {
         count(Direction::Ingress, Verdict::Drop, reason);
@@ -136,12 +139,23 @@ fn refuse(seg: &Segment, blame: Blame, reason: Reason, mode: u8, config: &Config
     }
 }
 
-/// Counts a refused connection attempt, by reason and against its source, unless `syn` is a
-/// retransmission of one of the source's last refused SYNs (`None`: a handshake refused at
-/// its ACK, always a new attempt).
+/// Counts a packet monitor mode let through that enforce mode would have refused for
+/// `reason`, in all and in `profile`.
 #[inline(always)]
-fn refused_attempt(blame: Blame, reason: Reason, syn: Option<&Segment>) {
-    let Some(slot) = reason.blocked_slot() else {
+fn would_refuse(reason: Reason, profile: u32) {
+    count(Direction::Ingress, Verdict::WouldRefuse, reason);
+    if let Some(slot) = refusal_slot(profile, true, reason) {
+        map_access::bump(&REFUSED_CONNS, slot);
+    }
+}
+
+/// Counts a refused connection attempt, by profile and reason and against its source, unless
+/// `syn` is a retransmission of one of the source's last refused SYNs (`None`: a handshake
+/// refused at its ACK, always a new attempt).
+#[inline(always)]
+fn refused_attempt(blame: Blame, reason: Reason, syn: Option<&Segment>, profile: u32) {
+    let (Some(slot), Some(counted)) = (reason.blocked_slot(), refusal_slot(profile, false, reason))
+    else {
         return;
     };
     let (counter, seen) = match blame {
@@ -151,7 +165,7 @@ fn refused_attempt(blame: Blame, reason: Reason, syn: Option<&Segment>) {
                 (&raw mut (*blocked).counts[slot], &raw mut (*blocked).seen)
             },
             None => {
-                map_access::bump(&REFUSED_CONNS, slot as u32);
+                map_access::bump(&REFUSED_CONNS, counted);
                 return;
             }
         },
@@ -163,7 +177,7 @@ fn refused_attempt(blame: Blame, reason: Reason, syn: Option<&Segment>) {
     {
         return;
     }
-    map_access::bump(&REFUSED_CONNS, slot as u32);
+    map_access::bump(&REFUSED_CONNS, counted);
     atomics::fetch_add(counter, 1);
 }
 
@@ -274,9 +288,10 @@ pub fn established(frame: &Common) -> bool {
 #[inline(never)]
 pub fn ingress(seg: &Segment) -> Action {
     let config = map_access::config();
-    if !protected(config, seg.dport) {
+    let Some(profile) = profile_of(config, seg.dport) else {
         return pass(Direction::Ingress, Reason::UnprotectedPort);
-    }
+    };
+    let scope = Scope::of(config, profile);
     if seg.fragment() {
         // The first fragment of TCP to a protected port: its flags may lie in a later one.
         count(Direction::Ingress, Verdict::Drop, Reason::Fragment);
@@ -298,33 +313,46 @@ pub fn ingress(seg: &Segment) -> Action {
         // refuse, and its other packets go on to be judged as anyone's (its handshake
         // completes and is tracked, its close releases), uncounted: they would not exist.
         if let Some((reason, mode)) = barred
-            && (config.monitor == 0 || seg.is_syn())
+            && (scope.limits.monitor == 0 || seg.is_syn())
         {
-            return refuse(seg, Blame::Source(&source), reason, mode, config);
+            return refuse(seg, Blame::Source(&source), reason, mode, scope);
         }
     }
     if seg.is_syn() {
-        return syn(seg, config);
+        return syn(seg, scope);
     }
     if seg.has(TCP_RST) {
         return reset(seg, Direction::Ingress);
     }
-    let mut admitted = false;
     if seg.has(TCP_ACK) && !seg.has(TCP_SYN) && hinted(seg.ack) {
-        match complete(seg, config, now()) {
-            Completion::Admitted => admitted = true,
-            Completion::Refused(action) => return action,
-            Completion::NotAHandshake => {}
-            Completion::MaybeCookie => return Action::CheckCookie,
-        }
+        return Action::Handshake;
     }
+    if seg.has(TCP_FIN) {
+        return fin(&inbound(seg), Direction::Ingress);
+    }
+    // A plain segment passes uncounted, as on the fast path (see `established`).
+    Action::Pass
+}
+
+/// The rest of [`ingress`] for an ACK that may complete a handshake ([`Action::Handshake`]):
+/// it takes its slots, or is refused, or is looked at as a cookie's; its FIN, if it carries
+/// one, marks its flow closing. Called by the entry point rather than from [`ingress`], so
+/// that the deepest chain of frames is two calls, not three: a completing handshake holds
+/// the most on the stack.
+#[inline(never)]
+pub fn handshake(seg: &Segment) -> Action {
+    let admitted = match complete(seg, map_access::config(), now()) {
+        Completion::Admitted => true,
+        Completion::Refused(action) => return action,
+        Completion::NotAHandshake => false,
+        Completion::MaybeCookie => return Action::CheckCookie,
+    };
     if seg.has(TCP_FIN) {
         return fin(&inbound(seg), Direction::Ingress);
     }
     if admitted {
         return pass(Direction::Ingress, Reason::Admitted);
     }
-    // A plain segment passes uncounted, as on the fast path (see `established`).
     Action::Pass
 }
 
@@ -332,11 +360,11 @@ pub fn ingress(seg: &Segment) -> Action {
 #[inline(never)]
 pub fn egress(seg: &Segment) -> Action {
     let config = map_access::config();
-    if !protected(config, seg.sport) {
+    let Some(profile) = profile_of(config, seg.sport) else {
         return pass(Direction::Egress, Reason::UnprotectedPort);
-    }
+    };
     if seg.flags() & (TCP_SYN | TCP_ACK | TCP_RST) == TCP_SYN | TCP_ACK {
-        return syn_ack(seg, config, now());
+        return syn_ack(seg, config, profile, now());
     }
     if seg.has(TCP_RST) {
         return reset(seg, Direction::Egress);
@@ -347,12 +375,45 @@ pub fn egress(seg: &Segment) -> Action {
     pass(Direction::Egress, Reason::Segment)
 }
 
+/// Whether a local port is protected, for the fast path, which needs no more.
 #[inline(always)]
 fn protected(config: &Config, port: u16) -> bool {
-    config.all_ports != 0
-        || map_access::PORTS
-            .get(u32::from(port))
-            .is_some_and(|p| *p != 0)
+    config.all_ports != 0 || PORTS.get(u32::from(port)).is_some_and(|p| *p != 0)
+}
+
+/// The profile slot of a local port, if it is protected: its `PORTS` byte less one, or the
+/// top level's (0) for any other port while every port is protected.
+#[inline(always)]
+fn profile_of(config: &Config, port: u16) -> Option<u32> {
+    if config.all_ports != 0 && config.has_profiles == 0 {
+        return Some(0);
+    }
+    match PORTS.get(u32::from(port)).map_or(0, |p| u32::from(*p)) {
+        0 if config.all_ports != 0 => Some(0),
+        0 => None,
+        byte => Some(byte - 1),
+    }
+}
+
+/// What a packet to a protected port is judged by: the config, and the limits of the port's
+/// profile (the top level's, in the config, for slot 0), read once per packet.
+#[derive(Clone, Copy)]
+struct Scope {
+    config: &'static Config,
+    limits: &'static Limits,
+    /// The profile slot, whose counts the packet's connection is charged to.
+    profile: u32,
+}
+
+impl Scope {
+    #[inline(always)]
+    fn of(config: &'static Config, profile: u32) -> Scope {
+        Scope {
+            config,
+            limits: map_access::limits(config, profile),
+            profile,
+        }
+    }
 }
 
 /// Whether the source address is in the allow list (`allow`) or the deny list.
@@ -408,9 +469,11 @@ fn banned(source: &SourceKey, now: u64) -> bool {
 /// Inlined into [`ingress`]: a subprogram's call and return (the return through the CPU's
 /// return thunk, on hosts mitigated against return-stack attacks) cost every SYN.
 #[inline(always)]
-fn syn(seg: &Segment, config: &Config) -> Action {
-    let source = source_of(seg, config);
-    let place = bucket_place(&source, config.bucket_seed, config.bucket_mask);
+fn syn(seg: &Segment, scope: Scope) -> Action {
+    let config = scope.config;
+    let counted = ProfileSource::new(source_of(seg, config), scope.profile);
+    let source = &counted.source;
+    let place = bucket_place(&counted, config.bucket_seed, config.bucket_mask);
     let Some(bucket) = SYN_BUCKETS.get_ptr_mut(place.slot) else {
         // Only before the agent sized the array into the config: nothing to meter with.
         return pass(Direction::Ingress, Reason::HalfOpen);
@@ -423,35 +486,35 @@ fn syn(seg: &Segment, config: &Config) -> Action {
     // sources do not.
     // SAFETY: pointer from a successful lookup.
     let own = if tagged || atomics::load(unsafe { &(*bucket).holders }) != 0 {
-        PerSource::of(&source, config)
+        PerSource::of(source, scope)
     } else {
-        PerSource::top(config)
+        PerSource::top(scope)
     };
     let rate = own.rate;
     // The rate first: a SYN over it is refused on its bucket alone. Another source's slot
     // (or one never claimed) is a full bucket, and its SYN reads no clock.
     if rate.limited() && tagged && rate.next(word & !BUCKET_TAG_MASK, rate_now()).is_none() {
-        return refuse_rate(seg, bucket, config);
+        return refuse_rate(seg, bucket, scope);
     }
-    if let Some(reason) = at_cap(&source, bucket, own.cap, config) {
+    if let Some(reason) = at_cap(&counted, bucket, own.cap, scope) {
         return refuse(
             seg,
-            Blame::Source(&source),
+            Blame::Source(source),
             reason,
-            config.reject_conn,
-            config,
+            scope.limits.reject_conn,
+            scope,
         );
     }
-    if conn_rate_spent(config) {
+    if conn_rate_spent(scope) {
         return refuse(
             seg,
-            Blame::Source(&source),
+            Blame::Source(source),
             Reason::ConnRate,
-            config.reject_rate,
-            config,
+            scope.limits.reject_rate,
+            scope,
         );
     }
-    if config.syn_cookies & syn_cookies::ANSWER != 0 && !proven(&source, bucket) {
+    if config.syn_cookies & syn_cookies::ANSWER != 0 && !proven(&counted, bucket) {
         return Action::Cookie {
             xdp_tx: config.rst_xdp_tx != 0,
         };
@@ -463,9 +526,9 @@ fn syn(seg: &Segment, config: &Config) -> Action {
 /// every TCP option; an unproven source's SYN gets a cookie. Looked up only if a source of
 /// its bucket slot holds one (a flood's new sources pay no lookup).
 #[inline(always)]
-fn proven(source: &SourceKey, bucket: *mut SynBucket) -> bool {
+fn proven(counted: &ProfileSource, bucket: *mut SynBucket) -> bool {
     // SAFETY: pointer from a successful lookup.
-    atomics::load(unsafe { &(*bucket).holders }) != 0 && source_counts::current(source) != 0
+    atomics::load(unsafe { &(*bucket).holders }) != 0 && source_counts::current(counted) != 0
 }
 
 /// Counts a SYN [`Action::Cookie`] answered (with the cookie `isn`) or had to pass on to the
@@ -495,12 +558,23 @@ pub fn bad_cookie() -> Action {
 #[inline(never)]
 pub fn cookie_ack(seg: &Segment) -> Action {
     let config = map_access::config();
+    let Some(profile) = profile_of(config, seg.dport) else {
+        // Only a protected port's ACK is checked for a cookie.
+        return Action::Pass;
+    };
+    let scope = Scope::of(config, profile);
     let now = now();
-    let source = source_of(seg, config);
-    match admit(&inbound(seg), source, now, config, now) {
+    let flow = Flow {
+        first_seen_ns: now,
+        last_seen_ns: now,
+        counted: ProfileSource::new(source_of(seg, config), profile),
+        state: flow_state::ESTABLISHED,
+        _pad: 0,
+    };
+    match admit(&inbound(seg), &flow, scope) {
         Completion::Admitted => pass(Direction::Ingress, Reason::Admitted),
         Completion::Refused(Action::ResetHost) => {
-            if Refusal::from_u8(config.reject_conn) == Refusal::Rst {
+            if Refusal::from_u8(scope.limits.reject_conn) == Refusal::Rst {
                 Action::Rst {
                     xdp_tx: config.rst_xdp_tx != 0,
                 }
@@ -524,30 +598,30 @@ pub fn not_a_cookie(seg: &Segment) -> Action {
     Action::Pass
 }
 
-/// The `SYN_BUCKETS` slot of a source key.
+/// The `SYN_BUCKETS` slot of a source key in a profile.
 #[inline(always)]
-fn bucket_of(source: &SourceKey, config: &Config) -> Option<*mut SynBucket> {
-    SYN_BUCKETS.get_ptr_mut(bucket_place(source, config.bucket_seed, config.bucket_mask).slot)
+fn bucket_of(counted: &ProfileSource, config: &Config) -> Option<*mut SynBucket> {
+    SYN_BUCKETS.get_ptr_mut(bucket_place(counted, config.bucket_seed, config.bucket_mask).slot)
 }
 
 /// Adds `delta` to the connections held through a source's bucket slot (see
 /// [`SynBucket::holders`]), as its count in `SOURCE_CONNS` moves by the same.
 #[inline(always)]
-fn hold(source: &SourceKey, config: &Config, delta: u64) {
-    if let Some(bucket) = bucket_of(source, config) {
+fn hold(counted: &ProfileSource, config: &Config, delta: u64) {
+    if let Some(bucket) = bucket_of(counted, config) {
         // SAFETY: pointer from a successful lookup.
         atomics::fetch_add(unsafe { &raw mut (*bucket).holders }, delta);
     }
 }
 
 #[inline(always)]
-fn refuse_rate(seg: &Segment, bucket: *mut SynBucket, config: &Config) -> Action {
+fn refuse_rate(seg: &Segment, bucket: *mut SynBucket, scope: Scope) -> Action {
     refuse(
         seg,
         Blame::Bucket(bucket),
         Reason::SynRate,
-        config.reject_rate,
-        config,
+        scope.limits.reject_rate,
+        scope,
     )
 }
 
@@ -558,25 +632,31 @@ const EEXIST: i32 = 17;
 /// up only if some source of its bucket slot holds connections: a new source's SYN, the one a
 /// flood is made of, then pays no hash lookup.
 #[inline(always)]
-fn at_cap(source: &SourceKey, bucket: *mut SynBucket, cap: u32, config: &Config) -> Option<Reason> {
+fn at_cap(
+    counted: &ProfileSource,
+    bucket: *mut SynBucket,
+    cap: u32,
+    scope: Scope,
+) -> Option<Reason> {
     if cap != 0
         // SAFETY: pointer from a successful lookup.
         && atomics::load(unsafe { &(*bucket).holders }) != 0
-        && source_counts::current(source) >= u64::from(cap)
+        && source_counts::current(counted) >= u64::from(cap)
     {
         return Some(Reason::ConnPerIp);
     }
-    if config.max_conn_total != 0
-        && let Some(global) = GLOBAL_CONNS.get_ptr(0)
-        && atomics::load(global) >= u64::from(config.max_conn_total)
+    let total = scope.limits.max_conn_total;
+    if total != 0
+        && let Some(global) = GLOBAL_CONNS.get_ptr(scope.profile)
+        && atomics::load(global) >= u64::from(total)
     {
         return Some(Reason::ConnTotal);
     }
     None
 }
 
-/// The limits a source is held to: its override's if an override covers it, else the
-/// config's. Read once per packet: the config and the tries may be rewritten meanwhile.
+/// The per-source limits a source is held to: its override's if an override covers it, else
+/// its profile's. Read once per packet: the config and the tries may be rewritten meanwhile.
 #[derive(Clone, Copy)]
 struct PerSource {
     /// Its concurrent connections; 0 = no limit.
@@ -587,8 +667,8 @@ struct PerSource {
 
 impl PerSource {
     #[inline(always)]
-    fn of(source: &SourceKey, config: &Config) -> PerSource {
-        let own = if config.has_overrides != 0 {
+    fn of(source: &SourceKey, scope: Scope) -> PerSource {
+        let own = if scope.config.has_overrides != 0 {
             overrides::lookup(source)
         } else {
             None
@@ -601,16 +681,16 @@ impl PerSource {
                     tolerance: limits.syn_tolerance_ns,
                 },
             },
-            None => PerSource::top(config),
+            None => PerSource::top(scope),
         }
     }
 
-    /// The top level's limits, whatever the overrides.
+    /// The profile's limits, whatever the overrides.
     #[inline(always)]
-    fn top(config: &Config) -> PerSource {
+    fn top(scope: Scope) -> PerSource {
         PerSource {
-            cap: config.max_conn_per_ip,
-            rate: Gcra::of(config),
+            cap: scope.limits.max_conn_per_ip,
+            rate: Gcra::of(scope.limits),
         }
     }
 }
@@ -618,7 +698,7 @@ impl PerSource {
 /// The SYN rate as GCRA: a source's bucket is the theoretical arrival time (TAT) of its next
 /// SYN, and a SYN is allowed while that time is no further ahead of now than the burst. Holds
 /// the emission interval and burst tolerance, in nanoseconds, as the agent derived them
-/// ([`Config::derive_rate_terms`]); an interval of 0 when the rate is not limited. (Not an
+/// ([`Limits::derive_rate_terms`]); an interval of 0 when the rate is not limited. (Not an
 /// `Option`: LLVM spills the fields of a `None` it never initialised, and the verifier
 /// rejects reads of uninitialised registers.)
 #[derive(Clone, Copy)]
@@ -629,19 +709,19 @@ struct Gcra {
 
 impl Gcra {
     #[inline(always)]
-    fn of(config: &Config) -> Gcra {
+    fn of(limits: &Limits) -> Gcra {
         Gcra {
-            interval: config.syn_interval_ns,
-            tolerance: config.syn_tolerance_ns,
+            interval: limits.syn_interval_ns,
+            tolerance: limits.syn_tolerance_ns,
         }
     }
 
     /// The connection rate's terms.
     #[inline(always)]
-    fn connections(config: &Config) -> Gcra {
+    fn connections(limits: &Limits) -> Gcra {
         Gcra {
-            interval: config.conn_interval_ns,
-            tolerance: config.conn_tolerance_ns,
+            interval: limits.conn_interval_ns,
+            tolerance: limits.conn_tolerance_ns,
         }
     }
 
@@ -690,10 +770,14 @@ impl Gcra {
                         // SAFETY: pointer from a successful lookup; besides the word, plain
                         // fields racing CPUs may overwrite, which only the top-blocked counts
                         // would feel.
+                        // Volatile: LLVM would join the zeroing into a call of `memset`, whose
+                        // frame of its own took the deepest chain past 512 bytes on 6.1.
                         unsafe {
                             (*bucket).source = *source;
-                            (*bucket).refused = 0;
-                            (*bucket).seen = [0; SEEN_ATTEMPTS];
+                            core::ptr::write_volatile(&raw mut (*bucket).refused, 0);
+                            for i in 0..SEEN_ATTEMPTS {
+                                core::ptr::write_volatile(&raw mut (*bucket).seen[i], 0);
+                            }
                         }
                     }
                     return Ok(());
@@ -726,11 +810,11 @@ impl Gcra {
 /// reconnect storm's excess is refused before the host answers it. Only a peek; the token
 /// is taken at the proven handshake ([`admit`]).
 #[inline(always)]
-fn conn_rate_spent(config: &Config) -> bool {
-    let rate = Gcra::connections(config);
+fn conn_rate_spent(scope: Scope) -> bool {
+    let rate = Gcra::connections(scope.limits);
     rate.limited()
         && CONN_RATE
-            .get_ptr(0)
+            .get_ptr(scope.profile)
             .is_some_and(|tat| rate.next(atomics::load(tat), rate_now()).is_none())
 }
 
@@ -793,7 +877,7 @@ fn hinted(ack: u32) -> bool {
 /// left untracked. A retransmitted SYN-ACK finds its record; one with another ISN (a new
 /// handshake on the 4-tuple) replaces it. Stamps the ACK hint either way.
 #[inline(always)]
-fn syn_ack(seg: &Segment, config: &Config, now: u64) -> Action {
+fn syn_ack(seg: &Segment, config: &Config, profile: u32, now: u64) -> Action {
     if config.has_allow != 0 && listed_address(&seg.dst, seg.ipv6(), true) {
         return pass(Direction::Egress, Reason::Untracked);
     }
@@ -804,7 +888,10 @@ fn syn_ack(seg: &Segment, config: &Config, now: u64) -> Action {
         .is_some_and(|entry| unsafe { (*entry).server_isn } == seg.seq);
     if !recorded {
         let half_open = HalfOpen {
-            source: source_key(&seg.dst, config.ipv4_prefix, config.ipv6_prefix),
+            counted: ProfileSource::new(
+                source_key(&seg.dst, config.ipv4_prefix, config.ipv6_prefix),
+                profile,
+            ),
             first_seen_ns: now,
             server_isn: seg.seq,
             _pad: 0,
@@ -847,8 +934,8 @@ enum Completion {
 
 /// An ACK that may complete a half-open connection: if it acknowledges the server's ISN, the
 /// source is real, and the connection takes its slots, exactly, or is refused.
-#[inline(never)]
-fn complete(seg: &Segment, config: &Config, now: u64) -> Completion {
+#[inline(always)]
+fn complete(seg: &Segment, config: &'static Config, now: u64) -> Completion {
     let key = inbound(seg);
     let Some(entry) = HALF_OPEN.get_ptr(key) else {
         if config.syn_cookies & syn_cookies::CHECK != 0 {
@@ -856,22 +943,31 @@ fn complete(seg: &Segment, config: &Config, now: u64) -> Completion {
         }
         return Completion::NotAHandshake;
     };
-    // SAFETY: pointer from a successful lookup; copied before the delete below, after which
-    // the element's memory may be reused.
-    let half_open = unsafe { *entry };
-    if half_open.server_isn.wrapping_add(1) != seg.ack {
-        return Completion::NotAHandshake;
-    }
+    // SAFETY: pointer from a successful lookup; what the connection needs of it is copied
+    // into its flow before the delete below, after which the element's memory may be reused.
+    let flow = unsafe {
+        if (*entry).server_isn.wrapping_add(1) != seg.ack {
+            return Completion::NotAHandshake;
+        }
+        Flow {
+            first_seen_ns: (*entry).first_seen_ns,
+            last_seen_ns: now,
+            counted: (*entry).counted,
+            state: flow_state::ESTABLISHED,
+            _pad: 0,
+        }
+    };
     // Whoever deletes the entry completes the handshake: a copy of the ACK on another CPU
     // finds nothing, so the slots are taken once.
     if HALF_OPEN.remove(key).is_err() {
         return Completion::NotAHandshake;
     }
-    admit(&key, half_open.source, half_open.first_seen_ns, config, now)
+    admit(&key, &flow, Scope::of(config, flow.counted.profile))
 }
 
-/// A proven handshake of `source`: the connection takes its slots and the SYN rate's token,
-/// exactly, or is refused.
+/// A proven handshake: the connection `flow` (its source in a profile) takes its slots in the
+/// profile and the SYN rate's token, exactly, or is refused. The flow is built before, so that
+/// its count key is the one the count table is handed, not a second copy on the stack.
 ///
 /// In monitor mode a handshake over a cap or a rate is admitted all the same, its slots
 /// taken past the cap (its connection exists, and its close gives them back) and no token
@@ -880,107 +976,98 @@ fn complete(seg: &Segment, config: &Config, now: u64) -> Completion {
 /// at its SYN does. (Enforce mode refuses at the ACK only a handshake that lost a race to
 /// another between its SYN and its ACK; monitor mode lets those pass uncounted.)
 #[inline(always)]
-fn admit(
-    key: &FlowKey,
-    source: SourceKey,
-    first_seen_ns: u64,
-    config: &Config,
-    now: u64,
-) -> Completion {
-    let own = PerSource::of(&source, config);
-    let enforce = config.monitor == 0;
-    let (per_source, before) = match source_counts::take(&source, 1) {
+fn admit(key: &FlowKey, flow: &Flow, scope: Scope) -> Completion {
+    let counted = &flow.counted;
+    let source = &counted.source;
+    let own = PerSource::of(source, scope);
+    let enforce = scope.limits.monitor == 0;
+    let (per_source, before) = match source_counts::take(counted, 1) {
         Taken::Slots { counter, before } => (counter, before),
-        Taken::Full => return full_at_ack(&source, config),
+        Taken::Full => return full_at_ack(source, scope),
         // Refused, never let in uncounted: see `source_counts`.
-        Taken::Busy => return refuse_at_ack(Blame::Source(&source), Reason::FlowTableFull, config),
+        Taken::Busy => return refuse_at_ack(Blame::Source(source), Reason::FlowTableFull, scope),
     };
     if enforce && own.cap != 0 && before >= u64::from(own.cap) {
-        source_counts::give_back(&source, per_source, 1);
-        return refuse_at_ack(Blame::Source(&source), Reason::ConnPerIp, config);
+        source_counts::give_back(counted, per_source, 1);
+        return refuse_at_ack(Blame::Source(source), Reason::ConnPerIp, scope);
     }
-    let Some(global) = GLOBAL_CONNS.get_ptr_mut(0) else {
-        source_counts::give_back(&source, per_source, 1);
+    let Some(global) = GLOBAL_CONNS.get_ptr_mut(scope.profile) else {
+        source_counts::give_back(counted, per_source, 1);
         return Completion::NotAHandshake;
     };
     let before = atomics::fetch_add(global, 1);
-    if enforce && config.max_conn_total != 0 && before >= u64::from(config.max_conn_total) {
+    let total = scope.limits.max_conn_total;
+    if enforce && total != 0 && before >= u64::from(total) {
         atomics::decrement(global);
-        source_counts::give_back(&source, per_source, 1);
-        return refuse_at_ack(Blame::Source(&source), Reason::ConnTotal, config);
+        source_counts::give_back(counted, per_source, 1);
+        return refuse_at_ack(Blame::Source(source), Reason::ConnTotal, scope);
     }
     // The SYN rate's token last, once the slots are sure: a handshake the caps refuse spends
     // none, and the token, unlike a slot, cannot be given back.
-    if let Err(bucket) = take_token(&source, own.rate, config)
+    if let Err(bucket) = take_token(counted, own.rate, scope.config)
         && enforce
     {
         atomics::decrement(global);
-        source_counts::give_back(&source, per_source, 1);
-        return refuse_at_ack(Blame::Bucket(bucket), Reason::SynRate, config);
+        source_counts::give_back(counted, per_source, 1);
+        return refuse_at_ack(Blame::Bucket(bucket), Reason::SynRate, scope);
     }
     // The connection rate after the source's own token: a source past its SYN rate spends
     // nobody else's connections (and if the rate refuses it, only its own token is lost).
-    let rate = Gcra::connections(config);
+    let rate = Gcra::connections(scope.limits);
     if rate.limited()
-        && let Some(tat) = CONN_RATE.get_ptr_mut(0)
+        && let Some(tat) = CONN_RATE.get_ptr_mut(scope.profile)
         && rate.take_shared(tat, rate_now()).is_err()
         && enforce
     {
         atomics::decrement(global);
-        source_counts::give_back(&source, per_source, 1);
-        return refuse_at_ack(Blame::Source(&source), Reason::ConnRate, config);
+        source_counts::give_back(counted, per_source, 1);
+        return refuse_at_ack(Blame::Source(source), Reason::ConnRate, scope);
     }
-    let flow = Flow {
-        first_seen_ns,
-        last_seen_ns: now,
-        source,
-        state: flow_state::ESTABLISHED,
-        _pad: 0,
-    };
     match FLOWS.insert(key, flow, aya_ebpf::bindings::BPF_NOEXIST.into()) {
         Ok(()) => {
-            hold(&source, config, 1);
+            hold(counted, scope.config, 1);
             event(Event::Opened);
             Completion::Admitted
         }
         Err(error) => {
             atomics::decrement(global);
-            source_counts::give_back(&source, per_source, 1);
+            source_counts::give_back(counted, per_source, 1);
             if error == -EEXIST {
                 // The 4-tuple is tracked already: a new connection reusing a closing one's.
                 // It takes over the old one's slot, open again.
-                if let Some(flow) = FLOWS.get_ptr_mut(key) {
+                if let Some(tracked) = FLOWS.get_ptr_mut(key) {
                     // SAFETY: pointer from a successful lookup; plain words besides the state.
                     unsafe {
                         atomics::fetch_and(
-                            &mut (*flow).state,
+                            &mut (*tracked).state,
                             !(flow_state::FIN_BOTH | flow_state::RST_IN),
                         );
-                        (*flow).first_seen_ns = first_seen_ns;
+                        (*tracked).first_seen_ns = flow.first_seen_ns;
                     }
                 }
                 Completion::NotAHandshake
             } else {
-                full_at_ack(&source, config)
+                full_at_ack(source, scope)
             }
         }
     }
 }
 
-/// Takes the SYN rate's token for a proven handshake of `source`; `Err` with its bucket if the
-/// bucket ran dry (other handshakes of the source completed since its SYN was let through).
+/// Takes the SYN rate's token for a proven handshake of `counted`; `Err` with its bucket if
+/// the bucket ran dry (other handshakes of the source completed since its SYN was let
+/// through).
 #[inline(always)]
-fn take_token(source: &SourceKey, rate: Gcra, config: &Config) -> Result<(), *mut SynBucket> {
+fn take_token(counted: &ProfileSource, rate: Gcra, config: &Config) -> Result<(), *mut SynBucket> {
     if !rate.limited() {
         return Ok(());
     }
-    let place = bucket_place(source, config.bucket_seed, config.bucket_mask);
+    let place = bucket_place(counted, config.bucket_seed, config.bucket_mask);
     let Some(bucket) = SYN_BUCKETS.get_ptr_mut(place.slot) else {
         return Ok(());
     };
     // SAFETY: pointer from a successful lookup.
     let word = atomics::load(unsafe { &(*bucket).tat_tag });
-    rate.take(bucket, source, place.tag, word, rate_now())
+    rate.take(bucket, &counted.source, place.tag, word, rate_now())
         .map_err(|()| bucket)
 }
 
@@ -988,13 +1075,13 @@ fn take_token(source: &SourceKey, rate: Gcra, config: &Config) -> Result<(), *mu
 /// the last slot between this one's SYN and its ACK. The ACK becomes a RST to the host. In
 /// monitor mode (only a flow table too busy or full gets here then) it passes untracked.
 #[inline(always)]
-fn refuse_at_ack(blame: Blame, reason: Reason, config: &Config) -> Completion {
-    if config.monitor != 0 {
-        count(Direction::Ingress, Verdict::WouldRefuse, reason);
+fn refuse_at_ack(blame: Blame, reason: Reason, scope: Scope) -> Completion {
+    if scope.limits.monitor != 0 {
+        would_refuse(reason, scope.profile);
         return Completion::Refused(Action::Pass);
     }
     // Always a new attempt: only the ACK that deleted the half-open entry gets here.
-    refused_attempt(blame, reason, None);
+    refused_attempt(blame, reason, None, scope.profile);
     count(Direction::Ingress, Verdict::Rst, reason);
     event(Event::RefusedAtAck);
     Completion::Refused(Action::ResetHost)
@@ -1002,9 +1089,9 @@ fn refuse_at_ack(blame: Blame, reason: Reason, config: &Config) -> Completion {
 
 /// A completed handshake that finds a per-source or flow table full.
 #[inline(always)]
-fn full_at_ack(source: &SourceKey, config: &Config) -> Completion {
-    if config.fail_closed != 0 {
-        refuse_at_ack(Blame::Source(source), Reason::FlowTableFull, config)
+fn full_at_ack(source: &SourceKey, scope: Scope) -> Completion {
+    if scope.config.fail_closed != 0 {
+        refuse_at_ack(Blame::Source(source), Reason::FlowTableFull, scope)
     } else {
         count(Direction::Ingress, Verdict::Pass, Reason::FlowTableFull);
         Completion::Refused(Action::Pass)
@@ -1016,28 +1103,33 @@ fn full_at_ack(source: &SourceKey, config: &Config) -> Completion {
 /// connection nothing counted would let its source past its cap. It got there unjudged at its
 /// ACK: it was open before the programs were attached, its half-open record was evicted by a
 /// flood or swept after `syn-timeout` while the client held its ACK back, or its source was
-/// allowlisted when it connected. The slots are taken even past a cap (the connection exists);
-/// [`helper::OVER_CAP`] tells the agent so. A 4-tuple tracked already, a port not protected or
-/// an allowlisted source is left alone.
+/// allowlisted when it connected. The slots are taken, in its port's profile, even past a cap
+/// (the connection exists); [`helper::OVER_CAP`] tells the agent so. A 4-tuple tracked
+/// already, a port not protected or an allowlisted source is left alone.
 #[inline(always)]
 pub fn adopt(key: &FlowKey) -> u32 {
     let config = map_access::config();
     let ipv6 = key.remote[..12] != V4_MAPPED;
-    if !protected(config, key.local_port)
-        || (config.has_allow != 0 && listed_address(&key.remote, ipv6, true))
-    {
+    let Some(profile) = profile_of(config, key.local_port) else {
+        return helper::ABSENT;
+    };
+    if config.has_allow != 0 && listed_address(&key.remote, ipv6, true) {
         return helper::ABSENT;
     }
-    let source = source_key(&key.remote, config.ipv4_prefix, config.ipv6_prefix);
+    let scope = Scope::of(config, profile);
     let now = now();
     let flow = Flow {
         first_seen_ns: now,
         last_seen_ns: now,
-        source,
+        counted: ProfileSource::new(
+            source_key(&key.remote, config.ipv4_prefix, config.ipv6_prefix),
+            profile,
+        ),
         state: flow_state::ESTABLISHED,
         _pad: 0,
     };
-    let Some(global) = GLOBAL_CONNS.get_ptr_mut(0) else {
+    let counted = &flow.counted;
+    let Some(global) = GLOBAL_CONNS.get_ptr_mut(profile) else {
         return helper::ABSENT;
     };
     // The slots first, as at a handshake's ACK: a flow is never in the table without them, so
@@ -1046,7 +1138,7 @@ pub fn adopt(key: &FlowKey) -> u32 {
     let Taken::Slots {
         counter: per_source,
         before: per_source_before,
-    } = source_counts::take(&source, 1)
+    } = source_counts::take(counted, 1)
     else {
         return helper::ABSENT;
     };
@@ -1056,14 +1148,14 @@ pub fn adopt(key: &FlowKey) -> u32 {
         .is_err()
     {
         atomics::decrement(global);
-        source_counts::give_back(&source, per_source, 1);
+        source_counts::give_back(counted, per_source, 1);
         return helper::ABSENT;
     }
-    hold(&source, config, 1);
+    hold(counted, config, 1);
     event(Event::Opened);
     let over = |before: u64, cap: u32| cap != 0 && before >= u64::from(cap);
-    if over(per_source_before, PerSource::of(&source, config).cap)
-        || over(global_before, config.max_conn_total)
+    if over(per_source_before, PerSource::of(&counted.source, scope).cap)
+        || over(global_before, scope.limits.max_conn_total)
     {
         helper::OVER_CAP
     } else {
@@ -1119,19 +1211,20 @@ fn fin(key: &FlowKey, direction: Direction) -> Action {
     pass(direction, Reason::Tracked)
 }
 
-/// Removes the flow and, if this call is the one whose delete succeeded, releases its slots.
+/// Removes the flow and, if this call is the one whose delete succeeded, releases its slots
+/// in the profile it was counted in.
 #[inline(always)]
 pub fn close(key: &FlowKey, flow: *mut Flow, why: Event) -> bool {
     // Read before the delete: a deleted element's memory can be reused at once.
     // SAFETY: pointer from a successful lookup.
-    let source = unsafe { (*flow).source };
+    let counted = unsafe { (*flow).counted };
     if FLOWS.remove(key).is_err() {
         return false;
     }
-    if source_counts::release(&source, 1) {
-        hold(&source, map_access::config(), u64::MAX);
+    if source_counts::release(&counted, 1) {
+        hold(&counted, map_access::config(), u64::MAX);
     }
-    if let Some(global) = GLOBAL_CONNS.get_ptr_mut(0) {
+    if let Some(global) = GLOBAL_CONNS.get_ptr_mut(counted.profile) {
         atomics::decrement(global);
     }
     event(why);
@@ -1139,12 +1232,12 @@ pub fn close(key: &FlowKey, flow: *mut Flow, why: Event) -> bool {
 }
 
 /// Repairs a drifted counter by `delta` (two's complement), for the agent
-/// (`limiter_adjust`): the global count, or a source's and with it its bucket slot's
-/// holders.
+/// (`limiter_adjust`): a profile's global count, or a source's in a profile and with it its
+/// bucket slot's holders.
 #[inline(always)]
-pub fn adjust(source: &SourceKey, global: bool, delta: u64) -> u32 {
+pub fn adjust(counted: &ProfileSource, global: bool, delta: u64) -> u32 {
     if global {
-        let Some(counter) = GLOBAL_CONNS.get_ptr_mut(0) else {
+        let Some(counter) = GLOBAL_CONNS.get_ptr_mut(counted.profile) else {
             return helper::ABSENT;
         };
         atomics::fetch_add(counter, delta);
@@ -1152,7 +1245,7 @@ pub fn adjust(source: &SourceKey, global: bool, delta: u64) -> u32 {
     }
     // Zero removes the entry if it holds zero (the sweeper's idle sources, exactly).
     if delta == 0 {
-        return if source_counts::retire_idle(source) {
+        return if source_counts::retire_idle(counted) {
             helper::DONE
         } else {
             helper::ABSENT
@@ -1160,13 +1253,13 @@ pub fn adjust(source: &SourceKey, global: bool, delta: u64) -> u32 {
     }
     // Two's complement: a "negative" delta gives slots back, and may remove the entry.
     let adjusted = if (delta as i64) < 0 {
-        source_counts::release(source, delta.wrapping_neg())
+        source_counts::release(counted, delta.wrapping_neg())
     } else {
-        matches!(source_counts::take(source, delta), Taken::Slots { .. })
+        matches!(source_counts::take(counted, delta), Taken::Slots { .. })
     };
     if !adjusted {
         return helper::ABSENT;
     }
-    hold(source, map_access::config(), delta);
+    hold(counted, map_access::config(), delta);
     helper::DONE
 }

@@ -50,6 +50,10 @@ pub fn limiter_xdp(ctx: XdpContext) -> u32 {
         },
     };
     let action = match decide::ingress(&segment) {
+        Action::Handshake => decide::handshake(&segment),
+        action => action,
+    };
+    let action = match action {
         Action::CheckCookie => {
             match cookie::check(ctx.ctx as *mut c_void, &Window::of_xdp(&ctx), &segment) {
                 cookie::Check::Valid => decide::cookie_ack(&segment),
@@ -66,7 +70,7 @@ pub fn limiter_xdp(ctx: XdpContext) -> u32 {
 #[inline(always)]
 fn respond(ctx: &XdpContext, action: Action, segment: &Segment) -> u32 {
     match action {
-        Action::Pass | Action::CheckCookie => xdp_action::XDP_PASS,
+        Action::Pass | Action::CheckCookie | Action::Handshake => xdp_action::XDP_PASS,
         Action::Drop => xdp_action::XDP_DROP,
         Action::Rst { xdp_tx } => {
             debug!(
@@ -216,7 +220,8 @@ pub fn limiter_adjust(ctx: XdpContext) -> u32 {
     let Some(request) = Window::of_xdp(&ctx).read::<AdjustRequest>(0) else {
         return helper::INVALID;
     };
-    decide::adjust(&request.source, request.global != 0, request.delta as u64)
+    let counted = limiter_common::ProfileSource::new(request.source, u32::from(request.profile));
+    decide::adjust(&counted, request.global != 0, request.delta as u64)
 }
 
 /// Not attached anywhere: the agent runs it through `BPF_PROG_TEST_RUN` with a

@@ -8,8 +8,8 @@ use aya_ebpf::{
     maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
 };
 use limiter_common::{
-    Ban, Blocked, Config, Flow, FlowKey, HalfOpen, Ipv4Bits, Ipv6Bits, SourceKey, SourceLimits,
-    SynBucket, map_catalogue as catalogue,
+    Ban, Blocked, Config, Flow, FlowKey, HalfOpen, Ipv4Bits, Ipv6Bits, Limits, Profile,
+    ProfileSource, SourceKey, SourceLimits, SynBucket, map_catalogue as catalogue,
 };
 
 #[map]
@@ -17,6 +17,10 @@ pub static CONFIG: Array<Config> = Array::with_max_entries(catalogue::CONFIG.def
 
 #[map]
 pub static PORTS: Array<u8> = Array::with_max_entries(catalogue::PORTS.default_entries, 0);
+
+#[map]
+pub static PROFILES: Array<Profile> =
+    Array::with_max_entries(catalogue::PROFILES.default_entries, 0);
 
 #[map]
 pub static FLOWS: HashMap<FlowKey, Flow> =
@@ -31,7 +35,7 @@ pub static ACK_HINTS: Array<u32> = Array::with_max_entries(catalogue::ACK_HINTS.
 
 /// Preallocated, so an insert fails only when the table is full (see `source_counts`).
 #[map]
-pub static SOURCE_CONNS: HashMap<SourceKey, u64> =
+pub static SOURCE_CONNS: HashMap<ProfileSource, u64> =
     HashMap::with_max_entries(catalogue::SOURCE_CONNS.default_entries, 0);
 
 #[map]
@@ -97,6 +101,19 @@ static UNCONFIGURED: Config = Config::UNCONFIGURED;
 #[inline(always)]
 pub fn config() -> &'static Config {
     CONFIG.get(0).unwrap_or(&UNCONFIGURED)
+}
+
+static UNLIMITED: Limits = Limits::UNLIMITED;
+
+/// The limits of profile slot `profile`: the top level's, in the config, for slot 0, else the
+/// profile's (no limit for a slot no profile holds, whose last connections are closing).
+#[inline(always)]
+pub fn limits(config: &'static Config, profile: u32) -> &'static Limits {
+    if profile == 0 {
+        &config.limits
+    } else {
+        PROFILES.get(profile).map_or(&UNLIMITED, |p| &p.limits)
+    }
 }
 
 /// Adds one to a per-CPU slot. No other CPU writes it, so a plain add is exact.

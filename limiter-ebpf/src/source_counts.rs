@@ -1,6 +1,7 @@
-//! Each source's count of open connections in `SOURCE_CONNS`, whose entry exists only while
-//! the count is above zero: a flood of sources that each connected once, or a table failing
-//! closed, must not fill up with sources that hold nothing.
+//! Each source's count of open connections in a profile, in `SOURCE_CONNS`, whose entry exists
+//! only while the count is above zero: a flood of sources that each connected once, or a table
+//! failing closed, must not fill up with sources that hold nothing. (A "source" here is a
+//! source key in a profile.)
 //!
 //! Removing an entry at zero races the sources' handshakes on other CPUs, and a hash map
 //! deletes by key, unconditionally, so the count is exact by these rules:
@@ -25,7 +26,7 @@
 //! removes it through [`retire_idle`]. The map is preallocated: an insert then fails only
 //! when the table is full, never for an allocation under a burst.
 
-use limiter_common::{SOURCE_RETIRED, SourceKey};
+use limiter_common::{ProfileSource, SOURCE_RETIRED};
 
 use crate::{
     atomics,
@@ -47,7 +48,7 @@ pub enum Taken {
 
 /// Whether `counter` is `source`'s entry in the table right now.
 #[inline(always)]
-fn is_entry_of(source: &SourceKey, counter: *mut u64) -> bool {
+fn is_entry_of(source: &ProfileSource, counter: *mut u64) -> bool {
     SOURCE_CONNS
         .get_ptr_mut(source)
         .is_some_and(|now| core::ptr::eq(now, counter))
@@ -55,7 +56,7 @@ fn is_entry_of(source: &SourceKey, counter: *mut u64) -> bool {
 
 /// Takes `delta` slots of `source`'s count.
 #[inline(always)]
-pub fn take(source: &SourceKey, delta: u64) -> Taken {
+pub fn take(source: &ProfileSource, delta: u64) -> Taken {
     for _ in 0..TRIES {
         let Some(counter) = map_access::get_or_insert(&SOURCE_CONNS, source, &0) else {
             return Taken::Full;
@@ -81,7 +82,7 @@ pub fn take(source: &SourceKey, delta: u64) -> Taken {
 /// fewer slots than that or stayed contended (it is left as it was; the sweeper repairs a
 /// drifted count).
 #[inline(always)]
-pub fn give_back(source: &SourceKey, counter: *mut u64, delta: u64) -> bool {
+pub fn give_back(source: &ProfileSource, counter: *mut u64, delta: u64) -> bool {
     for _ in 0..TRIES {
         let before = atomics::load(counter);
         if before & SOURCE_RETIRED != 0 || before < delta {
@@ -100,7 +101,7 @@ pub fn give_back(source: &SourceKey, counter: *mut u64, delta: u64) -> bool {
 /// Removes `source`'s entry through `counter` if it holds zero; whether it did. A take that
 /// comes first makes the swap fail; one that comes after finds the entry retired.
 #[inline(always)]
-fn retire(source: &SourceKey, counter: *mut u64) -> bool {
+fn retire(source: &ProfileSource, counter: *mut u64) -> bool {
     if atomics::compare_exchange(counter, 0, SOURCE_RETIRED).is_err() {
         return false;
     }
@@ -116,7 +117,7 @@ fn retire(source: &SourceKey, counter: *mut u64) -> bool {
 
 /// `source`'s open connections as they stand (0 for none, or an entry being removed).
 #[inline(always)]
-pub fn current(source: &SourceKey) -> u64 {
+pub fn current(source: &ProfileSource) -> u64 {
     match SOURCE_CONNS.get_ptr(source) {
         Some(counter) => {
             let count = atomics::load(counter);
@@ -133,7 +134,7 @@ pub fn current(source: &SourceKey) -> u64 {
 /// Gives back `delta` slots of `source`'s count, looking its entry up (a flow's release, a
 /// repair).
 #[inline(always)]
-pub fn release(source: &SourceKey, delta: u64) -> bool {
+pub fn release(source: &ProfileSource, delta: u64) -> bool {
     SOURCE_CONNS
         .get_ptr_mut(source)
         .is_some_and(|counter| give_back(source, counter, delta))
@@ -143,7 +144,7 @@ pub fn release(source: &SourceKey, delta: u64) -> bool {
 /// source's undo left at zero, or one from an agent before entries were removed in the
 /// kernel). Exact where a read from user space and a delete after it would race a take.
 #[inline(always)]
-pub fn retire_idle(source: &SourceKey) -> bool {
+pub fn retire_idle(source: &ProfileSource) -> bool {
     SOURCE_CONNS
         .get_ptr_mut(source)
         .is_some_and(|counter| retire(source, counter))

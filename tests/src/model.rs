@@ -15,7 +15,9 @@
 //! whether a slot's sources hold connections (the per-source precheck is skipped when none
 //! do), and its source's refusals for the rate with the last refused SYNs that tell a
 //! retransmission from a new attempt. The refused connection attempts are modelled too: by
-//! reason, and by source for the top-blocked lists.
+//! profile and reason, and by source for the top-blocked lists. Port profiles are modelled in
+//! the slots the maps gave them: each profile's limits, per-source counts, global count,
+//! connection rate and SYN buckets apart.
 
 use std::{
     collections::{HashMap, HashSet},
@@ -24,9 +26,9 @@ use std::{
 
 use limiter::datapath::Policy;
 use limiter_common::{
-    BUCKET_TAG_MASK, Blocked, BucketPlace, Config, Direction, Event, FlowKey, Reason, Refusal,
-    SEEN_ATTEMPTS, SeenAttempts, SourceKey, Verdict, attempt_signature, bucket_place, flow_state,
-    seen_slot, source_key, stats::stat_slot,
+    BUCKET_TAG_MASK, Blocked, BucketPlace, Config, Direction, Event, FlowKey, Limits,
+    ProfileSource, Reason, Refusal, SEEN_ATTEMPTS, SeenAttempts, SourceKey, Verdict,
+    attempt_signature, bucket_place, flow_state, seen_slot, source_key, stats::stat_slot,
 };
 
 use crate::kernel::{XDP_DROP, XDP_PASS, XDP_TX};
@@ -58,11 +60,11 @@ pub enum Input {
     Unparsed(Reason),
 }
 
-/// A half-open connection, recorded when the host's SYN-ACK left: its source key and the
-/// server's ISN.
+/// A half-open connection, recorded when the host's SYN-ACK left: its source key in its
+/// port's profile, and the server's ISN.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HalfOpen {
-    pub source: SourceKey,
+    pub counted: ProfileSource,
     pub isn: u32,
 }
 
@@ -86,10 +88,10 @@ pub struct Bucket {
     pub holders: u64,
 }
 
-/// A tracked connection: the source charged and its `flow_state` bits.
+/// A tracked connection: the source and profile charged, and its `flow_state` bits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Flow {
-    pub source: SourceKey,
+    pub counted: ProfileSource,
     pub state: u32,
 }
 
@@ -98,10 +100,12 @@ pub struct Flow {
 pub struct Model {
     config: Config,
     policy: Policy,
+    /// Each profile's slot, as the maps gave it, in the policy's order.
+    slots: Vec<u32>,
     /// The SYN rate's clock (`CLOCK_MONOTONIC_COARSE` ns) at the next frame.
     pub rate_now: u64,
-    /// The connection rate's TAT, every source's.
-    pub conn_tat: u64,
+    /// The connection rate's TAT, every source's, by profile slot.
+    pub conn_tat: HashMap<u32, u64>,
     /// Handshakes whose token came from a bucket that had refused its source for the rate
     /// before.
     pub refills: u64,
@@ -118,14 +122,25 @@ pub struct Model {
     pub flows: HashMap<FlowKey, Flow>,
     /// Entries are created at a handshake's completion and removed when their count returns
     /// to zero, as in the kernel.
-    pub source_conns: HashMap<SourceKey, u64>,
-    pub global: u64,
-    /// Refused connection attempts by `Reason::blocked_slot`.
+    pub source_conns: HashMap<ProfileSource, u64>,
+    /// Open connections by profile slot.
+    pub global: HashMap<u32, u64>,
+    /// Refused connection attempts by `Reason::blocked_slot`, every profile's.
     pub refused_conns: [u64; Reason::REFUSAL_COUNT],
+    /// By (profile slot, would): refused connection attempts, or with `would` the packets
+    /// monitor mode let through, by `Reason::blocked_slot`.
+    pub refusals: HashMap<(u32, bool), [u64; Reason::REFUSAL_COUNT]>,
     /// Refused connection attempts by source, but for the SYN rate's (counted in the buckets).
     pub blocked: HashMap<SourceKey, Blocked>,
     /// Source keys under a ban in force.
     bans: HashSet<SourceKey>,
+}
+
+/// What a packet to a protected port is judged by: its profile's slot and limits.
+#[derive(Clone, Copy)]
+struct Scope {
+    profile: u32,
+    limits: Limits,
 }
 
 /// Who a refused connection attempt is counted against.
@@ -170,8 +185,19 @@ pub fn flow_key(seg: &Segment, inbound: bool) -> FlowKey {
 }
 
 impl Model {
-    /// The model of `policy`, hashing sources to bucket slots as the `live` config does.
-    pub fn new(policy: &Policy, live: &Config) -> Self {
+    /// The model of `policy`, hashing sources to bucket slots as the `live` config does, its
+    /// profiles in the slots the maps gave them (`held`: slot and name).
+    pub fn new(policy: &Policy, live: &Config, held: &[(u32, String)]) -> Self {
+        let slots = policy
+            .profiles
+            .iter()
+            .map(|p| {
+                held.iter()
+                    .find(|(_, name)| *name == p.name)
+                    .map(|(slot, _)| *slot)
+                    .expect("every profile in a slot")
+            })
+            .collect();
         Self {
             config: Config {
                 bucket_mask: live.bucket_mask,
@@ -179,8 +205,9 @@ impl Model {
                 ..policy.config()
             },
             policy: policy.clone(),
+            slots,
             rate_now: 0,
-            conn_tat: 0,
+            conn_tat: HashMap::new(),
             refills: 0,
             repeats: 0,
             stats: HashMap::new(),
@@ -189,8 +216,9 @@ impl Model {
             buckets: HashMap::new(),
             flows: HashMap::new(),
             source_conns: HashMap::new(),
-            global: 0,
+            global: HashMap::new(),
             refused_conns: [0; Reason::REFUSAL_COUNT],
+            refusals: HashMap::new(),
             blocked: HashMap::new(),
             bans: HashSet::new(),
         }
@@ -276,20 +304,42 @@ impl Model {
         self.pass(direction, reason)
     }
 
-    fn protected(&self, port: u16) -> bool {
-        self.policy.ports.is_empty() || self.policy.ports.contains(&port)
+    /// The profile a local port belongs to, if it is protected: its slot and limits.
+    fn scope_of(&self, port: u16) -> Option<Scope> {
+        let profile = self.policy.profile_of(port)?;
+        Some(match profile {
+            None => Scope {
+                profile: 0,
+                limits: self.config.limits,
+            },
+            Some(p) => {
+                let index = self.policy.profiles.iter().position(|q| q.name == p.name);
+                Scope {
+                    profile: self.slots[index.expect("a profile of the policy")],
+                    limits: p.limits,
+                }
+            }
+        })
     }
 
     /// Only a SYN counts as a refused connection attempt; a copy of one of the blamed
     /// record's last refused SYNs is a retransmission and counts nothing.
-    /// In monitor mode the packet is only counted as `would_refuse`, and passes.
-    fn refuse(&mut self, seg: &Segment, blame: Blame, reason: Reason, mode: u8) -> Action {
-        if self.config.monitor != 0 {
-            self.count(Direction::Ingress, Verdict::WouldRefuse, reason);
+    /// In monitor mode (the profile's) the packet is only counted as `would_refuse`, and
+    /// passes.
+    fn refuse(
+        &mut self,
+        seg: &Segment,
+        blame: Blame,
+        reason: Reason,
+        mode: u8,
+        scope: Scope,
+    ) -> Action {
+        if scope.limits.monitor != 0 {
+            self.would_refuse(reason, scope.profile);
             return Action::Pass;
         }
         if is_syn(seg.flags) {
-            self.refused_attempt(blame, reason, Some(signature(seg)));
+            self.refused_attempt(blame, reason, Some(signature(seg)), scope.profile);
         }
         if Refusal::from_u8(mode) == Refusal::Rst && is_syn(seg.flags) {
             self.count(Direction::Ingress, Verdict::Rst, reason);
@@ -300,9 +350,18 @@ impl Model {
         }
     }
 
+    fn would_refuse(&mut self, reason: Reason, profile: u32) {
+        self.count(Direction::Ingress, Verdict::WouldRefuse, reason);
+        if let Some(slot) = reason.blocked_slot() {
+            self.refusals
+                .entry((profile, true))
+                .or_insert([0; Reason::REFUSAL_COUNT])[slot] += 1;
+        }
+    }
+
     /// A refused connection attempt: `syn` is the refused SYN's signature, `None` for a
     /// handshake refused at its ACK (always a new attempt).
-    fn refused_attempt(&mut self, blame: Blame, reason: Reason, syn: Option<u32>) {
+    fn refused_attempt(&mut self, blame: Blame, reason: Reason, syn: Option<u32>, profile: u32) {
         let Some(slot) = reason.blocked_slot() else {
             return;
         };
@@ -326,12 +385,15 @@ impl Model {
         }
         *counter += 1;
         self.refused_conns[slot] += 1;
+        self.refusals
+            .entry((profile, false))
+            .or_insert([0; Reason::REFUSAL_COUNT])[slot] += 1;
     }
 
     fn ingress(&mut self, seg: &Segment) -> Action {
-        if !self.protected(seg.dport) {
+        let Some(scope) = self.scope_of(seg.dport) else {
             return self.pass(Direction::Ingress, Reason::UnprotectedPort);
-        }
+        };
         if seg.fragment {
             self.count(Direction::Ingress, Verdict::Drop, Reason::Fragment);
             return Action::Drop;
@@ -341,21 +403,18 @@ impl Model {
         }
         let source = self.source(seg.src);
         // Monitor mode judges a barred source's SYN; its other packets go on as anyone's.
-        let barred_judged = self.config.monitor == 0 || is_syn(seg.flags);
+        let barred_judged = scope.limits.monitor == 0 || is_syn(seg.flags);
         if barred_judged && self.policy.deny.iter().any(|net| net.contains(&seg.src)) {
             let blame = Blame::Source(source);
-            return self.refuse(seg, blame, Reason::Denylisted, self.config.reject_deny);
+            let mode = self.config.reject_deny;
+            return self.refuse(seg, blame, Reason::Denylisted, mode, scope);
         }
         if barred_judged && self.bans.contains(&source) {
-            return self.refuse(
-                seg,
-                Blame::Source(source),
-                Reason::Banned,
-                self.config.reject_ban,
-            );
+            let mode = self.config.reject_ban;
+            return self.refuse(seg, Blame::Source(source), Reason::Banned, mode, scope);
         }
         if is_syn(seg.flags) {
-            return self.syn(seg);
+            return self.syn(seg, scope);
         }
         if seg.flags & RST != 0 {
             return self.reset(&flow_key(seg, true), Direction::Ingress);
@@ -379,10 +438,10 @@ impl Model {
     }
 
     fn egress(&mut self, seg: &Segment) {
-        if !self.protected(seg.sport) {
+        let Some(scope) = self.scope_of(seg.sport) else {
             self.pass(Direction::Egress, Reason::UnprotectedPort);
             return;
-        }
+        };
         let key = flow_key(seg, false);
         if seg.flags & (SYN | ACK | RST) == SYN | ACK {
             // Only admitted SYNs get a SYN-ACK, besides allowlisted sources' (untracked).
@@ -391,7 +450,7 @@ impl Model {
                 return;
             }
             let half_open = HalfOpen {
-                source: self.source(seg.dst),
+                counted: ProfileSource::new(self.source(seg.dst), scope.profile),
                 isn: seg.seq,
             };
             self.half_open.insert(key, half_open);
@@ -406,8 +465,8 @@ impl Model {
     }
 
     /// The per-source cap and SYN rate `source` is held to: those of the most specific
-    /// override covering its key, else the top level's.
-    fn own(&self, source: &SourceKey) -> (u64, Option<Rate>) {
+    /// override covering its key, else its profile's.
+    fn own(&self, source: &SourceKey, limits: &Limits) -> (u64, Option<Rate>) {
         let ip = Ipv6Addr::from(source.addr);
         let addr = ip.to_ipv4_mapped().map_or(IpAddr::V6(ip), IpAddr::V4);
         let covering = self
@@ -422,69 +481,87 @@ impl Model {
                 Rate::new(o.limits.syn_rate, o.limits.syn_burst),
             ),
             None => (
-                u64::from(self.config.max_conn_per_ip),
-                Rate::new(self.config.syn_rate, self.config.syn_burst),
+                u64::from(limits.max_conn_per_ip),
+                Rate::new(limits.syn_rate, limits.syn_burst),
             ),
         }
     }
 
-    fn place(&self, source: &SourceKey) -> BucketPlace {
-        bucket_place(source, self.config.bucket_seed, self.config.bucket_mask)
+    /// The limits of a profile slot (the top level's for 0).
+    fn limits_of(&self, profile: u32) -> Limits {
+        match self.slots.iter().position(|slot| *slot == profile) {
+            Some(index) => self.policy.profiles[index].limits,
+            None => self.config.limits,
+        }
     }
 
-    fn syn(&mut self, seg: &Segment) -> Action {
+    fn place(&self, counted: &ProfileSource) -> BucketPlace {
+        bucket_place(counted, self.config.bucket_seed, self.config.bucket_mask)
+    }
+
+    fn syn(&mut self, seg: &Segment, scope: Scope) -> Action {
         // The rate first, on the source's own bucket alone, read and never written: the token
         // is taken when the handshake completes; then the caps as they stand (the source's
         // count only if its slot's sources hold connections). A tracked 4-tuple is not looked
         // at (see `complete`).
         let source = self.source(seg.src);
-        let place = self.place(&source);
+        let counted = ProfileSource::new(source, scope.profile);
+        let place = self.place(&counted);
         let bucket = self.buckets.get(&place.slot).copied().unwrap_or_default();
         // The slot is the source's while its tag is there; sources sharing slot and tag share
         // the bucket. Another source's slot is a full bucket.
-        let (per_ip, rate) = self.own(&source);
+        let (per_ip, rate) = self.own(&source, &scope.limits);
         if let Some(rate) = rate
             && bucket.tag == place.tag
             && rate.admit(bucket.tat, self.rate_now).is_none()
         {
             self.buckets.entry(place.slot).or_default().ran_dry = true;
             let blame = Blame::Bucket(place.slot);
-            return self.refuse(seg, blame, Reason::SynRate, self.config.reject_rate);
+            let mode = scope.limits.reject_rate;
+            return self.refuse(seg, blame, Reason::SynRate, mode, scope);
         }
-        let total = u64::from(self.config.max_conn_total);
+        let total = u64::from(scope.limits.max_conn_total);
+        let global = self.global.get(&scope.profile).copied().unwrap_or(0);
         if per_ip != 0
             && bucket.holders != 0
-            && self.source_conns.get(&source).is_some_and(|n| *n >= per_ip)
+            && self
+                .source_conns
+                .get(&counted)
+                .is_some_and(|n| *n >= per_ip)
         {
             let blame = Blame::Source(source);
-            return self.refuse(seg, blame, Reason::ConnPerIp, self.config.reject_conn);
+            let mode = scope.limits.reject_conn;
+            return self.refuse(seg, blame, Reason::ConnPerIp, mode, scope);
         }
-        if total != 0 && self.global >= total {
+        if total != 0 && global >= total {
             let blame = Blame::Source(source);
-            return self.refuse(seg, blame, Reason::ConnTotal, self.config.reject_conn);
+            let mode = scope.limits.reject_conn;
+            return self.refuse(seg, blame, Reason::ConnTotal, mode, scope);
         }
         // The connection rate, peeked at: spent, the SYN is refused at once.
-        if let Some(rate) = Rate::connections(&self.config)
-            && rate.admit(self.conn_tat, self.rate_now).is_none()
+        let tat = self.conn_tat.get(&scope.profile).copied().unwrap_or(0);
+        if let Some(rate) = Rate::connections(&scope.limits)
+            && rate.admit(tat, self.rate_now).is_none()
         {
             let blame = Blame::Source(source);
-            return self.refuse(seg, blame, Reason::ConnRate, self.config.reject_rate);
+            let mode = scope.limits.reject_rate;
+            return self.refuse(seg, blame, Reason::ConnRate, mode, scope);
         }
         self.pass(Direction::Ingress, Reason::HalfOpen)
     }
 
-    /// Takes a proven handshake's token from `source`'s bucket, claiming the slot (a full
+    /// Takes a proven handshake's token from `counted`'s bucket, claiming the slot (a full
     /// bucket) if another source's tag is there; `Err` with the slot if it ran dry.
-    fn take_token(&mut self, source: SourceKey) -> Result<(), u32> {
-        let Some(rate) = self.own(&source).1 else {
+    fn take_token(&mut self, counted: ProfileSource, limits: &Limits) -> Result<(), u32> {
+        let Some(rate) = self.own(&counted.source, limits).1 else {
             return Ok(());
         };
-        let place = self.place(&source);
+        let place = self.place(&counted);
         let now = self.rate_now;
         let entry = self.buckets.entry(place.slot).or_default();
         if entry.tag != place.tag {
             entry.tag = place.tag;
-            entry.source = Some(source);
+            entry.source = Some(counted.source);
             entry.tat = 0;
             entry.ran_dry = false;
             entry.refused = 0;
@@ -498,10 +575,11 @@ impl Model {
         Ok(())
     }
 
-    /// Takes the connection rate's token; `Err` if it ran dry.
-    fn take_connection(&mut self) -> Result<(), ()> {
-        if let Some(rate) = Rate::connections(&self.config) {
-            self.conn_tat = rate.admit(self.conn_tat, self.rate_now).ok_or(())?;
+    /// Takes a profile's connection rate's token; `Err` if it ran dry.
+    fn take_connection(&mut self, profile: u32, limits: &Limits) -> Result<(), ()> {
+        if let Some(rate) = Rate::connections(limits) {
+            let tat = self.conn_tat.entry(profile).or_default();
+            *tat = rate.admit(*tat, self.rate_now).ok_or(())?;
         }
         Ok(())
     }
@@ -514,35 +592,39 @@ impl Model {
             return None;
         }
         self.half_open.remove(&key);
-        let per_source = *self.source_conns.entry(entry.source).or_default();
-        let per_ip = self.own(&entry.source).0;
-        let total = u64::from(self.config.max_conn_total);
+        let counted = entry.counted;
+        let profile = counted.profile;
+        let limits = self.limits_of(profile);
+        let per_source = *self.source_conns.entry(counted).or_default();
+        let per_ip = self.own(&counted.source, &limits).0;
+        let total = u64::from(limits.max_conn_total);
+        let global = self.global.get(&profile).copied().unwrap_or(0);
         // Monitor mode admits past the caps and the rates, taking what tokens there are (its
         // SYN counted the refusal enforce mode would have made).
-        let enforce = self.config.monitor == 0;
+        let enforce = limits.monitor == 0;
         let refused = if !enforce {
             None
         } else if per_ip != 0 && per_source >= per_ip {
             Some(Reason::ConnPerIp)
-        } else if total != 0 && self.global >= total {
+        } else if total != 0 && global >= total {
             Some(Reason::ConnTotal)
         } else {
             None
         };
         let refused = match refused {
-            Some(reason) => Some((Blame::Source(entry.source), reason)),
+            Some(reason) => Some((Blame::Source(counted.source), reason)),
             // The tokens last, once the slots are sure: the source's, then every source's.
-            None => match self.take_token(entry.source) {
+            None => match self.take_token(counted, &limits) {
                 Err(slot) if enforce => Some((Blame::Bucket(slot), Reason::SynRate)),
                 _ => self
-                    .take_connection()
+                    .take_connection(profile, &limits)
                     .err()
                     .filter(|()| enforce)
-                    .map(|()| (Blame::Source(entry.source), Reason::ConnRate)),
+                    .map(|()| (Blame::Source(counted.source), Reason::ConnRate)),
             },
         };
         if let Some((blame, reason)) = refused {
-            self.refused_attempt(blame, reason, None);
+            self.refused_attempt(blame, reason, None, profile);
             self.count(Direction::Ingress, Verdict::Rst, reason);
             self.event(Event::RefusedAtAck);
             return Some(Completion::Refused);
@@ -553,12 +635,12 @@ impl Model {
             flow.state &= !(flow_state::FIN_BOTH | flow_state::RST_IN);
             return None;
         }
-        *self.source_conns.entry(entry.source).or_default() += 1;
-        self.global += 1;
-        let slot = self.place(&entry.source).slot;
+        *self.source_conns.entry(counted).or_default() += 1;
+        *self.global.entry(profile).or_default() += 1;
+        let slot = self.place(&counted).slot;
         self.buckets.entry(slot).or_default().holders += 1;
         let flow = Flow {
-            source: entry.source,
+            counted,
             state: flow_state::ESTABLISHED,
         };
         self.flows.insert(key, flow);
@@ -596,27 +678,28 @@ impl Model {
         self.pass(direction, Reason::Tracked)
     }
 
-    /// Removes the flow and releases its slots, once.
+    /// Removes the flow and releases its slots in its profile, once.
     fn close(&mut self, key: &FlowKey, why: Event) {
         let Some(flow) = self.flows.remove(key) else {
             return;
         };
-        if let Some(n) = self.source_conns.get_mut(&flow.source) {
+        if let Some(n) = self.source_conns.get_mut(&flow.counted) {
             *n -= 1;
             if *n == 0 {
-                self.source_conns.remove(&flow.source);
+                self.source_conns.remove(&flow.counted);
             }
-            let slot = self.place(&flow.source).slot;
+            let slot = self.place(&flow.counted).slot;
             self.buckets.entry(slot).or_default().holders -= 1;
         }
-        self.global -= 1;
+        *self.global.entry(flow.counted.profile).or_default() -= 1;
         self.event(why);
     }
 
-    /// Whether a SYN or connection rate is set: the TATs mean something only then.
+    /// Whether a SYN or connection rate is set anywhere: the TATs mean something only then.
     pub fn rated(&self) -> bool {
-        self.config.syn_rate != 0
-            || self.config.conn_rate != 0
+        let rated = |l: &Limits| l.syn_rate != 0 || l.conn_rate != 0;
+        rated(&self.config.limits)
+            || self.policy.profiles.iter().any(|p| rated(&p.limits))
             || self.policy.overrides.iter().any(|o| o.limits.syn_rate != 0)
     }
 
@@ -637,12 +720,18 @@ impl Model {
         all
     }
 
-    /// Open connections charged to `addr`'s source (0 if it never had one).
-    pub fn source_connections(&self, addr: IpAddr) -> u64 {
+    /// Open connections charged to `addr`'s source in profile slot `profile` (0 if it never
+    /// had one).
+    pub fn source_connections(&self, addr: IpAddr, profile: u32) -> u64 {
         self.source_conns
-            .get(&self.source(addr))
+            .get(&ProfileSource::new(self.source(addr), profile))
             .copied()
             .unwrap_or(0)
+    }
+
+    /// Open connections of profile slot `profile`.
+    pub fn connections(&self, profile: u32) -> u64 {
+        self.global.get(&profile).copied().unwrap_or(0)
     }
 }
 
@@ -669,8 +758,8 @@ impl Rate {
         })
     }
 
-    fn connections(config: &Config) -> Option<Rate> {
-        Rate::new(config.conn_rate, config.conn_burst)
+    fn connections(limits: &Limits) -> Option<Rate> {
+        Rate::new(limits.conn_rate, limits.conn_burst)
     }
 
     /// The TAT a SYN at `now` leaves if the bucket holds a token for it: one whose TAT, one

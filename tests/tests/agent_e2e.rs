@@ -158,7 +158,7 @@ fn sighup_lowers_a_cap_live_and_a_bad_file_changes_nothing() {
         .unwrap();
     assert!(line.contains("no-such-setting"), "{line}");
     assert!(s.refused(), "the old settings stay");
-    assert_eq!(s.pins.maps().config().unwrap().max_conn_per_ip, 3);
+    assert_eq!(s.pins.maps().config().unwrap().limits.max_conn_per_ip, 3);
     drop(conns);
 }
 
@@ -287,7 +287,7 @@ fn sighup_applies_actions_escalation_and_tokens_live_and_names_what_waits_for_a_
         "{status}"
     );
     assert_eq!(
-        s.pins.maps().config().unwrap().max_conn_total,
+        s.pins.maps().config().unwrap().limits.max_conn_total,
         50,
         "the flag still wins"
     );

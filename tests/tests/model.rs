@@ -15,8 +15,8 @@ use std::{
 
 use etherparse::{EtherType, SingleVlanHeader, VlanId};
 use limiter_common::{
-    BUCKET_TAG_MASK, Blocked, Direction, Event, FlowKey, Reason, SourceKey, Verdict,
-    stats::stat_slot,
+    BUCKET_TAG_MASK, Blocked, Direction, Event, FlowKey, PROFILE_SLOTS, ProfileSource, Reason,
+    SourceKey, Verdict, stats::stat_slot,
 };
 use limiter_tests::{
     frames::{self, Flags, Tcp, Vlans},
@@ -30,6 +30,9 @@ use nix::{
 };
 
 const PORT: u16 = 5672;
+/// The port of the profile configuration's profile: half of each client's connections go to
+/// it there (elsewhere, every connection goes to `PORT`).
+const PROFILE_PORT: u16 = 1883;
 /// A port nothing protects.
 const OTHER_PORT: u16 = 22;
 const V4_CLIENTS: usize = 150;
@@ -85,6 +88,27 @@ const OVERRIDES: &[&str] = &[
     "192.0.2.16/28:max-conn-per-ip=1,syn-rate=1,syn-burst=1",
     "--override",
     "2001:db8::/60:max-conn-per-ip=1",
+];
+
+/// A port profile beside the top level, each with caps that bite on its own counts: every
+/// client holds two connections at most on each (one per source on each here, so a source's
+/// connections to one never spend its allowance on the other), the profile with its own
+/// total, SYN rate, connection rate and refusal modes.
+const PROFILES: &[&str] = &[
+    "--ports",
+    "5672",
+    "--flow-table-size",
+    "256",
+    "--max-conn-per-ip",
+    "1",
+    "--max-conn-total",
+    "150",
+    "--syn-rate",
+    "0",
+    "--rst-xdp-tx",
+    "--profile",
+    "mqtt:ports=1883,max-conn-per-ip=1,max-conn-total=60,syn-rate=1,syn-burst=1,\
+     conn-rate=40,conn-burst=4,reject-conn=drop,reject-rate=rst",
 ];
 
 /// The same caps with an allow list and a deny list over part of the clients, refused
@@ -186,6 +210,32 @@ fn overrides_agree_with_the_model() {
     assert!(capped > 100 && rated > 10, "{capped} capped, {rated} rated");
 }
 
+#[test]
+fn profiles_agree_with_the_model() {
+    let model = run(PROFILES, seed(0x960F_11E5).wrapping_add(7), frames());
+    // Both profiles' caps must have bitten, each on its own counts.
+    let refused = |profile: u32, reason: Reason| {
+        model
+            .refusals
+            .get(&(profile, false))
+            .map_or(0, |r| r[reason.blocked_slot().expect("a refusal")])
+    };
+    let mqtt = 1;
+    println!(
+        "model: top level refused {} over the per-source cap; the profile {} over it, {} over \
+         its total, {} over its SYN rate, {} over its connection rate",
+        refused(0, Reason::ConnPerIp),
+        refused(mqtt, Reason::ConnPerIp),
+        refused(mqtt, Reason::ConnTotal),
+        refused(mqtt, Reason::SynRate),
+        refused(mqtt, Reason::ConnRate),
+    );
+    assert!(refused(0, Reason::ConnPerIp) > 10);
+    assert!(refused(mqtt, Reason::ConnPerIp) > 10);
+    assert!(refused(mqtt, Reason::SynRate) + refused(mqtt, Reason::ConnRate) > 10);
+    assert!(model.connections(0) > 0 && model.connections(mqtt) > 0);
+}
+
 /// Monitor mode on the lists, caps and rate: nothing the policy would refuse is, each SYN it
 /// would is counted `would_refuse`, and the handshakes it lets past a cap are tracked.
 #[test]
@@ -226,9 +276,9 @@ fn counted(model: &Model, verdict: Verdict, reason: Reason) -> u64 {
 /// The least time a rated run takes: enough for the floors below at 25,000 frames.
 const RATED_SPAN: Duration = Duration::from_secs(8);
 
-/// Frames per test: a seventh of `LIMITER_FUZZ_FRAMES` (`cargo xtask fuzz`), else 25,000.
+/// Frames per test: an eighth of `LIMITER_FUZZ_FRAMES` (`cargo xtask fuzz`), else 25,000.
 fn frames() -> usize {
-    env_u64("LIMITER_FUZZ_FRAMES").map_or(25_000, |n| (n / 7).max(1) as usize)
+    env_u64("LIMITER_FUZZ_FRAMES").map_or(25_000, |n| (n / 8).max(1) as usize)
 }
 
 fn env_u64(name: &str) -> Option<u64> {
@@ -250,8 +300,15 @@ fn seed(default: u64) -> u64 {
 fn run(flags: &[&str], seed: u64, count: usize) -> Model {
     let mut k = Kernel::new(flags);
     let live = k.dp.maps.config().expect("the live config");
-    let mut model = Model::new(&settings(flags).policy, &live);
-    let mut generator = Generator::new(seed);
+    let held = k.dp.maps.profile_labels().expect("the profiles' slots");
+    let policy = settings(flags).policy;
+    let mut model = Model::new(&policy, &live, &held);
+    let ports = if policy.profiles.is_empty() {
+        vec![PORT]
+    } else {
+        vec![PORT, PROFILE_PORT]
+    };
+    let mut generator = Generator::new(seed, ports);
     let started = std::time::Instant::now();
     // A rate's tokens come back only with time, which the kernel's clock measures: spread a
     // rated run's frames over at least this long, so that a fast machine meets refills as a
@@ -418,15 +475,17 @@ fn judge(
 /// The rate state of the kernel against the model's: the connection rate's TAT and every SYN
 /// bucket slot. A frame whose run straddled a tick of the rate clock is told apart by it.
 fn compare_rates(k: &Kernel, model: &Model) -> Result<(), String> {
-    let tat =
-        k.dp.maps
-            .connection_rate_tat()
-            .expect("the connection rate");
-    if tat != model.conn_tat {
-        return Err(format!(
-            "connection rate TAT: kernel {tat}, model {}",
-            model.conn_tat
-        ));
+    for profile in 0..PROFILE_SLOTS {
+        let tat =
+            k.dp.maps
+                .connection_rate_tat(profile)
+                .expect("the connection rate");
+        let want = model.conn_tat.get(&profile).copied().unwrap_or(0);
+        if tat != want {
+            return Err(format!(
+                "connection rate TAT of profile {profile}: kernel {tat}, model {want}"
+            ));
+        }
     }
     let kernel = k.dp.maps.syn_buckets().expect("SYN buckets");
     let in_use = model
@@ -498,41 +557,64 @@ fn compare(k: &Kernel, model: &Model, clients: &[IpAddr]) -> Result<(), String> 
             return Err(format!("event {event:?}: kernel {got}, model {want}"));
         }
     }
-    let global = maps.global_connections().expect("global count");
-    if global != model.global {
-        return Err(format!("global: kernel {global}, model {}", model.global));
-    }
-    for addr in clients {
-        let got = maps.source_connections(*addr).expect("source count");
-        let want = model.source_connections(*addr);
+    let global = maps.profile_connections().expect("global counts");
+    for profile in 0..PROFILE_SLOTS {
+        let (got, want) = (global[profile as usize], model.connections(profile));
         if got != want {
-            return Err(format!("connections of {addr}: kernel {got}, model {want}"));
+            return Err(format!(
+                "global of profile {profile}: kernel {got}, model {want}"
+            ));
+        }
+        for addr in clients {
+            let got = maps
+                .source_connections_in(*addr, profile)
+                .expect("source count");
+            let want = model.source_connections(*addr, profile);
+            if got != want {
+                return Err(format!(
+                    "connections of {addr} in profile {profile}: kernel {got}, model {want}"
+                ));
+            }
+        }
+        for would in [false, true] {
+            for reason in &Reason::ALL[..Reason::REFUSAL_COUNT] {
+                let got = maps.refusals_in(profile, would, *reason).expect("refusals");
+                let want = model
+                    .refusals
+                    .get(&(profile, would))
+                    .map_or(0, |r| r[reason.blocked_slot().expect("a refusal")]);
+                if got != want {
+                    return Err(format!(
+                        "profile {profile}, {reason:?} (would: {would}): kernel {got}, model {want}"
+                    ));
+                }
+            }
         }
     }
-    let flows: HashMap<FlowKey, (SourceKey, u32)> = maps
+    let flows: HashMap<FlowKey, (ProfileSource, u32)> = maps
         .flows()
         .expect("flows")
         .into_iter()
-        .map(|(key, flow)| (key, (flow.source, flow.state)))
+        .map(|(key, flow)| (key, (flow.counted, flow.state)))
         .collect();
-    let want: HashMap<FlowKey, (SourceKey, u32)> = model
+    let want: HashMap<FlowKey, (ProfileSource, u32)> = model
         .flows
         .iter()
-        .map(|(key, flow)| (*key, (flow.source, flow.state)))
+        .map(|(key, flow)| (*key, (flow.counted, flow.state)))
         .collect();
     if flows != want {
         return Err(format!("flows: kernel {flows:?}, model {want:?}"));
     }
-    let half_open: HashMap<FlowKey, (SourceKey, u32)> = maps
+    let half_open: HashMap<FlowKey, (ProfileSource, u32)> = maps
         .half_open()
         .expect("half-open")
         .into_iter()
-        .map(|(key, h)| (key, (h.source, h.server_isn)))
+        .map(|(key, h)| (key, (h.counted, h.server_isn)))
         .collect();
-    let want: HashMap<FlowKey, (SourceKey, u32)> = model
+    let want: HashMap<FlowKey, (ProfileSource, u32)> = model
         .half_open
         .iter()
-        .map(|(key, h)| (*key, (h.source, h.isn)))
+        .map(|(key, h)| (*key, (h.counted, h.isn)))
         .collect();
     if half_open != want {
         return Err(format!("half-open: kernel {half_open:?}, model {want:?}"));
@@ -635,6 +717,8 @@ enum Stage {
 struct Generator {
     rng: Rng,
     clients: Vec<IpAddr>,
+    /// The protected ports a client's connections go to, in turn.
+    ports: Vec<u16>,
     conns: Vec<Conn>,
     /// The next flag byte: flag-byte frames take them in turn, so all 256 come up.
     next_flags: u8,
@@ -671,7 +755,7 @@ const RST: u8 = 0x04;
 const PSH: u8 = 0x08;
 
 impl Generator {
-    fn new(seed: u64) -> Self {
+    fn new(seed: u64, ports: Vec<u16>) -> Self {
         let v4 = (0..V4_CLIENTS).map(|i| IpAddr::V4(Ipv4Addr::new(192, 0, 2, i as u8 + 1)));
         // Every tenth in the denied /48; each in its own /64 (the default IPv6 source prefix).
         let v6 = (0..V6_CLIENTS).map(|i| {
@@ -683,6 +767,7 @@ impl Generator {
         Self {
             rng: Rng(seed),
             clients,
+            ports,
             conns,
             next_flags: 0,
             cuts: 0,
@@ -694,7 +779,8 @@ impl Generator {
         let src = self.clients[c / PORTS_PER_CLIENT];
         let sport = 40_000 + (c % PORTS_PER_CLIENT) as u16;
         let conn = self.conns[c];
-        let mut tcp = Tcp::syn(src, sport, server(src), PORT).with_flag_byte(flags);
+        let port = self.ports[c % PORTS_PER_CLIENT % self.ports.len()];
+        let mut tcp = Tcp::syn(src, sport, server(src), port).with_flag_byte(flags);
         tcp.seq = conn.seq;
         tcp.ack = conn.isn.wrapping_add(1);
         tcp.tcp_options = flags & SYN != 0;

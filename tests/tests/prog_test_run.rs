@@ -14,8 +14,9 @@ use etherparse::{
 };
 use limiter::datapath::{ADJUST_PROGRAM, RELEASE_PROGRAM};
 use limiter_common::{
-    AdjustRequest, Direction, Event, FlowKey, FlowRequest, HalfOpen, RST_MARK, Reason, Verdict,
-    attempt_signature, bucket_place, flow_state, helper, map_catalogue, seen_slot, source_key,
+    AdjustRequest, Direction, Event, FlowKey, FlowRequest, HalfOpen, ProfileSource, RST_MARK,
+    Reason, Verdict, attempt_signature, bucket_place, flow_state, helper, map_catalogue, seen_slot,
+    source_key,
 };
 use limiter_tests::{
     frames::{self, CLIENT_MAC, Flags, SERVER_MAC, Tcp, Vlans},
@@ -493,7 +494,11 @@ fn sharing_a_slot(k: &Kernel, victim: IpAddr) -> IpAddr {
     assert_ne!(config.bucket_seed, 0, "the agent drew a seed");
     let place = |addr: IpAddr| {
         let key = source_key(&limiter_tests::model::mapped(addr), 32, 128);
-        bucket_place(&key, config.bucket_seed, config.bucket_mask)
+        bucket_place(
+            &ProfileSource::new(key, 0),
+            config.bucket_seed,
+            config.bucket_mask,
+        )
     };
     let victim = place(victim);
     (1..1u32 << 20)
@@ -818,12 +823,7 @@ fn removing_idle_sources_races_no_handshake() {
     // after it lose a slot taken in between; the kernel's retirement cannot.
     let k = Kernel::new(&["--syn-rate", "0", "--max-conn-per-ip", "0"]);
     let source = source_key(&limiter_tests::model::mapped(v4(5)), 32, 128);
-    let idle = AdjustRequest {
-        source,
-        delta: 0,
-        global: 0,
-        _pad: 0,
-    };
+    let idle = AdjustRequest::source(&ProfileSource::new(source, 0), 0);
     let done = std::sync::atomic::AtomicBool::new(false);
     let (mut removed, mut admitted) = (0u32, 0u64);
     std::thread::scope(|scope| {

@@ -15,7 +15,7 @@ use limiter::{
     services::sweeper::Sweeper,
     settings::SweepSettings,
 };
-use limiter_common::{AdjustRequest, Event, FlowKey};
+use limiter_common::{AdjustRequest, Event, FlowKey, ProfileSource};
 use limiter_tests::{
     frames::{Flags, Tcp},
     kernel::{TestAgent, XDP_PASS, agent, connect_run, handshake, isn, tc_run, xdp_run},
@@ -142,16 +142,16 @@ fn drifted_counters_are_repaired_after_two_sightings() {
         connect(&agent, &syn(v4(2), port));
     }
     let config = agent.with_maps(|m| m.config()).unwrap();
-    let key = source_key(v4(2), &config);
+    let key = ProfileSource::new(source_key(v4(2), &config), 0);
     // Drift: the source's counter reads 5 for 3 flows, the global 4 for 3.
-    let drift = |source, global, delta| AdjustRequest {
-        source,
-        delta,
-        global,
-        _pad: 0,
-    };
-    agent.datapath().adjust(&drift(key, 0, 2)).unwrap();
-    agent.datapath().adjust(&drift(key, 1, 1)).unwrap();
+    agent
+        .datapath()
+        .adjust(&AdjustRequest::source(&key, 2))
+        .unwrap();
+    agent
+        .datapath()
+        .adjust(&AdjustRequest::global(0, 1))
+        .unwrap();
     assert_eq!(agent.with_maps(|m| m.source_connections(v4(2))).unwrap(), 5);
     let settings = SweepSettings {
         batch: 1024,
@@ -255,12 +255,7 @@ fn counters_of_a_table_larger_than_one_batch_are_repaired() {
         }
     }
     let config = agent.with_maps(|m| m.config()).unwrap();
-    let request = AdjustRequest {
-        source: source_key(v4(3), &config),
-        delta: 4,
-        global: 0,
-        _pad: 0,
-    };
+    let request = AdjustRequest::source(&ProfileSource::new(source_key(v4(3), &config), 0), 4);
     agent.datapath().adjust(&request).unwrap();
     assert_eq!(agent.with_maps(|m| m.source_connections(v4(3))).unwrap(), 6);
     let settings = agent.settings().sweep;

@@ -13,6 +13,6 @@ pub use admin_bodies::{
 pub use check_body::{CheckAnswer, CheckRequest};
 pub use view_documents::{
     ActionCounts, ActionView, BanEntry, BlockedKey, BlockedSource, BrokerRateLimits, Connections,
-    EscalationView, FleetStatus, KernelLimits, KernelRateLimits, RateLimits, SourceConnections,
-    Status, SynCookiesStatus,
+    EscalationView, FleetStatus, KernelLimits, KernelRateLimits, ProfileLimits, ProfileView,
+    RateLimits, SourceConnections, Status, SynCookiesStatus,
 };

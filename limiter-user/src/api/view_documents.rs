@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 
 use ipnet::IpNet;
-use limiter_common::{Config, Refusal, SourceLimits};
+use limiter_common::{Config, Limits, Refusal, SourceLimits};
 use serde::{Deserialize, Serialize};
 
 /// `GET /v1/status`: the agent at a glance.
@@ -28,6 +28,10 @@ pub struct Status {
     #[serde(default)]
     pub refused_packets: BTreeMap<String, u64>,
     pub limits: KernelLimits,
+    /// The port profiles (`[profiles.NAME]`), each with its limits and counts; `default`, the
+    /// top level's ports, first. Empty without profiles.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub profiles: Vec<ProfileView>,
     /// Settings a flag or `LIMITER_*` variable sets, which the file cannot change; `None`
     /// when read from pinned maps.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -105,6 +109,65 @@ pub struct KernelLimits {
     pub overrides: Vec<OverrideView>,
 }
 
+/// One port profile in `/v1/status`: its ports, what they are held to, and its counts.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProfileView {
+    pub name: String,
+    /// Its ports; for `default`, the top level's (empty: every port no profile names).
+    pub ports: Vec<u16>,
+    #[serde(flatten)]
+    pub limits: ProfileLimits,
+    /// Open connections to its ports.
+    pub connections: u64,
+    /// Refused connection attempts by refusal reason.
+    pub refused: BTreeMap<String, u64>,
+    /// Packets monitor mode let through that enforce mode would have refused, by reason.
+    pub would_refuse: BTreeMap<String, u64>,
+}
+
+/// The limits a group of ports is held to (0 = no limit).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProfileLimits {
+    pub max_conn_per_ip: u32,
+    pub max_conn_total: u32,
+    pub syn_rate: u32,
+    pub syn_burst: u32,
+    pub conn_rate: u32,
+    pub conn_burst: u32,
+    pub reject_conn: String,
+    pub reject_rate: String,
+    /// `enforce` or `monitor`.
+    pub mode: String,
+}
+
+impl ProfileLimits {
+    pub fn new(limits: &Limits) -> Self {
+        Self {
+            max_conn_per_ip: limits.max_conn_per_ip,
+            max_conn_total: limits.max_conn_total,
+            syn_rate: limits.syn_rate,
+            syn_burst: limits.syn_burst,
+            conn_rate: limits.conn_rate,
+            conn_burst: limits.conn_burst,
+            reject_conn: refusal_text(limits.reject_conn),
+            reject_rate: refusal_text(limits.reject_rate),
+            mode: if limits.monitor != 0 {
+                "monitor"
+            } else {
+                "enforce"
+            }
+            .to_owned(),
+        }
+    }
+}
+
+fn refusal_text(value: u8) -> String {
+    match Refusal::from_u8(value) {
+        Refusal::Rst => "rst".to_owned(),
+        Refusal::Drop => "drop".to_owned(),
+    }
+}
+
 /// What an agent too old to say its mode runs.
 fn enforce() -> String {
     "enforce".to_owned()
@@ -122,32 +185,24 @@ pub struct OverrideView {
 impl KernelLimits {
     /// The limits of `config` and the `overrides` the tries hold.
     pub fn new(config: &Config, overrides: &[(IpNet, SourceLimits)]) -> Self {
-        let refusal = |value: u8| match Refusal::from_u8(value) {
-            Refusal::Rst => "rst".to_owned(),
-            Refusal::Drop => "drop".to_owned(),
-        };
+        let top = ProfileLimits::new(&config.limits);
         Self {
-            max_conn_per_ip: config.max_conn_per_ip,
-            max_conn_total: config.max_conn_total,
-            syn_rate: config.syn_rate,
-            syn_burst: config.syn_burst,
-            conn_rate: config.conn_rate,
-            conn_burst: config.conn_burst,
+            max_conn_per_ip: top.max_conn_per_ip,
+            max_conn_total: top.max_conn_total,
+            syn_rate: top.syn_rate,
+            syn_burst: top.syn_burst,
+            conn_rate: top.conn_rate,
+            conn_burst: top.conn_burst,
             ipv4_prefix: config.ipv4_prefix,
             ipv6_prefix: config.ipv6_prefix,
             fail_closed: config.fail_closed != 0,
             all_ports: config.all_ports != 0,
-            reject_conn: refusal(config.reject_conn),
-            reject_rate: refusal(config.reject_rate),
-            reject_ban: refusal(config.reject_ban),
-            reject_deny: refusal(config.reject_deny),
+            reject_conn: top.reject_conn,
+            reject_rate: top.reject_rate,
+            reject_ban: refusal_text(config.reject_ban),
+            reject_deny: refusal_text(config.reject_deny),
             syn_cookies: config.syn_cookies & limiter_common::syn_cookies::ANSWER != 0,
-            mode: if config.monitor != 0 {
-                "monitor"
-            } else {
-                "enforce"
-            }
-            .to_owned(),
+            mode: top.mode,
             overrides: overrides
                 .iter()
                 .map(|(net, limits)| OverrideView {
@@ -169,12 +224,16 @@ impl KernelLimits {
     }
 }
 
-/// `GET /connections`: open connections per source, largest first.
+/// `GET /connections`: open connections per source and port profile, largest first.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Connections {
-    /// Open connections to the host (the global count).
+    /// Open connections to the host (the global counts, every profile's).
     pub connections: u64,
-    /// Sources holding at least one connection (the list below may be cut at `limit`).
+    /// Open connections per port profile (`default`: the top level's ports).
+    #[serde(default)]
+    pub profiles: BTreeMap<String, u64>,
+    /// Sources holding at least one connection in a profile, each profile's counted apart
+    /// (the list below may be cut at `limit`).
     pub tracked_sources: usize,
     pub sources: Vec<SourceConnections>,
 }
@@ -183,7 +242,15 @@ pub struct Connections {
 pub struct SourceConnections {
     /// The source key: the address masked to its prefix (IPv4 shown as IPv4).
     pub source: String,
+    /// The port profile the connections are counted in.
+    #[serde(default = "top_level_profile")]
+    pub profile: String,
     pub connections: u64,
+}
+
+/// What an agent from before the profiles counted every connection in.
+fn top_level_profile() -> String {
+    crate::datapath::TOP_LEVEL_PROFILE.to_owned()
 }
 
 /// `GET /rate_limits`: what is limited, how, and who is refused most.
@@ -341,7 +408,7 @@ mod tests {
             ("rst", "drop")
         );
         let mut config = Config::UNCONFIGURED;
-        config.syn_rate = 5;
+        config.limits.syn_rate = 5;
         assert!(KernelLimits::new(&config, &[]).enabled());
     }
 }

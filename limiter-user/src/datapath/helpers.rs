@@ -6,7 +6,7 @@ use aya::{
     TestRun,
     programs::{TestRunOptions, Xdp},
 };
-use limiter_common::{AdjustRequest, FlowKey, FlowRequest, SourceKey, helper};
+use limiter_common::{AdjustRequest, FlowKey, FlowRequest, ProfileSource, helper};
 
 use super::{
     Datapath, LoadError,
@@ -38,17 +38,12 @@ impl Datapath {
         Ok(self.run_helper(ADJUST_PROGRAM, request)? == helper::DONE)
     }
 
-    /// Removes a source's counter entry if it holds zero, in the kernel, which retires it
-    /// first: a handshake taking a slot at the same moment either comes first (the entry
-    /// stays) or finds the entry retired and takes its slot in a fresh one. Returns whether
-    /// it removed the entry.
-    pub fn remove_idle_source(&mut self, source: &SourceKey) -> Result<bool, LoadError> {
-        self.adjust(&AdjustRequest {
-            source: *source,
-            delta: 0,
-            global: 0,
-            _pad: 0,
-        })
+    /// Removes a source's counter entry in a profile if it holds zero, in the kernel, which
+    /// retires it first: a handshake taking a slot at the same moment either comes first (the
+    /// entry stays) or finds the entry retired and takes its slot in a fresh one. Returns
+    /// whether it removed the entry.
+    pub fn remove_idle_source(&mut self, counted: &ProfileSource) -> Result<bool, LoadError> {
+        self.adjust(&AdjustRequest::source(counted, 0))
     }
 
     /// Enters an established connection the flow table lacks and takes its slots, in the

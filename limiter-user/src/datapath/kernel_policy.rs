@@ -1,27 +1,47 @@
 //! What the kernel enforces, as one checked value the agent hands to the maps.
 
 use ipnet::IpNet;
-use limiter_common::{Config, SourceLimits};
+use limiter_common::{Config, Limits, SourceLimits};
 
 use super::Lists;
 
-/// The policy in force: limits and refusal modes, protected ports and source lists.
+/// The policy in force: limits and refusal modes, protected ports and their profiles, and
+/// source lists.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Policy {
-    /// Limits, prefixes and refusal modes. Its fields that follow from the ports and lists
-    /// (`all_ports`, `has_allow`, `has_deny`, `has_overrides`) or from the rates (their GCRA terms) are
-    /// ignored here and derived by [`Policy::config`], so they can never disagree with what
-    /// the maps hold; `has_bans` follows the ban table, which [`super::Maps`] keeps.
-    pub limits: Config,
+    /// The top level's limits, prefixes and refusal modes. Its fields that follow from the
+    /// ports, profiles and lists (`all_ports`, `has_allow`, `has_deny`, `has_overrides`,
+    /// `has_profiles`) or from the rates (their GCRA terms) are ignored here and derived by
+    /// [`Policy::config`], so they can never disagree with what the maps hold; `has_bans`
+    /// follows the ban table, which [`super::Maps`] keeps.
+    pub base: Config,
     /// When the programs answer SYNs with cookies.
     pub cookies: CookieMode,
-    /// Protected ports; empty means every port.
+    /// Ports protected at the top level; empty means every port no profile names.
     pub ports: Vec<u16>,
+    /// Port groups with limits and counts of their own (`[profiles.NAME]`), in the order the
+    /// configuration gives them; the maps keep each in a slot of its own by name.
+    pub profiles: Vec<PortProfile>,
     pub allow: Vec<IpNet>,
     pub deny: Vec<IpNet>,
     /// Source prefixes with limits of their own, in the override tries.
     pub overrides: Vec<SourceOverride>,
 }
+
+/// A group of ports and what connections to them are held to, counted apart from every other
+/// port's (`[profiles.NAME]`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PortProfile {
+    pub name: String,
+    pub ports: Vec<u16>,
+    /// Every field resolved (what the profile leaves out is the top level's), the GCRA terms
+    /// derived.
+    pub limits: Limits,
+}
+
+/// The name the top level's counts and limits go by where profiles are named (the metrics'
+/// `profile` label, the status documents).
+pub const TOP_LEVEL_PROFILE: &str = "default";
 
 /// A source prefix and the per-source limits its sources get (`[[overrides]]`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -50,10 +70,31 @@ impl Policy {
             has_allow: (!self.allow.is_empty()).into(),
             has_deny: (!self.deny.is_empty()).into(),
             has_overrides: (!self.overrides.is_empty()).into(),
-            ..self.limits
+            has_profiles: (!self.profiles.is_empty()).into(),
+            ..self.base
         };
-        config.derive_rate_terms();
+        config.limits.derive_rate_terms();
         config
+    }
+
+    /// The profile a local port belongs to: `Some(None)` for the top level, `None` if the
+    /// port is not protected.
+    pub fn profile_of(&self, port: u16) -> Option<Option<&PortProfile>> {
+        if let Some(profile) = self.profiles.iter().find(|p| p.ports.contains(&port)) {
+            return Some(Some(profile));
+        }
+        (self.ports.is_empty() || self.ports.contains(&port)).then_some(None)
+    }
+
+    /// Whether connections to a local port are limited.
+    pub fn protects(&self, port: u16) -> bool {
+        self.profile_of(port).is_some()
+    }
+
+    /// The limits of a protected port's profile (the top level's for one in no profile).
+    pub fn limits_of(&self, port: u16) -> Option<Limits> {
+        self.profile_of(port)
+            .map(|profile| profile.map_or_else(|| self.config().limits, |p| p.limits))
     }
 
     /// This policy with the entries of `layers` (the list files', the admin API's) added, each
@@ -86,13 +127,14 @@ mod tests {
     #[test]
     fn derived_fields_follow_the_lists_and_ports() {
         let mut policy = Policy {
-            limits: Config {
+            base: Config {
                 has_allow: 1,
                 all_ports: 0,
                 ..Config::UNCONFIGURED
             },
             cookies: CookieMode::Off,
             ports: Vec::new(),
+            profiles: Vec::new(),
             allow: Vec::new(),
             deny: Vec::new(),
             overrides: Vec::new(),
@@ -122,9 +164,10 @@ mod tests {
                 .collect::<Vec<IpNet>>()
         };
         let policy = Policy {
-            limits: Config::UNCONFIGURED,
+            base: Config::UNCONFIGURED,
             cookies: CookieMode::Off,
             ports: Vec::new(),
+            profiles: Vec::new(),
             allow: nets(&["10.0.0.0/25"]),
             deny: nets(&["192.0.2.1/32"]),
             overrides: Vec::new(),
@@ -153,20 +196,24 @@ mod tests {
     #[test]
     fn the_syn_rate_reaches_the_programs_as_gcra_terms() {
         let policy = |syn_rate, syn_burst| Policy {
-            limits: Config {
-                syn_rate,
-                syn_burst,
-                syn_interval_ns: 7,
-                syn_tolerance_ns: 7,
+            base: Config {
+                limits: Limits {
+                    syn_rate,
+                    syn_burst,
+                    syn_interval_ns: 7,
+                    syn_tolerance_ns: 7,
+                    ..Limits::UNLIMITED
+                },
                 ..Config::UNCONFIGURED
             },
             cookies: CookieMode::Off,
             ports: Vec::new(),
+            profiles: Vec::new(),
             allow: Vec::new(),
             deny: Vec::new(),
             overrides: Vec::new(),
         };
-        let terms = |c: Config| (c.syn_interval_ns, c.syn_tolerance_ns);
+        let terms = |c: Config| (c.limits.syn_interval_ns, c.limits.syn_tolerance_ns);
         assert_eq!(terms(policy(50, 10).config()), (20_000_000, 200_000_000));
         assert_eq!(terms(policy(3, 1).config()), (333_333_333, 333_333_333));
         assert_eq!(terms(policy(1_000_000_000, 0).config()), (1, 1));

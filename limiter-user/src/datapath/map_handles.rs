@@ -9,13 +9,17 @@ use aya::{
 };
 use ipnet::IpNet;
 use limiter_common::{
-    Ban, Blocked, Config, Direction, Event, Flow, FlowKey, HalfOpen, Reason, SOURCE_RETIRED,
-    SourceKey, SourceLimits, SynBucket, Verdict, map_names, stats::stat_slot, syn_cookies,
+    Ban, Blocked, Config, Direction, Event, Flow, FlowKey, HalfOpen, Limits, PROFILE_SLOTS,
+    Profile, ProfileSource, Reason, SOURCE_RETIRED, SourceKey, SourceLimits, SynBucket, Verdict,
+    map_names,
+    profile::{PROFILE_NAME_BYTES, refusal_slot},
+    stats::stat_slot,
+    syn_cookies,
 };
 use thiserror::Error;
 
 use super::{
-    CookieMode, CookieTerms, Policy,
+    CookieMode, CookieTerms, Policy, TOP_LEVEL_PROFILE,
     kernel_keys::{boot_time_ns, bucket_seed, source_key},
     mmap_array::MmapArray,
     pins,
@@ -51,6 +55,8 @@ pub enum MapsError {
         #[source]
         source: nix::Error,
     },
+    #[error("{wanted} profiles do not fit the {} slots of map PROFILES", PROFILE_SLOTS - 1)]
+    TooManyProfiles { wanted: usize },
 }
 
 pub(super) fn map_error(name: &'static str) -> impl FnOnce(MapError) -> MapsError {
@@ -176,9 +182,10 @@ where
 pub struct Maps {
     config: Array<MapData, Config>,
     ports: Array<MapData, u8>,
+    profiles: Array<MapData, Profile>,
     pub(super) flows: HashMap<MapData, FlowKey, Flow>,
     pub(super) half_open: HashMap<MapData, FlowKey, HalfOpen>,
-    source_conns: HashMap<MapData, SourceKey, u64>,
+    source_conns: HashMap<MapData, ProfileSource, u64>,
     global_conns: Array<MapData, u64>,
     conn_rate: Array<MapData, u64>,
     syn_buckets: Array<MapData, SynBucket>,
@@ -190,9 +197,10 @@ pub struct Maps {
     events: PerCpuArray<MapData, u64>,
     blocked: HashMap<MapData, SourceKey, Blocked>,
     refused_conns: PerCpuArray<MapData, u64>,
-    /// The ports this handle last wrote: the port table is 64 Ki entries, so it is compared
-    /// with the kernel's only when the wanted set changes, not on every list change.
-    ports_written: Option<Vec<u16>>,
+    /// The port bytes this handle last wrote (port, profile slot + 1): the port table is
+    /// 64 Ki entries, so it is compared with the kernel's only when the wanted set changes,
+    /// not on every list change.
+    ports_written: Option<Vec<(u16, u8)>>,
     /// What a cookie's SYN-ACK may offer on this host (see `host_tcp`), once an interface
     /// is attached.
     cookie_terms: CookieTerms,
@@ -236,6 +244,7 @@ impl Maps {
         Ok(Self {
             config: found(CONFIG).typed()?,
             ports: found(PORTS).typed()?,
+            profiles: found(PROFILES).typed()?,
             flows: found(FLOWS).typed()?,
             half_open: found(HALF_OPEN).typed()?,
             source_conns: found(SOURCE_CONNS).typed()?,
@@ -268,12 +277,31 @@ impl Maps {
         })
     }
 
-    /// Applies a policy to the live maps. Lists and ports go in before the config that tells
-    /// the programs to consult them, so no packet sees a half-written policy.
+    /// Applies a policy to the live maps. Profiles, lists and ports go in before the config
+    /// that tells the programs to consult them, and a profile's slot is emptied only once no
+    /// port points at it, so no packet sees a half-written policy.
     pub fn apply(&mut self, policy: &Policy) -> Result<(), MapsError> {
-        if self.ports_written.as_ref() != Some(&policy.ports) {
-            self.write_ports(&policy.ports)?;
-            self.ports_written = Some(policy.ports.clone());
+        let held = self.profile_slots()?;
+        let slots = assign_slots(&held, policy)?;
+        for (profile, slot) in policy.profiles.iter().zip(&slots) {
+            let mut entry = Profile {
+                limits: profile.limits,
+                name: [0; PROFILE_NAME_BYTES],
+            };
+            let name = profile.name.as_bytes();
+            entry.name[..name.len().min(PROFILE_NAME_BYTES)]
+                .copy_from_slice(&name[..name.len().min(PROFILE_NAME_BYTES)]);
+            self.profiles
+                .set(*slot, entry, 0)
+                .map_err(map_error(map_names::PROFILES))?;
+        }
+        let mut bytes: Vec<(u16, u8)> = policy.ports.iter().map(|port| (*port, 1)).collect();
+        for (profile, slot) in policy.profiles.iter().zip(&slots) {
+            bytes.extend(profile.ports.iter().map(|port| (*port, *slot as u8 + 1)));
+        }
+        if self.ports_written.as_ref() != Some(&bytes) {
+            self.write_ports(&bytes)?;
+            self.ports_written = Some(bytes);
         }
         self.allow.sync_list(&policy.allow)?;
         self.deny.sync_list(&policy.deny)?;
@@ -294,7 +322,73 @@ impl Maps {
             CookieMode::Auto { .. } => self.auto_cookies,
             CookieMode::Always => syn_cookies::ANSWER | syn_cookies::CHECK,
         };
-        self.write_config(config)
+        self.write_config(config)?;
+        // Slots no profile holds any more: their last connections close with no limit, and
+        // the slot is free for a new profile.
+        for (slot, _, _) in held {
+            if !slots.contains(&slot) {
+                self.profiles
+                    .set(slot, Profile::EMPTY, 0)
+                    .map_err(map_error(map_names::PROFILES))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The profiles the maps hold: (slot, name, limits) of each slot with a name.
+    pub fn profile_slots(&self) -> Result<Vec<(u32, String, Limits)>, MapsError> {
+        let mut out = Vec::new();
+        for slot in 1..PROFILE_SLOTS {
+            let profile = self
+                .profiles
+                .get(&slot, 0)
+                .map_err(map_error(map_names::PROFILES))?;
+            let len = profile
+                .name
+                .iter()
+                .position(|b| *b == 0)
+                .unwrap_or(PROFILE_NAME_BYTES);
+            if len > 0 {
+                let name = String::from_utf8_lossy(&profile.name[..len]).into_owned();
+                out.push((slot, name, profile.limits));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Each profile slot's name where counts are named (metrics, status): the top level's
+    /// [`TOP_LEVEL_PROFILE`] for slot 0, then every profile the maps hold.
+    pub fn profile_labels(&self) -> Result<Vec<(u32, String)>, MapsError> {
+        let mut out = vec![(0, TOP_LEVEL_PROFILE.to_owned())];
+        out.extend(
+            self.profile_slots()?
+                .into_iter()
+                .map(|(slot, name, _)| (slot, name)),
+        );
+        Ok(out)
+    }
+
+    /// Each protected port's profile slot, as the port table holds it (0, the top level's,
+    /// for a port protected at the top level): as this handle wrote it, else read from the
+    /// map (pinned maps, with no agent), a lookup per port.
+    pub fn port_slots(&self) -> Result<Vec<(u16, u32)>, MapsError> {
+        if let Some(written) = &self.ports_written {
+            return Ok(written
+                .iter()
+                .map(|(port, byte)| (*port, u32::from(*byte) - 1))
+                .collect());
+        }
+        let mut out = Vec::new();
+        for port in 0..=u16::MAX {
+            let byte = self
+                .ports
+                .get(&u32::from(port), 0)
+                .map_err(map_error(map_names::PORTS))?;
+            if byte != 0 {
+                out.push((port, u32::from(byte) - 1));
+            }
+        }
+        Ok(out)
     }
 
     /// Writes the config with the cookie terms this handle holds.
@@ -330,11 +424,12 @@ impl Maps {
         Ok(())
     }
 
-    /// Makes the kernel's port table hold exactly `ports`, writing only what differs.
-    fn write_ports(&mut self, ports: &[u16]) -> Result<(), MapsError> {
+    /// Makes the kernel's port table hold exactly `ports` (port, byte), writing only what
+    /// differs.
+    fn write_ports(&mut self, ports: &[(u16, u8)]) -> Result<(), MapsError> {
         let mut wanted = [0u8; 65_536];
-        for port in ports {
-            wanted[*port as usize] = 1;
+        for (port, byte) in ports {
+            wanted[*port as usize] = *byte;
         }
         for (port, want) in wanted.iter().enumerate() {
             let port = port as u32;
@@ -450,18 +545,28 @@ impl Maps {
             .sum())
     }
 
-    /// Open connections to the host, as the kernel counts them.
+    /// Open connections to the host, as the kernel counts them, every profile's together.
     pub fn global_connections(&self) -> Result<u64, MapsError> {
-        self.global_conns
-            .get(&0, 0)
-            .map_err(map_error(map_names::GLOBAL_CONNS))
+        Ok(self.profile_connections()?.iter().sum())
     }
 
-    /// The connection rate's theoretical arrival time of the next connection (rate clock ns;
-    /// 0 before the first), as the programs left it.
-    pub fn connection_rate_tat(&self) -> Result<u64, MapsError> {
+    /// Open connections per profile slot, as the kernel counts them.
+    pub fn profile_connections(&self) -> Result<[u64; PROFILE_SLOTS as usize], MapsError> {
+        let mut out = [0; PROFILE_SLOTS as usize];
+        for (slot, count) in (0..).zip(out.iter_mut()) {
+            *count = self
+                .global_conns
+                .get(&slot, 0)
+                .map_err(map_error(map_names::GLOBAL_CONNS))?;
+        }
+        Ok(out)
+    }
+
+    /// A profile slot's connection rate: the theoretical arrival time of its next connection
+    /// (rate clock ns; 0 before the first), as the programs left it.
+    pub fn connection_rate_tat(&self, profile: u32) -> Result<u64, MapsError> {
         self.conn_rate
-            .get(&0, 0)
+            .get(&profile, 0)
             .map_err(map_error(map_names::CONN_RATE))
     }
 
@@ -470,9 +575,18 @@ impl Maps {
         self.overrides.entries()
     }
 
-    /// Open connections of one source (`addr` masked with the live prefix).
+    /// Open connections of one source (`addr` masked with the live prefix), in every profile.
     pub fn source_connections(&self, addr: IpAddr) -> Result<u64, MapsError> {
-        let key = source_key(addr, &self.config()?);
+        let mut total = 0;
+        for profile in 0..PROFILE_SLOTS {
+            total += self.source_connections_in(addr, profile)?;
+        }
+        Ok(total)
+    }
+
+    /// Open connections of one source in one profile slot.
+    pub fn source_connections_in(&self, addr: IpAddr, profile: u32) -> Result<u64, MapsError> {
+        let key = ProfileSource::new(source_key(addr, &self.config()?), profile);
         match self.source_conns.get(&key, 0) {
             Ok(n) if n & SOURCE_RETIRED != 0 => Ok(0),
             Ok(n) => Ok(n),
@@ -481,9 +595,9 @@ impl Maps {
         }
     }
 
-    /// Every source's open connections (an entry the kernel is removing, at zero, is left
-    /// out).
-    pub fn all_source_connections(&self) -> Result<Vec<(SourceKey, u64)>, MapsError> {
+    /// Every source's open connections, by profile slot (an entry the kernel is removing, at
+    /// zero, is left out).
+    pub fn all_source_connections(&self) -> Result<Vec<(ProfileSource, u64)>, MapsError> {
         self.source_conns
             .iter()
             .filter(|entry| {
@@ -510,15 +624,26 @@ impl Maps {
             .collect()
     }
 
-    /// Refused connection attempts of one refusal reason, summed over CPUs (0 for a reason
-    /// that is not a refusal).
+    /// Refused connection attempts of one refusal reason, every profile's, summed over CPUs
+    /// (0 for a reason that is not a refusal).
     pub fn refused_connections(&self, reason: Reason) -> Result<u64, MapsError> {
-        let Some(slot) = reason.blocked_slot() else {
+        let mut total = 0;
+        for profile in 0..PROFILE_SLOTS {
+            total += self.refusals_in(profile, false, reason)?;
+        }
+        Ok(total)
+    }
+
+    /// In one profile slot: refused connection attempts of one refusal reason, or with
+    /// `would` the packets monitor mode let through that enforce mode would have refused for
+    /// it, summed over CPUs.
+    pub fn refusals_in(&self, profile: u32, would: bool, reason: Reason) -> Result<u64, MapsError> {
+        let Some(slot) = refusal_slot(profile, would, reason) else {
             return Ok(0);
         };
         Ok(self
             .refused_conns
-            .get(&(slot as u32), 0)
+            .get(&slot, 0)
             .map_err(map_error(map_names::REFUSED_CONNS))?
             .iter()
             .sum())
@@ -598,4 +723,40 @@ impl Maps {
         }
         Ok(n)
     }
+}
+
+/// The slot of each of `policy`'s profiles, in order: the slot the maps hold its name in
+/// (`held`), so that its connections' counts stay where they are across reloads and restarts;
+/// else the lowest slot held by no name, or failing that one whose profile is gone.
+fn assign_slots(held: &[(u32, String, Limits)], policy: &Policy) -> Result<Vec<u32>, MapsError> {
+    let kept = |name: &str| {
+        held.iter()
+            .find(|(_, n, _)| n == name)
+            .map(|(slot, _, _)| *slot)
+    };
+    let mut taken: Vec<u32> = policy
+        .profiles
+        .iter()
+        .filter_map(|p| kept(&p.name))
+        .collect();
+    let named: Vec<u32> = held.iter().map(|(slot, _, _)| *slot).collect();
+    let mut out = Vec::with_capacity(policy.profiles.len());
+    for profile in &policy.profiles {
+        let slot = match kept(&profile.name) {
+            Some(slot) => slot,
+            None => {
+                let free = |slot: &u32| !taken.contains(slot);
+                let slot = (1..PROFILE_SLOTS)
+                    .find(|slot| free(slot) && !named.contains(slot))
+                    .or_else(|| (1..PROFILE_SLOTS).find(free))
+                    .ok_or(MapsError::TooManyProfiles {
+                        wanted: policy.profiles.len(),
+                    })?;
+                taken.push(slot);
+                slot
+            }
+        };
+        out.push(slot);
+    }
+    Ok(out)
 }

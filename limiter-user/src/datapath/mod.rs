@@ -23,7 +23,7 @@ mod walk;
 pub use enforcer::{CookieStatus, EnforceError, Enforcer, Lists};
 pub use helpers::Adoption;
 pub use host_tcp::{CookieTerms, HostTcp, HostTcpError};
-pub use kernel_policy::{CookieMode, Policy, SourceOverride};
+pub use kernel_policy::{CookieMode, Policy, PortProfile, SourceOverride, TOP_LEVEL_PROFILE};
 pub use loader::{
     Attachment, Datapath, EBPF_OBJECT, KernelLogger, LoadError, LoadOptions, TcPath, XdpAttachMode,
 };

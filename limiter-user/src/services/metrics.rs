@@ -141,7 +141,7 @@ struct Kernel {
     packets: IntCounterVec,
     refused_connections: IntCounterVec,
     events: IntCounterVec,
-    connections: IntGauge,
+    connections: IntGaugeVec,
     tracked_sources: IntGauge,
     flow_entries: IntGauge,
     flow_capacity: IntGauge,
@@ -173,9 +173,9 @@ impl KernelMetrics {
             refused_connections: IntCounterVec::new(
                 Opts::new(
                     "limiter_refused_connections_total",
-                    "Connection attempts the kernel refused, by reason: a refused SYN counts once however often it is retransmitted, and a handshake refused at its ACK counts once.",
+                    "Connection attempts the kernel refused, by reason and port profile (\"default\": the top level's ports): a refused SYN counts once however often it is retransmitted, and a handshake refused at its ACK counts once.",
                 ),
-                &["reason"],
+                &["reason", "profile"],
             )
             .map_err(r)?,
             events: IntCounterVec::new(
@@ -186,10 +186,14 @@ impl KernelMetrics {
                 &["event"],
             )
             .map_err(r)?,
-            connections: gauge(
-                "limiter_connections",
-                "Open connections to the host, as the kernel counts them.",
-            )?,
+            connections: IntGaugeVec::new(
+                Opts::new(
+                    "limiter_connections",
+                    "Open connections to the host, as the kernel counts them, by port profile (\"default\": the top level's ports).",
+                ),
+                &["profile"],
+            )
+            .map_err(r)?,
             tracked_sources: gauge(
                 "limiter_tracked_sources",
                 "Sources (addresses masked to their prefix) holding at least one connection.",
@@ -228,10 +232,14 @@ impl KernelMetrics {
     fn fill(&self, k: &Kernel) -> Result<(), MapsError> {
         let enforcer = &self.enforcer;
         let config = enforcer.with_maps(|m| m.config())?;
+        let monitoring = config.limits.monitor != 0
+            || enforcer
+                .with_maps(|m| m.profile_slots())?
+                .iter()
+                .any(|(_, _, limits)| limits.monitor != 0);
         // Monitor mode's series only once it has run, so an enforcing host's do not grow.
-        let monitored = |c: &PacketCount| {
-            c.verdict != Verdict::WouldRefuse || config.monitor != 0 || c.packets > 0
-        };
+        let monitored =
+            |c: &PacketCount| c.verdict != Verdict::WouldRefuse || monitoring || c.packets > 0;
         for count in enforcer
             .with_maps(|m| m.packet_counts())?
             .into_iter()
@@ -245,18 +253,23 @@ impl KernelMetrics {
                 ])
                 .inc_by(count.packets);
         }
-        for &reason in &Reason::ALL[..Reason::REFUSAL_COUNT] {
-            let n = enforcer.with_maps(|m| m.refused_connections(reason))?;
-            k.refused_connections
-                .with_label_values(&[reason.label()])
-                .inc_by(n);
+        let profiles = enforcer.with_maps(|m| m.profile_labels())?;
+        let connections = enforcer.with_maps(|m| m.profile_connections())?;
+        for (slot, profile) in &profiles {
+            for &reason in &Reason::ALL[..Reason::REFUSAL_COUNT] {
+                let n = enforcer.with_maps(|m| m.refusals_in(*slot, false, reason))?;
+                k.refused_connections
+                    .with_label_values(&[reason.label(), profile])
+                    .inc_by(n);
+            }
+            k.connections
+                .with_label_values(&[profile])
+                .set(gauge_value(connections[*slot as usize]));
         }
         for event in Event::ALL {
             let n = enforcer.with_maps(|m| m.events(event))?;
             k.events.with_label_values(&[event.label()]).inc_by(n);
         }
-        k.connections
-            .set(gauge_value(enforcer.with_maps(|m| m.global_connections())?));
         let sources = enforcer.with_maps(|m| m.all_source_connections())?;
         k.tracked_sources.set(gauge_value(
             sources.iter().filter(|(_, n)| *n > 0).count() as u64
@@ -302,6 +315,7 @@ impl Scraped for KernelMetrics {
         let k = &self.families;
         k.packets.reset();
         k.refused_connections.reset();
+        k.connections.reset();
         k.events.reset();
         k.cookie_switches.reset();
         let readable = match self.fill(k) {
@@ -549,9 +563,6 @@ struct MonitorMetrics {
     would_refuse: IntCounterVec,
 }
 
-/// The kernel's top-level limits, as a profile label (the per-port profiles will name theirs).
-const KERNEL_PROFILE: &str = "default";
-
 impl MonitorMetrics {
     fn new(enforcer: Option<Arc<Enforcer>>, limiter: Arc<Limiter>) -> Result<Self, MetricsError> {
         let would_refuse = IntCounterVec::new(
@@ -569,21 +580,29 @@ impl MonitorMetrics {
         })
     }
 
+    /// The kernel's series, per port profile: a profile's appear once it monitors or has.
     fn fill_kernel(&self, enforcer: &Enforcer) -> Result<(), MapsError> {
-        let monitoring = enforcer.with_maps(|m| m.config())?.monitor != 0;
-        let counts = enforcer.with_maps(|m| m.packet_counts())?;
-        let monitored: Vec<_> = counts
-            .iter()
-            .filter(|c| c.verdict == Verdict::WouldRefuse && c.direction == Direction::Ingress)
-            .collect();
-        if monitoring || monitored.iter().any(|c| c.packets > 0) {
-            for count in monitored
-                .into_iter()
-                .filter(|c| possible(c.direction, c.verdict, c.reason))
-            {
-                self.would_refuse
-                    .with_label_values(&[count.reason.label(), KERNEL_PROFILE])
-                    .inc_by(count.packets);
+        let config = enforcer.with_maps(|m| m.config())?;
+        let slots = enforcer.with_maps(|m| m.profile_slots())?;
+        for (slot, profile) in enforcer.with_maps(|m| m.profile_labels())? {
+            let monitoring = if slot == 0 {
+                config.limits.monitor != 0
+            } else {
+                slots
+                    .iter()
+                    .any(|(s, _, limits)| *s == slot && limits.monitor != 0)
+            };
+            let mut counts = Vec::with_capacity(Reason::REFUSAL_COUNT);
+            for &reason in &Reason::ALL[..Reason::REFUSAL_COUNT] {
+                let n = enforcer.with_maps(|m| m.refusals_in(slot, true, reason))?;
+                counts.push((reason, n));
+            }
+            if monitoring || counts.iter().any(|(_, n)| *n > 0) {
+                for (reason, n) in counts {
+                    self.would_refuse
+                        .with_label_values(&[reason.label(), &profile])
+                        .inc_by(n);
+                }
             }
         }
         Ok(())

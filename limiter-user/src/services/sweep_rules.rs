@@ -6,7 +6,7 @@
 use std::{collections::HashMap, net::Ipv6Addr, time::Duration};
 
 use ipnet::IpNet;
-use limiter_common::{AdjustRequest, FlowKey, SourceKey};
+use limiter_common::{AdjustRequest, FlowKey, ProfileSource};
 
 use crate::{
     datapath::{Adoption, local_routes::LocalAddresses},
@@ -62,20 +62,21 @@ fn older_than(now: u64, then: u64, age: Duration) -> bool {
 }
 
 /// Whether an established connection is worth a run of the adoption helper. The kernel
-/// checks the port and the allowlist again; checked here too, so that a busy unprotected
-/// service or many allowlisted clients cost no helper run per pass. `came_in` is asked last,
-/// and only of a connection that passed every other test, since it may cost a route lookup.
+/// checks the port and the allowlist again; checked here too (`protects`: whether a local
+/// port is protected), so that a busy unprotected service or many allowlisted clients cost no
+/// helper run per pass. `came_in` is asked last, and only of a connection that passed every
+/// other test, since it may cost a route lookup.
 pub fn adoption_candidate(
     flow: &FlowKey,
     known: bool,
-    ports: &[u16],
+    protects: impl FnOnce(u16) -> bool,
     allow: &[IpNet],
     came_in: impl FnOnce(&FlowKey) -> bool,
 ) -> bool {
     let remote = Ipv6Addr::from(flow.remote).to_canonical();
-    let counted = (ports.is_empty() || ports.contains(&flow.local_port))
-        && !allow.iter().any(|net| net.contains(&remote));
-    !known && counted && came_in(flow)
+    let counted =
+        !known && protects(flow.local_port) && !allow.iter().any(|net| net.contains(&remote));
+    counted && came_in(flow)
 }
 
 /// Whether a connection came in through the programs from another host. One between two of
@@ -104,8 +105,13 @@ pub fn destroys(adoption: Adoption, settled: bool, monitoring: bool) -> bool {
     adoption == Adoption::OverCap && settled && !monitoring
 }
 
-/// A connection counter: a source's (`Some`) or the global one (`None`).
-pub type Counter = Option<SourceKey>;
+/// A connection counter: a source's in a profile, or a profile's global one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Counter {
+    Source(ProfileSource),
+    /// The profile slot's.
+    Global(u32),
+}
 
 /// A counter that disagreed with the flow table: (counter read, flows counted).
 pub type Mismatch = (u64, u64);
@@ -118,7 +124,7 @@ pub struct Reconciliation {
     /// Counters to set to what the flow table holds.
     pub repairs: Vec<Repair>,
     /// Sources whose counter reads 0: their entries hold nothing and can go.
-    pub idle_sources: Vec<SourceKey>,
+    pub idle_sources: Vec<ProfileSource>,
 }
 
 /// One counter to repair.
@@ -139,10 +145,13 @@ pub struct Repair {
 pub fn reconcile(
     start: &HashMap<Counter, u64>,
     end: &HashMap<Counter, u64>,
-    tally: &HashMap<SourceKey, u64>,
+    tally: &HashMap<ProfileSource, u64>,
     suspects: &HashMap<Counter, Mismatch>,
 ) -> Reconciliation {
-    let total: u64 = tally.values().sum();
+    let mut totals: HashMap<u32, u64> = HashMap::new();
+    for (counted, n) in tally {
+        *totals.entry(counted.profile).or_default() += n;
+    }
     let mut seen: HashMap<Counter, Mismatch> = HashMap::new();
     let mut judge = |who: Counter, count: u64, counted: u64| {
         let stable = start.get(&who).copied().unwrap_or(0) == count;
@@ -152,20 +161,23 @@ pub fn reconcile(
     };
     for (who, count) in end {
         let counted = match who {
-            Some(source) => tally.get(source).copied().unwrap_or(0),
-            None => total,
+            Counter::Source(source) => tally.get(source).copied().unwrap_or(0),
+            Counter::Global(profile) => totals.get(profile).copied().unwrap_or(0),
         };
         judge(*who, *count, counted);
     }
     // A source with flows and no counter entry reads 0.
     for (source, counted) in tally {
-        if !end.contains_key(&Some(*source)) {
-            judge(Some(*source), 0, *counted);
+        if !end.contains_key(&Counter::Source(*source)) {
+            judge(Counter::Source(*source), 0, *counted);
         }
     }
     let idle_sources = end
         .iter()
-        .filter_map(|(who, count)| who.filter(|_| *count == 0))
+        .filter_map(|(who, count)| match who {
+            Counter::Source(source) if *count == 0 => Some(*source),
+            _ => None,
+        })
         .collect();
     let repairs = seen
         .iter()
@@ -174,11 +186,13 @@ pub fn reconcile(
             who: *who,
             count,
             counted,
-            request: AdjustRequest {
-                source: who.unwrap_or(SourceKey { addr: [0; 16] }),
-                delta: counted as i64 - count as i64,
-                global: who.is_none().into(),
-                _pad: 0,
+            request: match who {
+                Counter::Source(source) => {
+                    AdjustRequest::source(source, counted as i64 - count as i64)
+                }
+                Counter::Global(profile) => {
+                    AdjustRequest::global(*profile, counted as i64 - count as i64)
+                }
             },
         })
         .collect();
@@ -274,28 +288,27 @@ mod tests {
         assert!(adoption_candidate(
             &flow(other, 5672),
             false,
-            &ports,
+            |p| ports.contains(&p),
             &allow,
             yes
         ));
+        let protects = |p| ports.contains(&p);
         assert!(
-            !adoption_candidate(&flow(other, 5672), true, &ports, &allow, yes),
+            !adoption_candidate(&flow(other, 5672), true, protects, &allow, yes),
             "known"
         );
         assert!(
-            !adoption_candidate(&flow(other, 80), false, &ports, &allow, yes),
+            !adoption_candidate(&flow(other, 80), false, protects, &allow, yes),
             "port"
         );
         assert!(
-            !adoption_candidate(&flow(client, 5672), false, &ports, &allow, yes),
+            !adoption_candidate(&flow(client, 5672), false, protects, &allow, yes),
             "allowed"
         );
         assert!(
-            !adoption_candidate(&flow(other, 5672), false, &ports, &allow, no),
+            !adoption_candidate(&flow(other, 5672), false, protects, &allow, no),
             "local"
         );
-        // No port list protects every port.
-        assert!(adoption_candidate(&flow(other, 80), false, &[], &[], yes));
     }
 
     #[test]
@@ -309,14 +322,14 @@ mod tests {
         assert!(!adoption_candidate(
             &flow(other, 5672),
             true,
-            &[],
+            |_| true,
             &[],
             came_in
         ));
         assert!(!adoption_candidate(
             &flow(other, 80),
             false,
-            &[5672],
+            |p| p == 5672,
             &[],
             came_in
         ));
@@ -324,7 +337,7 @@ mod tests {
         assert!(adoption_candidate(
             &flow(other, 5672),
             false,
-            &[5672],
+            |p| p == 5672,
             &[],
             came_in
         ));
@@ -431,10 +444,13 @@ mod tests {
         assert!(!destroys(Adoption::OverCap, true, true), "monitor mode");
     }
 
-    fn source(last: u8) -> SourceKey {
-        SourceKey {
-            addr: mapped(IpAddr::V4(Ipv4Addr::new(192, 0, 2, last))).octets(),
-        }
+    fn source(last: u8) -> ProfileSource {
+        in_profile(last, 0)
+    }
+
+    fn in_profile(last: u8, profile: u32) -> ProfileSource {
+        let addr = mapped(IpAddr::V4(Ipv4Addr::new(192, 0, 2, last))).octets();
+        ProfileSource::new(limiter_common::SourceKey { addr }, profile)
     }
 
     fn counters(entries: &[(Counter, u64)]) -> HashMap<Counter, u64> {
@@ -445,13 +461,17 @@ mod tests {
     fn a_mismatch_seen_once_is_a_suspect_and_seen_twice_is_repaired() {
         let (a, b) = (source(1), source(2));
         // `a` reads 5 for 3 flows, the global 9 for 4 flows.
-        let read = counters(&[(Some(a), 5), (Some(b), 1), (None, 9)]);
+        let read = counters(&[
+            (Counter::Source(a), 5),
+            (Counter::Source(b), 1),
+            (Counter::Global(0), 9),
+        ]);
         let tally = HashMap::from([(a, 3), (b, 1)]);
         let first = reconcile(&read, &read, &tally, &HashMap::new());
         assert_eq!(first.repairs, vec![]);
         assert_eq!(
             first.seen,
-            HashMap::from([(Some(a), (5, 3)), (None, (9, 4))])
+            HashMap::from([(Counter::Source(a), (5, 3)), (Counter::Global(0), (9, 4))])
         );
         let second = reconcile(&read, &read, &tally, &first.seen);
         let mut repairs: Vec<_> = second
@@ -459,30 +479,37 @@ mod tests {
             .iter()
             .map(|r| (r.who, r.request.delta, r.request.global))
             .collect();
-        repairs.sort_by_key(|(who, ..)| who.is_none());
-        assert_eq!(repairs, vec![(Some(a), -2, 0), (None, -5, 1)]);
-        let of_a = second.repairs.iter().find(|r| r.who == Some(a)).unwrap();
-        assert_eq!(of_a.request.source, a);
+        repairs.sort_by_key(|(who, ..)| matches!(who, Counter::Global(_)));
+        assert_eq!(
+            repairs,
+            vec![(Counter::Source(a), -2, 0), (Counter::Global(0), -5, 1)]
+        );
+        let of_a = second
+            .repairs
+            .iter()
+            .find(|r| r.who == Counter::Source(a))
+            .unwrap();
+        assert_eq!((of_a.request.source, of_a.request.profile), (a.source, 0));
     }
 
     #[test]
     fn a_different_mismatch_the_cycle_before_is_not_repaired() {
         let a = source(1);
-        let read = counters(&[(Some(a), 5), (None, 3)]);
+        let read = counters(&[(Counter::Source(a), 5), (Counter::Global(0), 3)]);
         let tally = HashMap::from([(a, 3)]);
-        let suspects = HashMap::from([(Some(a), (4, 3))]);
+        let suspects = HashMap::from([(Counter::Source(a), (4, 3))]);
         let result = reconcile(&read, &read, &tally, &suspects);
         assert_eq!(result.repairs, vec![]);
-        assert_eq!(result.seen, HashMap::from([(Some(a), (5, 3))]));
+        assert_eq!(result.seen, HashMap::from([(Counter::Source(a), (5, 3))]));
     }
 
     #[test]
     fn a_counter_that_moved_during_the_cycle_is_not_judged() {
         let a = source(1);
-        let start = counters(&[(Some(a), 4), (None, 4)]);
-        let end = counters(&[(Some(a), 5), (None, 5)]);
+        let start = counters(&[(Counter::Source(a), 4), (Counter::Global(0), 4)]);
+        let end = counters(&[(Counter::Source(a), 5), (Counter::Global(0), 5)]);
         let tally = HashMap::from([(a, 3)]);
-        let suspects = HashMap::from([(Some(a), (5, 3)), (None, (5, 3))]);
+        let suspects = HashMap::from([(Counter::Source(a), (5, 3)), (Counter::Global(0), (5, 3))]);
         let result = reconcile(&start, &end, &tally, &suspects);
         assert_eq!(result, Reconciliation::default());
     }
@@ -490,10 +517,10 @@ mod tests {
     #[test]
     fn flows_of_a_source_without_a_counter_are_a_mismatch_against_zero() {
         let a = source(1);
-        let read = counters(&[(None, 2)]);
+        let read = counters(&[(Counter::Global(0), 2)]);
         let tally = HashMap::from([(a, 2)]);
         let first = reconcile(&read, &read, &tally, &HashMap::new());
-        assert_eq!(first.seen, HashMap::from([(Some(a), (0, 2))]));
+        assert_eq!(first.seen, HashMap::from([(Counter::Source(a), (0, 2))]));
         let second = reconcile(&read, &read, &tally, &first.seen);
         assert_eq!(second.repairs.len(), 1);
         assert_eq!(second.repairs[0].request.delta, 2);
@@ -502,10 +529,37 @@ mod tests {
     #[test]
     fn a_counter_that_agrees_is_left_alone_and_a_zero_one_is_idle() {
         let (a, b) = (source(1), source(2));
-        let read = counters(&[(Some(a), 2), (Some(b), 0), (None, 2)]);
+        let read = counters(&[
+            (Counter::Source(a), 2),
+            (Counter::Source(b), 0),
+            (Counter::Global(0), 2),
+        ]);
         let tally = HashMap::from([(a, 2)]);
         let result = reconcile(&read, &read, &tally, &HashMap::new());
         assert_eq!(result.seen, HashMap::new());
         assert_eq!(result.idle_sources, vec![b]);
+    }
+
+    #[test]
+    fn each_profile_is_reconciled_with_its_own_flows() {
+        // The same address in two profiles: two counters, and each profile's global count is
+        // its own flows'.
+        let (a, a2) = (in_profile(1, 0), in_profile(1, 2));
+        let read = counters(&[
+            (Counter::Source(a), 1),
+            (Counter::Source(a2), 3),
+            (Counter::Global(0), 1),
+            (Counter::Global(2), 2),
+        ]);
+        let tally = HashMap::from([(a, 1), (a2, 2)]);
+        let first = reconcile(&read, &read, &tally, &HashMap::new());
+        assert_eq!(
+            first.seen,
+            HashMap::from([(Counter::Source(a2), (3, 2))]),
+            "profile 2's global count agrees with its two flows"
+        );
+        let second = reconcile(&read, &read, &tally, &first.seen);
+        let repair = &second.repairs[0].request;
+        assert_eq!((repair.profile, repair.delta, repair.global), (2, -1, 0));
     }
 }

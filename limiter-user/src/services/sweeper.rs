@@ -9,7 +9,7 @@ use std::{
     time::Instant,
 };
 
-use limiter_common::{FlowKey, SourceKey};
+use limiter_common::{FlowKey, PROFILE_SLOTS, ProfileSource};
 use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, Opts};
 
 use super::sweep_rules::{self, Counter, Mismatch, Release, SocketView};
@@ -110,8 +110,8 @@ pub struct PassReport {
 #[derive(Default)]
 pub struct Sweeper {
     cursor: SweepCursor,
-    /// Flows per source counted so far in this cycle over the flow table.
-    tally: HashMap<SourceKey, u64>,
+    /// Flows per source and profile counted so far in this cycle over the flow table.
+    tally: HashMap<ProfileSource, u64>,
     /// The counters as they read when this cycle began; `None` until a cycle has begun at the
     /// table's start, since a tally that starts mid-table counts only part of it.
     cycle_start: Option<HashMap<Counter, u64>>,
@@ -196,7 +196,7 @@ impl Sweeper {
                 // drift and, seen twice, be "repaired" into it.
                 None => {
                     if self.tracked.insert(*key) {
-                        *self.tally.entry(flow.source).or_default() += 1;
+                        *self.tally.entry(flow.counted).or_default() += 1;
                     }
                 }
             }
@@ -257,7 +257,8 @@ impl Sweeper {
             let known = self.tracked.contains(flow)
                 || self.tracked_before.contains(flow)
                 || self.checked.contains(flow);
-            if !sweep_rules::adoption_candidate(flow, known, &policy.ports, &policy.allow, |f| {
+            let protects = |port| policy.protects(port);
+            if !sweep_rules::adoption_candidate(flow, known, protects, &policy.allow, |f| {
                 host.get_or_insert_with(|| HostRoutes::read(&self.interfaces))
                     .came_in(f)
             }) {
@@ -269,7 +270,11 @@ impl Sweeper {
                 continue;
             }
             adopted += 1;
-            if sweep_rules::destroys(adoption, self.settled, policy.limits.monitor != 0) {
+            // Monitored as its port's profile is.
+            let monitoring = policy
+                .limits_of(flow.local_port)
+                .is_some_and(|limits| limits.monitor != 0);
+            if sweep_rules::destroys(adoption, self.settled, monitoring) {
                 let remote = std::net::Ipv6Addr::from(flow.remote).to_canonical();
                 match sockets.destroy(flow) {
                     Ok(()) => {
@@ -305,7 +310,21 @@ impl Sweeper {
         for repair in &verdict.repairs {
             enforcer.datapath().adjust(&repair.request)?;
             let (count, counted) = (repair.count, repair.counted);
-            tracing::warn!(source = ?repair.who.map(|s| crate::datapath::kernel_keys::key_address(&s)), count, counted, "repaired a drifted connection counter");
+            match repair.who {
+                Counter::Source(counted_as) => {
+                    let source = crate::datapath::kernel_keys::key_address(&counted_as.source);
+                    let profile = counted_as.profile;
+                    tracing::warn!(%source, profile, count, counted, "repaired a drifted connection counter");
+                }
+                Counter::Global(profile) => {
+                    tracing::warn!(
+                        profile,
+                        count,
+                        counted,
+                        "repaired a drifted global connection counter"
+                    );
+                }
+            }
         }
         self.suspects = verdict.seen;
         Ok(verdict.repairs.len() as u64)
@@ -368,14 +387,19 @@ impl HostRoutes {
     }
 }
 
-/// Every connection counter, the global one under `None`.
+/// Every connection counter: each source's in each profile, and each profile's global one.
 fn counters(enforcer: &Enforcer) -> Result<HashMap<Counter, u64>, EnforceError> {
     let mut out: HashMap<Counter, u64> = enforcer
         .with_maps(|m| m.all_source_connections())?
         .into_iter()
-        .map(|(source, n)| (Some(source), n))
+        .map(|(source, n)| (Counter::Source(source), n))
         .collect();
-    out.insert(None, enforcer.with_maps(|m| m.global_connections())?);
+    let globals = enforcer.with_maps(|m| m.profile_connections())?;
+    out.extend(
+        (0..PROFILE_SLOTS)
+            .zip(globals)
+            .map(|(slot, n)| (Counter::Global(slot), n)),
+    );
     Ok(out)
 }
 

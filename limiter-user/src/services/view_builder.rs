@@ -8,7 +8,7 @@ use limiter_common::{Reason, Verdict as PacketVerdict};
 use crate::{
     api::{
         ActionView, BanEntry, BlockedSource, BrokerRateLimits, Connections, EscalationView,
-        KernelLimits, KernelRateLimits, SourceConnections, Status,
+        KernelLimits, KernelRateLimits, ProfileLimits, ProfileView, SourceConnections, Status,
     },
     buckets::{Limiter, actions::Mode},
     datapath::{Enforcer, Maps, MapsError, kernel_keys::key_text},
@@ -61,6 +61,7 @@ pub fn kernel_status(maps: &impl ReadMaps) -> Result<Status, MapsError> {
         refused,
         refused_packets,
         limits: KernelLimits::new(&config, &maps.read(Maps::overrides)?),
+        profiles: profiles_view(maps)?,
         pinned: None,
         restart_required: None,
         fleet: None,
@@ -68,10 +69,66 @@ pub fn kernel_status(maps: &impl ReadMaps) -> Result<Status, MapsError> {
     })
 }
 
-/// `GET /connections`: open connections per source, largest first.
+/// Every port profile with its limits and counts, `default` first; empty while the maps hold
+/// no profile.
+fn profiles_view(maps: &impl ReadMaps) -> Result<Vec<ProfileView>, MapsError> {
+    let held = maps.read(Maps::profile_slots)?;
+    if held.is_empty() {
+        return Ok(Vec::new());
+    }
+    let config = maps.read(Maps::config)?;
+    let connections = maps.read(Maps::profile_connections)?;
+    let ports = maps.read(Maps::port_slots)?;
+    let top = (
+        0,
+        crate::datapath::TOP_LEVEL_PROFILE.to_owned(),
+        config.limits,
+    );
+    let mut out = Vec::with_capacity(held.len() + 1);
+    for (slot, name, limits) in std::iter::once(top).chain(held) {
+        let mut refused = BTreeMap::new();
+        let mut would_refuse = BTreeMap::new();
+        for &reason in &Reason::ALL[..Reason::REFUSAL_COUNT] {
+            let label = reason.label().to_owned();
+            refused.insert(
+                label.clone(),
+                maps.read(|m| m.refusals_in(slot, false, reason))?,
+            );
+            would_refuse.insert(label, maps.read(|m| m.refusals_in(slot, true, reason))?);
+        }
+        out.push(ProfileView {
+            name,
+            ports: ports
+                .iter()
+                .filter(|(_, s)| *s == slot)
+                .map(|(port, _)| *port)
+                .collect(),
+            limits: ProfileLimits::new(&limits),
+            connections: connections[slot as usize],
+            refused,
+            would_refuse,
+        });
+    }
+    Ok(out)
+}
+
+/// `GET /connections`: open connections per source and profile, largest first.
 pub fn connections_view(maps: &impl ReadMaps, limit: usize) -> Result<Connections, MapsError> {
     let global = maps.read(Maps::global_connections)?;
     let config = maps.read(Maps::config)?;
+    let names = maps.read(Maps::profile_labels)?;
+    let name = |slot: u32| {
+        names
+            .iter()
+            .find(|(s, _)| *s == slot)
+            .map_or_else(|| format!("slot-{slot}"), |(_, name)| name.clone())
+    };
+    let per_profile = maps.read(Maps::profile_connections)?;
+    let profiles = (0..)
+        .zip(per_profile)
+        .filter(|(slot, n)| *slot == 0 || *n > 0 || names.iter().any(|(s, _)| s == slot))
+        .map(|(slot, n)| (name(slot), n))
+        .collect();
     let mut sources: Vec<_> = maps
         .read(Maps::all_source_connections)?
         .into_iter()
@@ -81,12 +138,14 @@ pub fn connections_view(maps: &impl ReadMaps, limit: usize) -> Result<Connection
     sources.sort_unstable_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
     Ok(Connections {
         connections: global,
+        profiles,
         tracked_sources,
         sources: sources
             .into_iter()
             .take(limit)
             .map(|(key, connections)| SourceConnections {
-                source: key_text(&key, &config),
+                source: key_text(&key.source, &config),
+                profile: name(key.profile),
                 connections,
             })
             .collect(),

@@ -161,6 +161,18 @@ pub struct Layer {
     #[arg(long = "override", env = "LIMITER_OVERRIDES", value_delimiter = ';')]
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub overrides: Vec<super::OverrideArg>,
+    /// A group of ports held to limits of its own and counted apart from every other port,
+    /// `NAME:ports=P+P,KEY=VALUE,...` with any of `max-conn-per-ip`, `max-conn-total`,
+    /// `syn-rate`, `syn-burst`, `conn-rate`, `conn-burst`, `reject-conn`, `reject-rate`,
+    /// `mode` (repeatable; `;` between them in the variable); in the file, `[profiles.NAME]`
+    /// tables. What a profile leaves out is the top level's.
+    #[arg(long = "profile", env = "LIMITER_PROFILES", value_delimiter = ';')]
+    #[serde(
+        default,
+        skip_serializing_if = "Vec::is_empty",
+        with = "super::port_profiles::by_name"
+    )]
+    pub profiles: Vec<super::ProfileArg>,
     /// `enforce`, or `monitor`: the dry run. The kernel's caps, rates, bans and lists, the
     /// broker's actions (those that set no `mode` of their own) and escalation judge and
     /// count everything as they would, but refuse, close and ban nothing. [default: enforce]

@@ -11,6 +11,7 @@ mod event_log;
 mod file;
 mod flags;
 mod list_file;
+mod port_profiles;
 mod resolve;
 mod source_overrides;
 
@@ -28,6 +29,7 @@ pub use event_log::{EventLog, JOURNALD_IDENTIFIER};
 pub use file::FileConfig;
 pub use flags::{Layer, RefusalArg, TunnelsArg, XdpModeArg};
 pub use list_file::{ListFile, ListFiles, parse_list};
+pub use port_profiles::ProfileArg;
 pub use source_overrides::OverrideArg;
 
 pub use crate::errors::ConfigError;
@@ -345,11 +347,11 @@ mod tests {
     fn defaults_suit_a_broker_host() {
         let all = args(&[]).resolve().unwrap();
         let config = all.policy.config();
-        assert_eq!(config.max_conn_per_ip, 100);
-        assert_eq!(config.syn_burst, 40);
+        assert_eq!(config.limits.max_conn_per_ip, 100);
+        assert_eq!(config.limits.syn_burst, 40);
         assert_eq!(config.ipv6_prefix, 64);
-        assert_eq!(config.reject_conn, Refusal::Rst as u8);
-        assert_eq!(config.reject_rate, Refusal::Drop as u8);
+        assert_eq!(config.limits.reject_conn, Refusal::Rst as u8);
+        assert_eq!(config.limits.reject_rate, Refusal::Drop as u8);
         assert_eq!(config.all_ports, 1);
         assert_eq!(all.restart.pin_dir, PathBuf::from(defaults::PIN_DIR));
         assert_eq!(all.restart.http, defaults::HTTP);
@@ -498,8 +500,8 @@ mod tests {
         )
         .unwrap();
         let config = s.policy.config();
-        assert_eq!(config.max_conn_per_ip, 9);
-        assert_eq!(config.max_conn_total, 70);
+        assert_eq!(config.limits.max_conn_per_ip, 9);
+        assert_eq!(config.limits.max_conn_total, 70);
         assert_eq!(s.policy.ports, vec![5672]);
         assert_eq!(s.sweep.syn_timeout, Duration::from_secs(10));
         assert_eq!(s.sweep.idle_timeout, None);
@@ -584,7 +586,7 @@ mod tests {
         assert_eq!(changed.restart_required, ["pin-dir", "broker.listen"]);
         assert_eq!(changed.restart, start.restart);
         assert_eq!(changed.serve().listen, None);
-        assert_eq!(changed.policy.config().max_conn_per_ip, 7);
+        assert_eq!(changed.policy.config().limits.max_conn_per_ip, 7);
 
         // Compared with what runs, not with the last file: changed back, nothing waits.
         let back = changed.reloaded(with_file("pin-dir = \"/a\"\n", &[]).unwrap());

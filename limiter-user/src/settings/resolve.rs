@@ -3,7 +3,7 @@
 
 use std::{path::PathBuf, time::Duration};
 
-use limiter_common::{Config, Refusal};
+use limiter_common::{Config, Limits, Refusal};
 
 use super::{
     BrokerLayer, BrokerSettings, CheckAccess, ClientLimits, ConfigError, ListFile, ListFiles,
@@ -202,30 +202,37 @@ impl Layer {
         let deny = parse_cidrs("deny", &self.deny)?;
         let refusal =
             |arg: Option<RefusalArg>, default| Refusal::from(arg.unwrap_or(default)) as u8;
-        let limits = Config {
+        let mut limits = Limits {
             max_conn_per_ip: self.max_conn_per_ip.unwrap_or(defaults::MAX_CONN_PER_IP),
             max_conn_total: self.max_conn_total.unwrap_or(defaults::MAX_CONN_TOTAL),
             syn_rate,
             syn_burst,
             conn_rate,
             conn_burst,
-            ipv4_prefix,
-            ipv6_prefix,
             reject_conn: refusal(self.reject_conn, RefusalArg::Rst),
             reject_rate: refusal(self.reject_rate, RefusalArg::Drop),
+            monitor: (self.mode.unwrap_or_default() == Enforcement::Monitor).into(),
+            ..Limits::UNLIMITED
+        };
+        limits.derive_rate_terms();
+        let base = Config {
+            limits,
+            ipv4_prefix,
+            ipv6_prefix,
             reject_ban: refusal(self.reject_ban, RefusalArg::Drop),
             reject_deny: refusal(self.reject_deny, RefusalArg::Drop),
             fail_closed: self.fail_closed.unwrap_or(false).into(),
             rst_xdp_tx: self.rst_xdp_tx.unwrap_or(false).into(),
             tunnels_pass: (self.tunnels.unwrap_or(TunnelsArg::Drop) == TunnelsArg::Pass).into(),
-            monitor: (self.mode.unwrap_or_default() == Enforcement::Monitor).into(),
             ..Config::UNCONFIGURED
         };
-        let overrides = super::source_overrides::resolve(&self.overrides, &limits)?;
+        let overrides = super::source_overrides::resolve(&self.overrides, &base)?;
+        let profiles = super::port_profiles::resolve(&self.profiles, &base.limits, &ports)?;
         Ok(Policy {
-            limits,
+            base,
             cookies,
             ports,
+            profiles,
             allow,
             deny,
             overrides,

@@ -91,7 +91,7 @@ pub fn resolve(args: &[OverrideArg], limits: &Config) -> Result<Vec<SourceOverri
         if out.iter().any(|o| o.net == net) {
             return Err(fail("given twice".into()));
         }
-        let syn_rate = arg.syn_rate.unwrap_or(limits.syn_rate);
+        let syn_rate = arg.syn_rate.unwrap_or(limits.limits.syn_rate);
         if syn_rate > 1_000_000_000 {
             return Err(fail(
                 "syn-rate: more than one SYN per nanosecond cannot be metered".into(),
@@ -101,7 +101,7 @@ pub fn resolve(args: &[OverrideArg], limits: &Config) -> Result<Vec<SourceOverri
         let syn_burst = match (arg.syn_burst, arg.syn_rate) {
             (Some(burst), _) => burst,
             (None, Some(rate)) => rate.saturating_mul(2),
-            (None, None) => limits.syn_burst,
+            (None, None) => limits.limits.syn_burst,
         };
         if syn_rate != 0 && syn_burst == 0 {
             return Err(fail(
@@ -111,7 +111,7 @@ pub fn resolve(args: &[OverrideArg], limits: &Config) -> Result<Vec<SourceOverri
         out.push(SourceOverride {
             net,
             limits: SourceLimits::new(
-                arg.max_conn_per_ip.unwrap_or(limits.max_conn_per_ip),
+                arg.max_conn_per_ip.unwrap_or(limits.limits.max_conn_per_ip),
                 syn_rate,
                 syn_burst,
             ),
@@ -126,9 +126,12 @@ mod tests {
 
     fn top() -> Config {
         Config {
-            max_conn_per_ip: 10,
-            syn_rate: 20,
-            syn_burst: 40,
+            limits: limiter_common::Limits {
+                max_conn_per_ip: 10,
+                syn_rate: 20,
+                syn_burst: 40,
+                ..limiter_common::Limits::UNLIMITED
+            },
             ipv4_prefix: 32,
             ipv6_prefix: 64,
             ..Config::UNCONFIGURED
