@@ -144,9 +144,10 @@ impl Config {
 }
 
 /// A source prefix's own limits (`[[overrides]]`): the value of the override tries, which a
-/// source whose key falls in the prefix gets in place of the config's per-source cap and SYN
-/// rate (the most specific prefix wins). The agent writes every field resolved, an override
-/// that leaves one out carrying the top-level value, so the programs never merge two.
+/// source whose key falls in the prefix gets in place of its port profile's per-source cap and
+/// SYN rate (the most specific prefix wins). A field the override leaves out holds
+/// [`SourceLimits::INHERIT`], and the source keeps its profile's there, so one override reads
+/// right on every port.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SourceLimits {
@@ -154,30 +155,50 @@ pub struct SourceLimits {
     pub max_conn_per_ip: u32,
     /// SYNs per second per source key; 0 = no limit (shown; the programs use the terms).
     pub syn_rate: u32,
-    /// SYNs back to back before the rate applies (shown, like the rate).
+    /// SYNs back to back before the rate applies. Given without a rate of its own, it is the
+    /// burst of the profile's rate.
     pub syn_burst: u32,
     /// Explicit padding (see the module's doc).
     pub _pad: u32,
-    /// The SYN rate's emission interval in nanoseconds, as [`Config::syn_interval_ns`].
+    /// The SYN rate's emission interval in nanoseconds, as [`Limits::syn_interval_ns`].
     pub syn_interval_ns: u64,
-    /// The SYN rate's burst tolerance in nanoseconds, as [`Config::syn_tolerance_ns`].
+    /// The SYN rate's burst tolerance in nanoseconds, as [`Limits::syn_tolerance_ns`].
     pub syn_tolerance_ns: u64,
 }
 
 const _: () = assert!(core::mem::size_of::<SourceLimits>() == 32);
 
 impl SourceLimits {
-    /// The limits with their GCRA terms derived, as the programs need them.
-    pub fn new(max_conn_per_ip: u32, syn_rate: u32, syn_burst: u32) -> Self {
-        let (syn_interval_ns, syn_tolerance_ns) = gcra_terms(syn_rate, syn_burst);
+    /// A field the override leaves to its port's profile.
+    pub const INHERIT: u32 = u32::MAX;
+
+    /// The limits with their GCRA terms derived, as the programs need them; `None`: the
+    /// profile's. A rate without a burst brings its default burst, twice the rate.
+    pub fn new(
+        max_conn_per_ip: Option<u32>,
+        syn_rate: Option<u32>,
+        syn_burst: Option<u32>,
+    ) -> Self {
+        let burst = match (syn_rate, syn_burst) {
+            (_, Some(burst)) => burst,
+            (Some(rate), None) => rate.saturating_mul(2),
+            (None, None) => Self::INHERIT,
+        };
+        let (syn_interval_ns, syn_tolerance_ns) =
+            syn_rate.map_or((0, 0), |rate| gcra_terms(rate, burst));
         Self {
-            max_conn_per_ip,
-            syn_rate,
-            syn_burst,
+            max_conn_per_ip: max_conn_per_ip.unwrap_or(Self::INHERIT),
+            syn_rate: syn_rate.unwrap_or(Self::INHERIT),
+            syn_burst: burst,
             _pad: 0,
             syn_interval_ns,
             syn_tolerance_ns,
         }
+    }
+
+    /// A field as the operator set it; `None` where the profile's applies.
+    pub fn own(field: u32) -> Option<u32> {
+        (field != Self::INHERIT).then_some(field)
     }
 }
 

@@ -24,9 +24,10 @@ use aya_ebpf::{
 };
 use limiter_common::{
     BUCKET_TAG_MASK, Blocked, Config, Direction, Event, Flow, FlowKey, HalfOpen, Limits,
-    ProfileSource, Reason, Refusal, SEEN_ATTEMPTS, SeenAttempts, SourceKey, SynBucket, Verdict,
-    attempt_signature, bucket_place, flow_state, helper, map_catalogue::ACK_HINT_BITS,
-    profile::refusal_slot, seen_slot, source::V4_MAPPED, source_key, stats::stat_slot, syn_cookies,
+    ProfileSource, Reason, Refusal, SEEN_ATTEMPTS, SeenAttempts, SourceKey, SourceLimits,
+    SynBucket, Verdict, attempt_signature, bucket_place, flow_state, helper,
+    map_catalogue::ACK_HINT_BITS, profile::refusal_slot, seen_slot, source::V4_MAPPED, source_key,
+    stats::stat_slot, syn_cookies,
 };
 
 use crate::{
@@ -673,16 +674,30 @@ impl PerSource {
         } else {
             None
         };
-        match own {
-            Some(limits) => PerSource {
-                cap: limits.max_conn_per_ip,
-                rate: Gcra {
-                    interval: limits.syn_interval_ns,
-                    tolerance: limits.syn_tolerance_ns,
-                },
-            },
-            None => PerSource::top(scope),
-        }
+        let Some(own) = own else {
+            return PerSource::top(scope);
+        };
+        let profile = scope.limits;
+        let cap = if own.max_conn_per_ip == SourceLimits::INHERIT {
+            profile.max_conn_per_ip
+        } else {
+            own.max_conn_per_ip
+        };
+        let rate = if own.syn_rate != SourceLimits::INHERIT {
+            Gcra {
+                interval: own.syn_interval_ns,
+                tolerance: own.syn_tolerance_ns,
+            }
+        } else if own.syn_burst != SourceLimits::INHERIT {
+            // A burst of its own at the profile's rate.
+            Gcra {
+                interval: profile.syn_interval_ns,
+                tolerance: profile.syn_interval_ns * u64::from(own.syn_burst.max(1)),
+            }
+        } else {
+            Gcra::of(profile)
+        };
+        PerSource { cap, rate }
     }
 
     /// The profile's limits, whatever the overrides.

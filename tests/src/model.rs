@@ -27,7 +27,7 @@ use std::{
 use limiter::datapath::Policy;
 use limiter_common::{
     BUCKET_TAG_MASK, Blocked, BucketPlace, Config, Direction, Event, FlowKey, Limits,
-    ProfileSource, Reason, Refusal, SEEN_ATTEMPTS, SeenAttempts, SourceKey, Verdict,
+    ProfileSource, Reason, Refusal, SEEN_ATTEMPTS, SeenAttempts, SourceKey, SourceLimits, Verdict,
     attempt_signature, bucket_place, flow_state, seen_slot, source_key, stats::stat_slot,
 };
 
@@ -475,16 +475,22 @@ impl Model {
             .iter()
             .filter(|o| o.net.contains(&addr))
             .max_by_key(|o| o.net.prefix_len());
-        match covering {
-            Some(o) => (
-                u64::from(o.limits.max_conn_per_ip),
-                Rate::new(o.limits.syn_rate, o.limits.syn_burst),
-            ),
-            None => (
-                u64::from(limits.max_conn_per_ip),
-                Rate::new(limits.syn_rate, limits.syn_burst),
-            ),
-        }
+        let profile = (limits.max_conn_per_ip, limits.syn_rate, limits.syn_burst);
+        // A field the override leaves out is the profile's; a burst without a rate of its own
+        // is the burst of the profile's rate.
+        let (cap, rate, burst) = match covering {
+            Some(o) => {
+                let own = |field: u32, profile: u32| SourceLimits::own(field).unwrap_or(profile);
+                let rate = own(o.limits.syn_rate, profile.1);
+                let burst = match SourceLimits::own(o.limits.syn_rate) {
+                    Some(_) => o.limits.syn_burst,
+                    None => own(o.limits.syn_burst, profile.2),
+                };
+                (own(o.limits.max_conn_per_ip, profile.0), rate, burst)
+            }
+            None => profile,
+        };
+        (u64::from(cap), Rate::new(rate, burst))
     }
 
     /// The limits of a profile slot (the top level's for 0).
@@ -700,7 +706,11 @@ impl Model {
         let rated = |l: &Limits| l.syn_rate != 0 || l.conn_rate != 0;
         rated(&self.config.limits)
             || self.policy.profiles.iter().any(|p| rated(&p.limits))
-            || self.policy.overrides.iter().any(|o| o.limits.syn_rate != 0)
+            || self
+                .policy
+                .overrides
+                .iter()
+                .any(|o| SourceLimits::own(o.limits.syn_rate).is_some_and(|rate| rate != 0))
     }
 
     /// The top-blocked counts as the agent reads them: `BLOCKED`, with each claimed bucket's

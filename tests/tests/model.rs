@@ -93,7 +93,8 @@ const OVERRIDES: &[&str] = &[
 /// A port profile beside the top level, each with caps that bite on its own counts: every
 /// client holds two connections at most on each (one per source on each here, so a source's
 /// connections to one never spend its allowance on the other), the profile with its own
-/// total, SYN rate, connection rate and refusal modes.
+/// total, SYN rate, connection rate and refusal modes; and overrides whose sources keep each
+/// profile's limits where they set none.
 const PROFILES: &[&str] = &[
     "--ports",
     "5672",
@@ -109,6 +110,12 @@ const PROFILES: &[&str] = &[
     "--profile",
     "mqtt:ports=1883,max-conn-per-ip=1,max-conn-total=60,syn-rate=1,syn-burst=1,\
      conn-rate=40,conn-burst=4,reject-conn=drop,reject-rate=rst",
+    // Overrides that leave fields to each port's profile: a burst of its own at the profile's
+    // rate (none at the top level), and a cap of its own at the profile's rate.
+    "--override",
+    "192.0.2.0/26:syn-burst=2",
+    "--override",
+    "192.0.2.64/27:max-conn-per-ip=2",
 ];
 
 /// The same caps with an allow list and a deny list over part of the clients, refused

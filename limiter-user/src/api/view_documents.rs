@@ -173,13 +173,14 @@ fn enforce() -> String {
     "enforce".to_owned()
 }
 
-/// One override: its prefix and the per-source limits its sources get.
+/// One override: its prefix and the per-source limits its sources get; a limit it leaves out
+/// (`null`) is their port profile's.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct OverrideView {
     pub cidr: String,
-    pub max_conn_per_ip: u32,
-    pub syn_rate: u32,
-    pub syn_burst: u32,
+    pub max_conn_per_ip: Option<u32>,
+    pub syn_rate: Option<u32>,
+    pub syn_burst: Option<u32>,
 }
 
 impl KernelLimits {
@@ -207,9 +208,9 @@ impl KernelLimits {
                 .iter()
                 .map(|(net, limits)| OverrideView {
                     cidr: net.to_string(),
-                    max_conn_per_ip: limits.max_conn_per_ip,
-                    syn_rate: limits.syn_rate,
-                    syn_burst: limits.syn_burst,
+                    max_conn_per_ip: SourceLimits::own(limits.max_conn_per_ip),
+                    syn_rate: SourceLimits::own(limits.syn_rate),
+                    syn_burst: SourceLimits::own(limits.syn_burst),
                 })
                 .collect(),
         }

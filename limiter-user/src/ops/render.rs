@@ -64,15 +64,6 @@ pub fn render_status(status: &Status, http: SocketAddr) -> String {
     );
     let _ = writeln!(out, "bans        {} active", status.bans_active);
     let _ = writeln!(out, "limits      {}", render_limits(&status.limits));
-    for o in &status.limits.overrides {
-        let _ = writeln!(
-            out,
-            "override    {}: per source {}, SYN rate {}",
-            o.cidr,
-            limit_text(o.max_conn_per_ip),
-            rate_text(o.syn_rate, o.syn_burst)
-        );
-    }
     let by_reason = |counts: &std::collections::BTreeMap<String, u64>| {
         counts
             .iter()
@@ -80,6 +71,57 @@ pub fn render_status(status: &Status, http: SocketAddr) -> String {
             .collect::<Vec<_>>()
             .join(", ")
     };
+    for p in &status.profiles {
+        let l = &p.limits;
+        let ports = if p.ports.is_empty() {
+            "every other port".to_owned()
+        } else {
+            let ports: Vec<_> = p.ports.iter().map(u16::to_string).collect();
+            format!("ports {}", ports.join(", "))
+        };
+        let _ = writeln!(
+            out,
+            "profile     {} ({ports}): {}{} open; per source {} ({}), total {} ({}), SYN rate {} ({}), connection rate {}",
+            p.name,
+            if l.mode == "monitor" {
+                "MONITOR MODE, "
+            } else {
+                ""
+            },
+            p.connections,
+            limit_text(l.max_conn_per_ip),
+            l.reject_conn,
+            limit_text(l.max_conn_total),
+            l.reject_conn,
+            rate_text(l.syn_rate, l.syn_burst),
+            l.reject_rate,
+            rate_text(l.conn_rate, l.conn_burst),
+        );
+        let _ = writeln!(out, "            refused: {}", by_reason(&p.refused));
+        if l.mode == "monitor" || p.would_refuse.values().any(|n| *n > 0) {
+            let _ = writeln!(
+                out,
+                "            would refuse: {}",
+                by_reason(&p.would_refuse)
+            );
+        }
+    }
+    let profiles_own = |field: Option<u32>, text: fn(u32) -> String| {
+        field.map_or_else(|| "the profile's".to_owned(), text)
+    };
+    for o in &status.limits.overrides {
+        let rate = match (o.syn_rate, o.syn_burst) {
+            (Some(rate), burst) => rate_text(rate, burst.unwrap_or(rate.saturating_mul(2))),
+            (None, Some(burst)) => format!("the profile's (burst {burst})"),
+            (None, None) => "the profile's".to_owned(),
+        };
+        let _ = writeln!(
+            out,
+            "override    {}: per source {}, SYN rate {rate}",
+            o.cidr,
+            profiles_own(o.max_conn_per_ip, limit_text),
+        );
+    }
     let _ = writeln!(
         out,
         "refused     connections: {}",
@@ -148,9 +190,17 @@ pub fn render_top(connections: &Connections, limits: &RateLimits) -> String {
     if connections.sources.is_empty() {
         let _ = writeln!(out, "  (none)");
     } else {
-        let _ = writeln!(out, "  {:<40} {:>11}", "SOURCE", "CONNECTIONS");
+        let _ = writeln!(
+            out,
+            "  {:<40} {:<12} {:>11}",
+            "SOURCE", "PROFILE", "CONNECTIONS"
+        );
         for s in &connections.sources {
-            let _ = writeln!(out, "  {:<40} {:>11}", s.source, s.connections);
+            let _ = writeln!(
+                out,
+                "  {:<40} {:<12} {:>11}",
+                s.source, s.profile, s.connections
+            );
         }
     }
     let _ = writeln!(

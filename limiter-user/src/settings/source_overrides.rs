@@ -65,16 +65,17 @@ impl FromStr for OverrideArg {
     }
 }
 
-/// Checks the overrides against the top-level `limits` (already checked) and resolves each to
-/// the limits the programs hold its sources to.
-pub fn resolve(args: &[OverrideArg], limits: &Config) -> Result<Vec<SourceOverride>, ConfigError> {
+/// Checks the overrides against the top-level config (already checked: its prefixes) and
+/// resolves each to the limits the programs hold its sources to; a field an override leaves
+/// out stays its port profile's ([`SourceLimits::INHERIT`]).
+pub fn resolve(args: &[OverrideArg], top: &Config) -> Result<Vec<SourceOverride>, ConfigError> {
     let mut out: Vec<SourceOverride> = Vec::with_capacity(args.len());
     for arg in args {
         let net = parse_cidr(SETTING, &arg.cidr)?;
         let fail = |message: String| ConfigError::new(SETTING, format!("{net}: {message}"));
         let key_prefix = match net {
-            IpNet::V4(_) => limits.ipv4_prefix,
-            IpNet::V6(_) => limits.ipv6_prefix,
+            IpNet::V4(_) => top.ipv4_prefix,
+            IpNet::V6(_) => top.ipv6_prefix,
         };
         if net.prefix_len() > key_prefix {
             let which = if net.addr().is_ipv4() { "ipv4" } else { "ipv6" };
@@ -91,31 +92,18 @@ pub fn resolve(args: &[OverrideArg], limits: &Config) -> Result<Vec<SourceOverri
         if out.iter().any(|o| o.net == net) {
             return Err(fail("given twice".into()));
         }
-        let syn_rate = arg.syn_rate.unwrap_or(limits.limits.syn_rate);
-        if syn_rate > 1_000_000_000 {
+        if arg.syn_rate.is_some_and(|rate| rate > 1_000_000_000) {
             return Err(fail(
                 "syn-rate: more than one SYN per nanosecond cannot be metered".into(),
             ));
         }
-        // As at the top level: a rate of its own brings the default burst, twice the rate.
-        let syn_burst = match (arg.syn_burst, arg.syn_rate) {
-            (Some(burst), _) => burst,
-            (None, Some(rate)) => rate.saturating_mul(2),
-            (None, None) => limits.limits.syn_burst,
-        };
-        if syn_rate != 0 && syn_burst == 0 {
+        let limits = SourceLimits::new(arg.max_conn_per_ip, arg.syn_rate, arg.syn_burst);
+        if limits.syn_burst == 0 && arg.syn_rate != Some(0) {
             return Err(fail(
                 "syn-burst: must be at least 1 when a SYN rate is set".into(),
             ));
         }
-        out.push(SourceOverride {
-            net,
-            limits: SourceLimits::new(
-                arg.max_conn_per_ip.unwrap_or(limits.limits.max_conn_per_ip),
-                syn_rate,
-                syn_burst,
-            ),
-        });
+        out.push(SourceOverride { net, limits });
     }
     Ok(out)
 }
@@ -126,12 +114,6 @@ mod tests {
 
     fn top() -> Config {
         Config {
-            limits: limiter_common::Limits {
-                max_conn_per_ip: 10,
-                syn_rate: 20,
-                syn_burst: 40,
-                ..limiter_common::Limits::UNLIMITED
-            },
             ipv4_prefix: 32,
             ipv6_prefix: 64,
             ..Config::UNCONFIGURED
@@ -191,7 +173,7 @@ mod tests {
     }
 
     #[test]
-    fn what_an_override_leaves_out_comes_from_the_top_level() {
+    fn what_an_override_leaves_out_is_its_profiles() {
         let resolved = resolve(
             &[
                 arg("203.0.113.0/24:max-conn-per-ip=5000"),
@@ -201,24 +183,25 @@ mod tests {
             &top(),
         )
         .unwrap();
+        let own = SourceLimits::own;
         let limits: Vec<_> = resolved
             .iter()
             .map(|o| {
                 let l = o.limits;
                 (
                     o.net.to_string(),
-                    l.max_conn_per_ip,
-                    l.syn_rate,
-                    l.syn_burst,
+                    own(l.max_conn_per_ip),
+                    own(l.syn_rate),
+                    own(l.syn_burst),
                 )
             })
             .collect();
         assert_eq!(
             limits,
             [
-                ("203.0.113.0/24".to_owned(), 5000, 20, 40),
-                ("198.51.100.7/32".to_owned(), 10, 1, 2),
-                ("2001:db8::/48".to_owned(), 10, 20, 3),
+                ("203.0.113.0/24".to_owned(), Some(5000), None, None),
+                ("198.51.100.7/32".to_owned(), None, Some(1), Some(2)),
+                ("2001:db8::/48".to_owned(), None, None, Some(3)),
             ]
         );
         assert_eq!(resolved[1].limits.syn_interval_ns, 1_000_000_000);
@@ -249,6 +232,8 @@ mod tests {
                 vec![arg("10.0.0.0/8:syn-rate=5,syn-burst=0")],
                 Some("syn-burst"),
             ),
+            (vec![arg("10.0.0.0/8:syn-burst=0")], Some("syn-burst")),
+            (vec![arg("10.0.0.0/8:syn-rate=0")], None),
         ] {
             match (resolve(&args, &top()), needle) {
                 (Ok(_), None) => {}
