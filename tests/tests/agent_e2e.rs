@@ -350,6 +350,113 @@ fn monitor_mode_lets_every_connection_in_counts_what_enforce_would_refuse_and_sw
     drop(conns);
 }
 
+/// Two port profiles on a real agent: the top level's listener and a dashboard's, each capped
+/// on its own counts (a source at one's cap still connects to the other), the dashboard's cap
+/// raised live by SIGHUP, and both shown apart in the metrics, `/v1/status`, `/connections`
+/// and `limiter status`.
+#[test]
+fn port_profiles_cap_their_own_ports_change_live_and_show_apart() {
+    let s = Setup::new();
+    let dashboard = Server::start(&s.pair.server, IpAddr::V4(SERVER_V4)).unwrap();
+    let (top_port, dash_port) = (s.server.addr.port(), dashboard.addr.port());
+    let file = s.sockets.path().join("limiter.toml");
+    let config = |dash_cap: u32| {
+        format!(
+            "ports = [{top_port}]\nmax-conn-per-ip = 3\nsyn-rate = 0\n\n\
+             [profiles.dashboard]\nports = [{dash_port}]\nmax-conn-per-ip = {dash_cap}\n"
+        )
+    };
+    std::fs::write(&file, config(1)).unwrap();
+    let agent = s.agent(&["--config", file.to_str().unwrap()]);
+    agent
+        .wait_for("limiter is ready", startup_deadline())
+        .unwrap();
+    let to_dashboard = || connect(&s.pair.client, IpAddr::V4(CLIENT_V4), dashboard.addr).unwrap();
+    let top: Vec<_> = (0..3)
+        .map(|_| s.connect().expect("under the top level's cap"))
+        .collect();
+    assert!(s.refused(), "the top level's cap is 3");
+    let first = to_dashboard().expect("its own count: the top level's 3 do not spend it");
+    let refused = to_dashboard().expect_err("the dashboard's cap is 1");
+    assert_eq!(refused.kind(), ErrorKind::ConnectionRefused);
+    assert_eq!(s.pins.wait_global(4, Duration::from_secs(5)), 4);
+
+    let (_, text) = http(&s, reqwest::Method::GET, "/metrics", None, None);
+    assert_eq!(
+        sample(&text, r#"limiter_connections{profile="default"}"#),
+        3.0
+    );
+    assert_eq!(
+        sample(&text, r#"limiter_connections{profile="dashboard"}"#),
+        1.0
+    );
+    let refusals = |profile: &str| {
+        sample(
+            &text,
+            &format!(
+                r#"limiter_refused_connections_total{{profile="{profile}",reason="conn_per_ip"}}"#
+            ),
+        )
+    };
+    assert_eq!((refusals("default"), refusals("dashboard")), (1.0, 1.0));
+    let (_, text) = http(&s, reqwest::Method::GET, "/v1/status", None, None);
+    let status: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let profiles = status["profiles"].as_array().expect("profiles");
+    assert_eq!(profiles.len(), 2, "{status}");
+    assert_eq!(profiles[0]["name"], "default");
+    assert_eq!(profiles[0]["ports"], serde_json::json!([top_port]));
+    assert_eq!(profiles[1]["name"], "dashboard");
+    assert_eq!(profiles[1]["ports"], serde_json::json!([dash_port]));
+    assert_eq!(profiles[1]["max_conn_per_ip"], 1);
+    assert_eq!(profiles[1]["connections"], 1);
+    assert_eq!(profiles[1]["refused"]["conn_per_ip"], 1);
+    let (_, text) = http(&s, reqwest::Method::GET, "/connections", None, None);
+    let connections: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(connections["profiles"]["dashboard"], 1, "{connections}");
+    let by_profile: Vec<_> = connections["sources"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| {
+            (
+                s["profile"].as_str().unwrap().to_owned(),
+                s["connections"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        by_profile,
+        [("default".to_owned(), 3), ("dashboard".to_owned(), 1)],
+        "one source, counted in each profile apart"
+    );
+    let out = s
+        .pair
+        .server
+        .command(limiter_tests::agent::binary().to_str().unwrap())
+        .unwrap()
+        .arg("status")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains(&format!(
+            "profile     dashboard (ports {dash_port}): 1 open; per source 1"
+        )),
+        "{text}"
+    );
+
+    std::fs::write(&file, config(2)).unwrap();
+    agent.signal(Signal::SIGHUP);
+    agent
+        .wait_for("configuration reloaded", Duration::from_secs(10))
+        .unwrap();
+    let second = to_dashboard().expect("the dashboard's cap raised live");
+    assert!(to_dashboard().is_err(), "and held at 2");
+    assert!(s.refused(), "the top level's unchanged");
+    drop((top, first, second));
+}
+
 #[test]
 fn a_half_open_client_holds_no_slot() {
     let s = Setup::new();

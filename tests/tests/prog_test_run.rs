@@ -1621,3 +1621,199 @@ fn monitor_mode_refuses_nothing_and_counts_exactly_what_enforce_mode_refuses() {
         assert_eq!(held, attempts, "{flags:?}");
     }
 }
+
+/// A port of the profiles' tests: the MQTT listener's, in profile `mqtt`.
+const MQTT: u16 = 1883;
+
+fn syn_to(src: IpAddr, sport: u16, port: u16) -> Tcp {
+    Tcp {
+        dport: port,
+        ..syn(src, sport)
+    }
+}
+
+/// Two profiles with different caps: 5672 at the top level (3 per source, 40 in all) and 1883
+/// in `mqtt` (10 per source, 25 in all).
+const TWO_PROFILES: &[&str] = &[
+    "--ports",
+    "5672",
+    "--max-conn-per-ip",
+    "3",
+    "--max-conn-total",
+    "40",
+    "--syn-rate",
+    "0",
+    "--profile",
+    "mqtt:ports=1883,max-conn-per-ip=10,max-conn-total=25",
+];
+
+#[test]
+fn two_profiles_hold_their_own_caps_exactly_at_once() {
+    // Handshakes of the same sources to both profiles' ports, racing on four CPUs: each
+    // profile's caps hold exactly on its own counts, and a source's connections to one
+    // profile never spend its allowance on the other.
+    let k = Kernel::new(TWO_PROFILES);
+    let acks: Vec<Vec<Vec<u8>>> = (0..4u16)
+        .map(|t| {
+            (0..30u16)
+                .map(|i| {
+                    let port = if i % 2 == 0 { PORT } else { MQTT };
+                    let source = v4(2 + (t % 2) as u8 + 2 * (i % 5) as u8);
+                    pending_ack(&k, &syn_to(source, 1000 * (t + 1) + i, port))
+                })
+                .collect()
+        })
+        .collect();
+    race(&k, &acks);
+    let counts = k.dp.maps.profile_connections().unwrap();
+    let mqtt = 1;
+    assert_eq!(counts[0], 30, "the top level: 10 sources, 3 each");
+    assert_eq!(counts[mqtt], 25, "mqtt: its total");
+    for last in 2..12 {
+        let source = v4(last);
+        let top = k.dp.maps.source_connections_in(source, 0).unwrap();
+        let own =
+            k.dp.maps
+                .source_connections_in(source, mqtt as u32)
+                .unwrap();
+        assert_eq!(top, 3, "{source} at the top level");
+        assert!(own <= 10, "{source} in mqtt: {own}");
+    }
+    let refused = |profile, reason| k.dp.maps.refusals_in(profile, false, reason).unwrap();
+    assert_eq!(
+        refused(0, Reason::ConnPerIp),
+        30,
+        "each source's 6 tries, 3 over"
+    );
+    assert_eq!(refused(mqtt as u32, Reason::ConnTotal), 35);
+    assert_eq!(refused(mqtt as u32, Reason::ConnPerIp), 0);
+    assert_eq!(k.dp.maps.flows().unwrap().len(), 55);
+}
+
+#[test]
+fn a_source_at_its_cap_in_one_profile_still_connects_in_the_other() {
+    let k = Kernel::new(TWO_PROFILES);
+    for port in 1..=3 {
+        assert_eq!(k.connect(&syn(v4(2), port)).action, XDP_PASS);
+    }
+    // At its top-level cap: refused there, at the SYN...
+    assert_eq!(k.xdp(&syn(v4(2), 4).build()).action, XDP_PASS, "marked");
+    assert_eq!(k.ingress(Verdict::Rst, Reason::ConnPerIp), 1);
+    // ...and admitted to the profile's port, whose count is its own.
+    for port in 10..20 {
+        k.connect(&syn_to(v4(2), port, MQTT));
+    }
+    assert_eq!(k.dp.maps.source_connections_in(v4(2), 1).unwrap(), 10);
+    assert_eq!(k.dp.maps.source_connections(v4(2)).unwrap(), 13);
+    assert_eq!(k.ingress(Verdict::Rst, Reason::ConnPerIp), 1);
+}
+
+#[test]
+fn a_flow_gives_its_slots_back_to_the_profile_it_was_counted_in() {
+    // A reload that moves a port to another profile (or back to the top level) while it has
+    // connections: each connection was counted in its old profile and gives its slots back
+    // there, so no count goes below zero or keeps a slot forever.
+    let mut k = Kernel::new(TWO_PROFILES);
+    let s = syn_to(v4(2), 4000, MQTT);
+    k.connect(&s);
+    assert_eq!(k.dp.maps.profile_connections().unwrap()[1], 1);
+    k.dp.maps
+        .apply(&settings(&["--ports", "5672,1883", "--syn-rate", "0"]).policy)
+        .unwrap();
+    // The port is the top level's now; a new connection counts there.
+    k.connect(&syn_to(v4(2), 4001, MQTT));
+    let counts = k.dp.maps.profile_connections().unwrap();
+    assert_eq!((counts[0], counts[1]), (1, 1));
+    // The host's RST closes the first: its slot goes back to `mqtt`'s count.
+    k.tc(&host_rst(&s));
+    let counts = k.dp.maps.profile_connections().unwrap();
+    assert_eq!((counts[0], counts[1]), (1, 0));
+    assert_eq!(k.dp.maps.source_connections_in(v4(2), 1).unwrap(), 0);
+    assert_eq!(k.dp.maps.source_connections_in(v4(2), 0).unwrap(), 1);
+}
+
+#[test]
+fn a_profile_keeps_its_slot_by_name_across_reloads() {
+    // Flows record their profile's slot: a reload that adds a profile before another, or
+    // renames one, must not move a kept profile to another slot, or its connections' slots
+    // would go back to someone else's counts.
+    let mut k = Kernel::new(TWO_PROFILES);
+    k.connect(&syn_to(v4(2), 4000, MQTT));
+    let with_dash = [
+        TWO_PROFILES,
+        &["--profile", "admin:ports=8080,max-conn-per-ip=1"],
+    ]
+    .concat();
+    k.dp.maps.apply(&settings(&with_dash).policy).unwrap();
+    let held = k.dp.maps.profile_slots().unwrap();
+    let slot_of = |name: &str| held.iter().find(|(_, n, _)| n == name).map(|(s, ..)| *s);
+    assert_eq!(slot_of("mqtt"), Some(1), "kept");
+    assert_eq!(slot_of("admin"), Some(2), "a new one takes a free slot");
+    assert_eq!(k.dp.maps.profile_connections().unwrap()[1], 1);
+    // Removed, then back: a profile gone leaves its slot empty, and its name finds a slot.
+    k.dp.maps
+        .apply(&settings(&["--ports", "5672", "--syn-rate", "0"]).policy)
+        .unwrap();
+    assert!(k.dp.maps.profile_slots().unwrap().is_empty());
+    k.dp.maps.apply(&settings(&with_dash).policy).unwrap();
+    assert_eq!(k.dp.maps.profile_slots().unwrap().len(), 2);
+}
+
+#[test]
+fn a_profile_in_monitor_mode_refuses_nothing_while_the_top_level_enforces() {
+    let k = Kernel::new(&[
+        "--ports",
+        "5672",
+        "--max-conn-per-ip",
+        "1",
+        "--syn-rate",
+        "0",
+        "--rst-xdp-tx",
+        "--profile",
+        "mqtt:ports=1883,max-conn-per-ip=1,mode=monitor",
+    ]);
+    k.connect(&syn(v4(2), 1));
+    for port in 1..=3 {
+        assert_eq!(k.connect(&syn_to(v4(2), port, MQTT)).action, XDP_PASS);
+    }
+    for port in 2..=3 {
+        assert_eq!(k.xdp(&syn(v4(2), port).build()).action, XDP_TX);
+    }
+    let counts = k.dp.maps.profile_connections().unwrap();
+    assert_eq!(
+        (counts[0], counts[1]),
+        (1, 3),
+        "the top level refused, mqtt let in"
+    );
+    let m = &k.dp.maps;
+    assert_eq!(m.refusals_in(0, false, Reason::ConnPerIp).unwrap(), 2);
+    assert_eq!(m.refusals_in(1, false, Reason::ConnPerIp).unwrap(), 0);
+    assert_eq!(m.refusals_in(1, true, Reason::ConnPerIp).unwrap(), 2);
+    assert_eq!(m.refusals_in(0, true, Reason::ConnPerIp).unwrap(), 0);
+}
+
+#[test]
+fn an_override_keeps_its_ports_profile_limits_where_it_sets_none() {
+    // A NAT gateway's /24 gets 5 connections a source everywhere; its SYN rate stays each
+    // profile's (the top level's none, mqtt's 1 a second after a burst of 2).
+    let k = Kernel::new(&[
+        "--ports",
+        "5672",
+        "--max-conn-per-ip",
+        "1",
+        "--syn-rate",
+        "0",
+        "--profile",
+        "mqtt:ports=1883,max-conn-per-ip=1,syn-rate=1,syn-burst=2",
+        "--override",
+        "192.0.2.0/24:max-conn-per-ip=5",
+    ]);
+    for port in 1..=6 {
+        k.connect(&syn(v4(2), port));
+        k.connect(&syn_to(v4(2), 100 + port, MQTT));
+    }
+    let counts = k.dp.maps.profile_connections().unwrap();
+    assert_eq!(counts[0], 5, "the override's cap, no rate");
+    assert_eq!(counts[1], 2, "mqtt's rate: its burst of 2");
+    assert!(k.dp.maps.refusals_in(1, false, Reason::SynRate).unwrap() >= 3);
+}
