@@ -112,9 +112,15 @@ pub struct Config {
     /// sender can work out. Chosen once, when the maps are made, and kept with them (a new
     /// seed would move every source to a slot that counted others' connections).
     pub bucket_seed: u64,
+    /// Non-zero: kernel escalation is on. A SYN over its source's cap or SYN rate is passed to
+    /// the host, to be refused at its handshake's ACK, which proves the source (a forged SYN's
+    /// handshake never completes); each such proven refusal, made or (in monitor mode) not,
+    /// is recorded in `OFFENDERS` ([`Offense`]), where the agent finds the sources to ban. A
+    /// pause longer than this, in nanoseconds, between two refusals starts a new streak.
+    pub offense_gap_ns: u64,
 }
 
-const _: () = assert!(core::mem::size_of::<Config>() == 96);
+const _: () = assert!(core::mem::size_of::<Config>() == 104);
 
 impl Config {
     /// What the programs do before the agent writes a configuration: count, limit nothing.
@@ -140,8 +146,24 @@ impl Config {
         cookie_mss_v6: 1220,
         bucket_mask: 0,
         bucket_seed: 0,
+        offense_gap_ns: 0,
     };
 }
+
+/// A source's streak of connection attempts refused at their proven handshake (over its cap
+/// or its SYN rate), the value of `OFFENDERS` by source key (see [`Config::offense_gap_ns`]).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Offense {
+    /// `CLOCK_BOOTTIME` nanoseconds of the streak's first refusal.
+    pub first_ns: u64,
+    /// `CLOCK_BOOTTIME` nanoseconds of its last.
+    pub last_ns: u64,
+    /// Refusals in the streak.
+    pub refusals: u64,
+}
+
+const _: () = assert!(core::mem::size_of::<Offense>() == 24);
 
 /// A source prefix's own limits (`[[overrides]]`): the value of the override tries, which a
 /// source whose key falls in the prefix gets in place of its port profile's per-source cap and
@@ -575,6 +597,7 @@ mod pod {
         Blocked,
         FlowRequest,
         AdjustRequest,
+        Offense,
     );
 }
 

@@ -258,8 +258,19 @@ pub const REFUSED_CONNS: MapDef = MapDef {
     default_entries: crate::profile::REFUSAL_SLOTS,
 };
 
+/// Sources refused at their proven handshakes, for kernel escalation
+/// ([`crate::Config::offense_gap_ns`]): their streaks, which the agent reads to ban. An LRU:
+/// losing an entry only delays a ban. Sized like `FLOWS`.
+pub const OFFENDERS: MapDef = MapDef {
+    name: "OFFENDERS",
+    kind: MapKind::LruHash,
+    key: "SourceKey",
+    value: "Offense",
+    default_entries: FLOWS.default_entries,
+};
+
 /// Every map of the kernel object.
-pub const ALL: [MapDef; 21] = [
+pub const ALL: [MapDef; 22] = [
     CONFIG,
     PORTS,
     PROFILES,
@@ -281,6 +292,7 @@ pub const ALL: [MapDef; 21] = [
     EVENTS,
     BLOCKED,
     REFUSED_CONNS,
+    OFFENDERS,
 ];
 
 #[cfg(test)]
@@ -345,4 +357,6 @@ pub mod map_names {
     /// Per-CPU refused connection attempts by profile and refusal reason, and monitor
     /// mode's would-be refusals.
     pub const REFUSED_CONNS: &str = super::REFUSED_CONNS.name;
+    /// Sources' streaks of refusals at their proven handshakes ([`Offense`](crate::Offense)).
+    pub const OFFENDERS: &str = super::OFFENDERS.name;
 }

@@ -23,7 +23,7 @@ use aya_ebpf::{
     maps::lpm_trie::Key,
 };
 use limiter_common::{
-    BUCKET_TAG_MASK, Blocked, Config, Direction, Event, Flow, FlowKey, HalfOpen, Limits,
+    BUCKET_TAG_MASK, Blocked, Config, Direction, Event, Flow, FlowKey, HalfOpen, Limits, Offense,
     ProfileSource, Reason, Refusal, SEEN_ATTEMPTS, SeenAttempts, SourceKey, SourceLimits,
     SynBucket, Verdict, attempt_signature, bucket_place, flow_state, helper,
     map_catalogue::ACK_HINT_BITS, profile::refusal_slot, seen_slot, source::V4_MAPPED, source_key,
@@ -33,8 +33,8 @@ use limiter_common::{
 use crate::{
     atomics,
     map_access::{
-        self, ACK_HINTS, BANS, BLOCKED, CONN_RATE, EVENTS, FLOWS, GLOBAL_CONNS, HALF_OPEN, PORTS,
-        REFUSED_CONNS, STATS, SYN_BUCKETS,
+        self, ACK_HINTS, BANS, BLOCKED, CONN_RATE, EVENTS, FLOWS, GLOBAL_CONNS, HALF_OPEN,
+        OFFENDERS, PORTS, REFUSED_CONNS, STATS, SYN_BUCKETS,
     },
     overrides,
     parsing::{Common, Segment, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
@@ -492,12 +492,20 @@ fn syn(seg: &Segment, scope: Scope) -> Action {
         PerSource::top(scope)
     };
     let rate = own.rate;
+    // Kernel escalation: a SYN over its source's own cap or rate goes on to the host, and is
+    // refused at its handshake's ACK, which proves the source (see `offense`).
+    let defer = config.offense_gap_ns != 0 && scope.limits.monitor == 0;
     // The rate first: a SYN over it is refused on its bucket alone. Another source's slot
     // (or one never claimed) is a full bucket, and its SYN reads no clock.
-    if rate.limited() && tagged && rate.next(word & !BUCKET_TAG_MASK, rate_now()).is_none() {
+    if !defer
+        && rate.limited()
+        && tagged
+        && rate.next(word & !BUCKET_TAG_MASK, rate_now()).is_none()
+    {
         return refuse_rate(seg, bucket, scope);
     }
-    if let Some(reason) = at_cap(&counted, bucket, own.cap, scope) {
+    let cap = if defer { 0 } else { own.cap };
+    if let Some(reason) = at_cap(&counted, bucket, cap, scope) {
         return refuse(
             seg,
             Blame::Source(source),
@@ -1002,9 +1010,12 @@ fn admit(key: &FlowKey, flow: &Flow, scope: Scope) -> Completion {
         // Refused, never let in uncounted: see `source_counts`.
         Taken::Busy => return refuse_at_ack(Blame::Source(source), Reason::FlowTableFull, scope),
     };
-    if enforce && own.cap != 0 && before >= u64::from(own.cap) {
-        source_counts::give_back(counted, per_source, 1);
-        return refuse_at_ack(Blame::Source(source), Reason::ConnPerIp, scope);
+    if own.cap != 0 && before >= u64::from(own.cap) {
+        offense(source, flow.last_seen_ns, scope.config);
+        if enforce {
+            source_counts::give_back(counted, per_source, 1);
+            return refuse_at_ack(Blame::Source(source), Reason::ConnPerIp, scope);
+        }
     }
     let Some(global) = GLOBAL_CONNS.get_ptr_mut(scope.profile) else {
         source_counts::give_back(counted, per_source, 1);
@@ -1019,12 +1030,13 @@ fn admit(key: &FlowKey, flow: &Flow, scope: Scope) -> Completion {
     }
     // The SYN rate's token last, once the slots are sure: a handshake the caps refuse spends
     // none, and the token, unlike a slot, cannot be given back.
-    if let Err(bucket) = take_token(counted, own.rate, scope.config)
-        && enforce
-    {
-        atomics::decrement(global);
-        source_counts::give_back(counted, per_source, 1);
-        return refuse_at_ack(Blame::Bucket(bucket), Reason::SynRate, scope);
+    if let Err(bucket) = take_token(counted, own.rate, scope.config) {
+        offense(source, flow.last_seen_ns, scope.config);
+        if enforce {
+            atomics::decrement(global);
+            source_counts::give_back(counted, per_source, 1);
+            return refuse_at_ack(Blame::Bucket(bucket), Reason::SynRate, scope);
+        }
     }
     // The connection rate after the source's own token: a source past its SYN rate spends
     // nobody else's connections (and if the rate refuses it, only its own token is lost).
@@ -1067,6 +1079,38 @@ fn admit(key: &FlowKey, flow: &Flow, scope: Scope) -> Completion {
         }
     }
 }
+
+/// A proven handshake of `source` refused (or, in monitor mode, judged refusable) over its own
+/// cap or SYN rate, at `now`: for kernel escalation, its streak of such refusals in
+/// `OFFENDERS` grows, or starts again after a pause longer than the config's gap. Only a
+/// completed handshake gets here, so no forged frame can make a source an offender. Plain
+/// writes: racing CPUs can lose a count, which only delays a ban.
+#[inline(always)]
+fn offense(source: &SourceKey, now: u64, config: &Config) {
+    let gap = config.offense_gap_ns;
+    if gap == 0 {
+        return;
+    }
+    let Some(entry) = map_access::get_or_insert(&OFFENDERS, source, &NO_OFFENSE) else {
+        return;
+    };
+    // SAFETY: a pointer from a successful lookup; plain words.
+    unsafe {
+        if (*entry).refusals == 0 || now.saturating_sub((*entry).last_ns) > gap {
+            (*entry).first_ns = now;
+            (*entry).refusals = 0;
+        }
+        (*entry).last_ns = now;
+        (*entry).refusals += 1;
+    }
+}
+
+/// A source's streak before its first refusal (a static, as [`NO_REFUSALS`] is).
+static NO_OFFENSE: Offense = Offense {
+    first_ns: 0,
+    last_ns: 0,
+    refusals: 0,
+};
 
 /// Takes the SYN rate's token for a proven handshake of `counted`; `Err` with its bucket if
 /// the bucket ran dry (other handshakes of the source completed since its SYN was let

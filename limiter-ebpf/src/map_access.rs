@@ -8,7 +8,7 @@ use aya_ebpf::{
     maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
 };
 use limiter_common::{
-    Ban, Blocked, Config, Flow, FlowKey, HalfOpen, Ipv4Bits, Ipv6Bits, Limits, Profile,
+    Ban, Blocked, Config, Flow, FlowKey, HalfOpen, Ipv4Bits, Ipv6Bits, Limits, Offense, Profile,
     ProfileSource, SourceKey, SourceLimits, SynBucket, map_catalogue as catalogue,
 };
 
@@ -89,6 +89,10 @@ pub static EVENTS: PerCpuArray<u64> =
 #[map]
 pub static BLOCKED: LruHashMap<SourceKey, Blocked> =
     LruHashMap::with_max_entries(catalogue::BLOCKED.default_entries, 0);
+
+#[map]
+pub static OFFENDERS: LruHashMap<SourceKey, Offense> =
+    LruHashMap::with_max_entries(catalogue::OFFENDERS.default_entries, 0);
 
 #[map]
 pub static REFUSED_CONNS: PerCpuArray<u64> =

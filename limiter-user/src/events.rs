@@ -40,6 +40,10 @@ pub enum BanCause {
     Escalation { failures: u32, nth: u32 },
     /// The fleet's count of failures, across agents, crossed the threshold.
     FleetEscalation { failures: u64 },
+    /// Kernel escalation: the source's connection attempts were refused at their proven
+    /// handshakes (over its cap or SYN rate) for `seconds`, past `escalate-refused-for`; `nth`
+    /// is the ban's place in the address's run of bans.
+    Refused { seconds: u64, nth: u32 },
     /// Another agent of the fleet banned or unbanned, read from the fleet's ban log.
     Fleet,
 }
@@ -51,6 +55,7 @@ impl BanCause {
             Self::Broker => "broker",
             Self::Escalation { .. } => "escalation",
             Self::FleetEscalation { .. } => "fleet-escalation",
+            Self::Refused { .. } => "kernel-escalation",
             Self::Fleet => "fleet",
         }
     }
@@ -67,6 +72,16 @@ impl BanCause {
             }
             Self::FleetEscalation { failures } => {
                 format!("{failures} failed authentications across the fleet within the window")
+            }
+            Self::Refused { seconds, nth } => {
+                let run = if nth > 1 {
+                    format!(" (ban {nth} of a run)")
+                } else {
+                    String::new()
+                };
+                format!(
+                    "connection attempts refused at their handshakes, over its cap or SYN rate, for {seconds} s{run}"
+                )
             }
             Self::Fleet => "another agent of the fleet".into(),
         }
@@ -110,7 +125,7 @@ pub enum Event {
     /// Monitor mode: escalation would have banned.
     WouldBan {
         addr: IpAddr,
-        failures: u32,
+        cause: BanCause,
         ttl: Duration,
     },
     /// A broker connection collected `strikes-to-disconnect` within `strike-window`.
@@ -186,16 +201,12 @@ impl Event {
                     ..Fields::default()
                 }
             }
-            Self::WouldBan {
-                addr,
-                failures,
-                ttl,
-            } => {
-                let reason = format!("{failures} failed authentications within the window");
+            Self::WouldBan { addr, cause, ttl } => {
+                let reason = cause.reason();
                 Fields {
                     kind: "would-ban",
                     source: Some(addr.to_string()),
-                    cause: Some("escalation"),
+                    cause: Some(cause.name()),
                     duration_ms: Some(duration_ms(*ttl)),
                     message: format!(
                         "monitor mode: would have banned {addr} for {}: {reason}",
@@ -380,7 +391,10 @@ mod tests {
             },
             Event::WouldBan {
                 addr,
-                failures: 4,
+                cause: BanCause::Escalation {
+                    failures: 4,
+                    nth: 1,
+                },
                 ttl: Duration::from_secs(60),
             },
             Event::Disconnect {
@@ -416,7 +430,23 @@ mod tests {
                 local: false,
                 error: None,
             },
+            Event::Ban {
+                addr,
+                cause: BanCause::Refused {
+                    seconds: 30,
+                    nth: 2,
+                },
+                ttl: Duration::from_secs(1200),
+            },
         ]
+    }
+
+    #[test]
+    fn a_kernel_escalation_ban_says_how_long_its_source_was_refused() {
+        let f = every_kind().last().unwrap().fields();
+        assert_eq!((f.kind, f.cause), ("ban", Some("kernel-escalation")));
+        let reason = f.reason.unwrap();
+        assert!(reason.contains("for 30 s (ban 2 of a run)"), "{reason}");
     }
 
     #[test]

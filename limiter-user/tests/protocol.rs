@@ -174,7 +174,8 @@ async fn start() -> Running {
 #[tokio::test]
 async fn in_monitor_mode_the_broker_is_answered_allowed_and_nobody_is_banned() {
     let escalation = EscalationConfig {
-        after: 1,
+        after: Some(1),
+        refused_for: None,
         window: Duration::from_secs(60),
         ban: Duration::from_secs(600),
         increment: BanIncrement::OFF,
@@ -304,7 +305,8 @@ async fn every_request_round_trips() {
     let server = start_with(
         false,
         Some(EscalationConfig {
-            after: 1,
+            after: Some(1),
+            refused_for: None,
             window: Duration::from_secs(60),
             ban: Duration::from_secs(600),
             increment: BanIncrement::OFF,

@@ -132,6 +132,9 @@ pub struct Model {
     pub refusals: HashMap<(u32, bool), [u64; Reason::REFUSAL_COUNT]>,
     /// Refused connection attempts by source, but for the SYN rate's (counted in the buckets).
     pub blocked: HashMap<SourceKey, Blocked>,
+    /// Kernel escalation: each source's refusals at its proven handshakes, over its cap or its
+    /// SYN rate (runs are shorter than the gap that would start a streak again).
+    pub offenders: HashMap<SourceKey, u64>,
     /// Source keys under a ban in force.
     bans: HashSet<SourceKey>,
 }
@@ -220,6 +223,7 @@ impl Model {
             refused_conns: [0; Reason::REFUSAL_COUNT],
             refusals: HashMap::new(),
             blocked: HashMap::new(),
+            offenders: HashMap::new(),
             bans: HashSet::new(),
         }
     }
@@ -517,7 +521,12 @@ impl Model {
         // The slot is the source's while its tag is there; sources sharing slot and tag share
         // the bucket. Another source's slot is a full bucket.
         let (per_ip, rate) = self.own(&source, &scope.limits);
+        // Kernel escalation: over its own cap or rate, the SYN goes on, to be refused at its
+        // proven handshake.
+        let defer = self.config.offense_gap_ns != 0 && scope.limits.monitor == 0;
+        let per_ip = if defer { 0 } else { per_ip };
         if let Some(rate) = rate
+            && !defer
             && bucket.tag == place.tag
             && rate.admit(bucket.tat, self.rate_now).is_none()
         {
@@ -608,9 +617,13 @@ impl Model {
         // Monitor mode admits past the caps and the rates, taking what tokens there are (its
         // SYN counted the refusal enforce mode would have made).
         let enforce = limits.monitor == 0;
+        let over_cap = per_ip != 0 && per_source >= per_ip;
+        if over_cap {
+            self.offense(counted.source);
+        }
         let refused = if !enforce {
             None
-        } else if per_ip != 0 && per_source >= per_ip {
+        } else if over_cap {
             Some(Reason::ConnPerIp)
         } else if total != 0 && global >= total {
             Some(Reason::ConnTotal)
@@ -621,12 +634,19 @@ impl Model {
             Some(reason) => Some((Blame::Source(counted.source), reason)),
             // The tokens last, once the slots are sure: the source's, then every source's.
             None => match self.take_token(counted, &limits) {
-                Err(slot) if enforce => Some((Blame::Bucket(slot), Reason::SynRate)),
-                _ => self
-                    .take_connection(profile, &limits)
-                    .err()
-                    .filter(|()| enforce)
-                    .map(|()| (Blame::Source(counted.source), Reason::ConnRate)),
+                Err(slot) if enforce => {
+                    self.offense(counted.source);
+                    Some((Blame::Bucket(slot), Reason::SynRate))
+                }
+                result => {
+                    if result.is_err() {
+                        self.offense(counted.source);
+                    }
+                    self.take_connection(profile, &limits)
+                        .err()
+                        .filter(|()| enforce)
+                        .map(|()| (Blame::Source(counted.source), Reason::ConnRate))
+                }
             },
         };
         if let Some((blame, reason)) = refused {
@@ -652,6 +672,14 @@ impl Model {
         self.flows.insert(key, flow);
         self.event(Event::Opened);
         Some(Completion::Admitted)
+    }
+
+    /// A proven handshake refused (or judged refusable) over its source's own cap or rate:
+    /// with kernel escalation on, the source's streak grows.
+    fn offense(&mut self, source: SourceKey) {
+        if self.config.offense_gap_ns != 0 {
+            *self.offenders.entry(source).or_default() += 1;
+        }
     }
 
     /// The host's RST closes a flow; a client's only marks it (the host may discard it).

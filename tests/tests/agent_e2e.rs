@@ -457,6 +457,77 @@ fn port_profiles_cap_their_own_ports_change_live_and_show_apart() {
     drop((top, first, second));
 }
 
+/// Kernel escalation, tried both ways an attacker would: SYNs forged in a victim's name (at
+/// its cap) for longer than `escalate-refused-for` never make it an offender, since their
+/// handshakes never complete; a real client that keeps opening connections over its cap is
+/// refused at each proven handshake, and banned once that has gone on long enough.
+#[test]
+fn kernel_escalation_bans_a_source_refused_at_its_handshakes_never_a_forged_one() {
+    let s = Setup::new();
+    let agent = s.agent(&[
+        "--max-conn-per-ip",
+        "1",
+        "--syn-rate",
+        "0",
+        "--escalate-refused-for",
+        "2s",
+        "--sweep-interval",
+        "200ms",
+    ]);
+    agent
+        .wait_for("limiter is ready", startup_deadline())
+        .unwrap();
+    let held = s.connect().expect("under the cap");
+    let maps = s.pins.maps();
+    // The forger: 3 s of SYNs in the victim's name. The host answers each, as over-cap SYNs
+    // now reach it, and the victim's stack resets the SYN-ACKs it never asked for.
+    let until = std::time::Instant::now() + Duration::from_secs(3);
+    let mut forged = 0;
+    while std::time::Instant::now() < until {
+        send_raw_syn(&s.pair, CLIENT_V4, s.server.addr);
+        forged += 1;
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(forged > 50);
+    assert_eq!(
+        maps.offenders().unwrap(),
+        [],
+        "no forged SYN proves anything"
+    );
+    assert_eq!(maps.bans().unwrap().len(), 0);
+    // The offender: the client itself, over its cap again and again. Each handshake
+    // completes, is refused at its ACK (the host never keeps it) and counts; once that has
+    // gone on for 2 s, the next sweep bans it and its SYNs are dropped: connect times out.
+    let mut refused = 0;
+    let banned = (0..200).any(|_| match s.connect() {
+        Ok(_) => {
+            refused += 1;
+            std::thread::sleep(Duration::from_millis(50));
+            false
+        }
+        Err(e) => {
+            assert_eq!(e.kind(), ErrorKind::TimedOut, "{e}");
+            true
+        }
+    });
+    assert!(
+        banned,
+        "still not banned after {refused} refused handshakes"
+    );
+    assert!(refused >= 10, "banned after only {refused} refusals");
+    agent
+        .wait_for("escalated to a ban", Duration::from_secs(5))
+        .unwrap();
+    assert_eq!(maps.bans().unwrap().len(), 1);
+    assert!(
+        maps.packets(Direction::Ingress, Verdict::Rst, Reason::ConnPerIp)
+            .unwrap()
+            >= refused,
+        "each refused at its ACK"
+    );
+    drop(held);
+}
+
 #[test]
 fn a_half_open_client_holds_no_slot() {
     let s = Setup::new();

@@ -81,7 +81,8 @@ fn limiter_config() -> LimiterConfig {
     LimiterConfig {
         actions: resolve_actions(&table, &[], false).expect("valid actions"),
         escalation: Some(EscalationConfig {
-            after: 1,
+            after: Some(1),
+            refused_for: None,
             window: Duration::from_secs(60),
             ban: Duration::from_secs(600),
             increment: BanIncrement::OFF,

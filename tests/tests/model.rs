@@ -116,6 +116,9 @@ const PROFILES: &[&str] = &[
     "192.0.2.0/26:syn-burst=2",
     "--override",
     "192.0.2.64/27:max-conn-per-ip=2",
+    // Kernel escalation: refusals over a source's own cap or rate wait for the handshake.
+    "--escalate-refused-for",
+    "30s",
 ];
 
 /// The same caps with an allow list and a deny list over part of the clients, refused
@@ -238,6 +241,12 @@ fn profiles_agree_with_the_model() {
         refused(mqtt, Reason::ConnRate),
     );
     assert!(refused(0, Reason::ConnPerIp) > 10);
+    let offenses: u64 = model.offenders.values().sum();
+    println!(
+        "model: {} sources refused {offenses} times at their handshakes",
+        model.offenders.len()
+    );
+    assert!(offenses > 10);
     assert!(refused(mqtt, Reason::ConnPerIp) > 10);
     assert!(refused(mqtt, Reason::SynRate) + refused(mqtt, Reason::ConnRate) > 10);
     assert!(model.connections(0) > 0 && model.connections(mqtt) > 0);
@@ -638,6 +647,18 @@ fn compare(k: &Kernel, model: &Model, clients: &[IpAddr]) -> Result<(), String> 
                 "refused attempts, {reason:?}: kernel {got}, model {want}"
             ));
         }
+    }
+    let offenders: HashMap<SourceKey, u64> = maps
+        .offenders()
+        .expect("offenders")
+        .into_iter()
+        .map(|(source, offense)| (source, offense.refusals))
+        .collect();
+    if offenders != model.offenders {
+        return Err(format!(
+            "offenders: kernel {offenders:?}, model {:?}",
+            model.offenders
+        ));
     }
     let blocked: HashMap<SourceKey, Blocked> =
         maps.blocked().expect("top-blocked").into_iter().collect();

@@ -372,8 +372,12 @@ pub struct ActionCounts {
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct EscalationView {
-    /// Failures tolerated within the window; one more bans.
-    pub after: u32,
+    /// Failures tolerated within the window; one more bans. `None`: failures never ban.
+    pub after: Option<u32>,
+    /// Kernel escalation: how long a source's connection attempts are refused at their
+    /// proven handshakes before it is banned. `None`: off.
+    #[serde(default)]
+    pub refused_for_ms: Option<u64>,
     pub window_ms: u64,
     /// The first ban's length.
     pub ban_ms: u64,

@@ -1,5 +1,7 @@
 //! Escalation: an address that fails authentication more than K times within W is banned for
-//! T, once, so a brute-forcing client stops reaching the broker at all. An address banned again
+//! T, once, so a brute-forcing client stops reaching the broker at all; so is one whose
+//! connection attempts the kernel refused at their proven handshakes, over its cap or its SYN
+//! rate, for longer than a set time (kernel escalation). An address banned again
 //! within a memory window of its last ban's end is banned longer (fail2ban's
 //! `bantime.increment`): T times the factor for each ban before it in the run, up to a ceiling,
 //! so a patient attacker who waits out each ban gains less with each round.
@@ -32,8 +34,11 @@ pub const DEFAULT_MAX_ADDRESSES: usize = 100_000;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct EscalationConfig {
-    /// K: failures tolerated within the window; one more bans.
-    pub after: u32,
+    /// K: failures tolerated within the window; one more bans. `None`: failures never ban.
+    pub after: Option<u32>,
+    /// Kernel escalation: a source refused at its proven handshakes for this long is banned
+    /// (see [`Escalator::record_refused`]). `None`: off.
+    pub refused_for: Option<Duration>,
     /// W.
     pub window: Duration,
     /// T: the first ban's length.
@@ -161,21 +166,16 @@ impl Escalator {
         let Some(config) = self.config() else {
             return Escalation::Off;
         };
+        let Some(after) = config.after else {
+            return Escalation::Off;
+        };
         let addr = addr.to_canonical();
         self.banner.failure(addr);
         let now = self.clock.now_ns();
         let window = duration_ns(config.window);
-        let (before, ttl, nth) = {
-            let mut record = match self.records.entry(addr) {
-                Entry::Occupied(occupied) => occupied.into_ref(),
-                Entry::Vacant(vacant) => {
-                    if self.tracked.fetch_add(1, Ordering::AcqRel) >= config.max_addresses {
-                        self.tracked.fetch_sub(1, Ordering::AcqRel);
-                        self.untracked.fetch_add(1, Ordering::Relaxed);
-                        return Escalation::Untracked;
-                    }
-                    vacant.insert(Record::default())
-                }
+        {
+            let Some(mut record) = self.record(addr, &config) else {
+                return Escalation::Untracked;
             };
             if record.banned_until.is_some_and(|until| until > now) {
                 return Escalation::AlreadyBanned;
@@ -189,12 +189,80 @@ impl Escalator {
             }
             record.failures.push_back(now);
             let count = record.failures.len();
-            if count <= config.after as usize {
+            if count <= after as usize {
                 return Escalation::Counted {
                     failures: count as u32,
                 };
             }
             record.failures.clear();
+        }
+        let failures = after.saturating_add(1);
+        match self.ban_next(addr, &config, now, |nth| BanCause::Escalation {
+            failures,
+            nth,
+        }) {
+            // Monitor mode: judged, not placed.
+            Escalation::Counted { .. } => Escalation::Counted { failures },
+            answer => answer,
+        }
+    }
+
+    /// Kernel escalation: the kernel refused `addr`'s connection attempts at their proven
+    /// handshakes, over its cap or SYN rate, in a streak `refused` long. Past `refused_for`,
+    /// it is banned as the next ban of its run (a repeat offender's longer, the same run as
+    /// its failures'), or in monitor mode counted as a ban not placed.
+    pub fn record_refused(&self, addr: IpAddr, refused: Duration) -> Escalation {
+        let Some(config) = self.config() else {
+            return Escalation::Off;
+        };
+        let Some(threshold) = config.refused_for else {
+            return Escalation::Off;
+        };
+        if refused < threshold {
+            return Escalation::Counted { failures: 0 };
+        }
+        let addr = addr.to_canonical();
+        let now = self.clock.now_ns();
+        let seconds = refused.as_secs();
+        self.ban_next(addr, &config, now, |nth| BanCause::Refused { seconds, nth })
+    }
+
+    /// `addr`'s record, made if it has none and the cap allows; `None` at the cap.
+    fn record(
+        &self,
+        addr: IpAddr,
+        config: &EscalationConfig,
+    ) -> Option<dashmap::mapref::one::RefMut<'_, IpAddr, Record>> {
+        Some(match self.records.entry(addr) {
+            Entry::Occupied(occupied) => occupied.into_ref(),
+            Entry::Vacant(vacant) => {
+                if self.tracked.fetch_add(1, Ordering::AcqRel) >= config.max_addresses {
+                    self.tracked.fetch_sub(1, Ordering::AcqRel);
+                    self.untracked.fetch_add(1, Ordering::Relaxed);
+                    return None;
+                }
+                vacant.insert(Record::default())
+            }
+        })
+    }
+
+    /// Bans `addr` as the next ban of its run, for the length [`EscalationConfig::ban_for`]
+    /// gives its place (`cause` says why, from that place); in monitor mode only counts and
+    /// logs the ban it would place, the run left as it was, and answers `Counted`.
+    fn ban_next(
+        &self,
+        addr: IpAddr,
+        config: &EscalationConfig,
+        now: u64,
+        cause: impl FnOnce(u32) -> BanCause,
+    ) -> Escalation {
+        let (before, ttl, nth) = {
+            let Some(mut record) = self.record(addr, config) else {
+                return Escalation::Untracked;
+            };
+            if record.banned_until.is_some_and(|until| until > now) {
+                return Escalation::AlreadyBanned;
+            }
             let before = (record.banned_until, record.run);
             record.run = match record.banned_until {
                 Some(end) if now.saturating_sub(end) < duration_ns(config.increment.memory) => {
@@ -206,7 +274,7 @@ impl Escalator {
             record.banned_until = Some(now.saturating_add(duration_ns(ttl)));
             (before, ttl, record.run)
         };
-        let failures = config.after.saturating_add(1);
+        let cause = cause(nth);
         if self.monitor.load(Ordering::Relaxed) {
             // Judged and counted, not placed: the address stays unbanned and its run as it
             // was, so the figures read as enforcement's would.
@@ -215,23 +283,15 @@ impl Escalator {
                 (record.banned_until, record.run) = before;
             }
             tracing::info!(%addr, ?ttl, "monitor mode: would have escalated to a ban");
-            events::emit(&Event::WouldBan {
-                addr,
-                failures,
-                ttl,
-            });
-            return Escalation::Counted { failures };
+            events::emit(&Event::WouldBan { addr, cause, ttl });
+            return Escalation::Counted { failures: 0 };
         }
         // The ban runs outside the map's lock: it is a syscall in the agent.
         match self.banner.ban(addr, ttl) {
             Ok(()) => {
                 self.bans.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(%addr, ?ttl, "escalated to a ban");
-                events::emit(&Event::Ban {
-                    addr,
-                    cause: BanCause::Escalation { failures, nth },
-                    ttl,
-                });
+                events::emit(&Event::Ban { addr, cause, ttl });
                 Escalation::Banned
             }
             Err(error) => {
@@ -332,7 +392,8 @@ pub(crate) mod tests {
         let clock = Arc::new(ManualClock::new());
         let banner = Arc::new(RecordingBanner::default());
         let config = EscalationConfig {
-            after,
+            after: Some(after),
+            refused_for: None,
             window: Duration::from_secs(60),
             ban: Duration::from_secs(600),
             increment: BanIncrement::OFF,
@@ -369,7 +430,8 @@ pub(crate) mod tests {
         let clock = Arc::new(ManualClock::new());
         let banner = Arc::new(RecordingBanner::default());
         let config = EscalationConfig {
-            after: 1,
+            after: Some(1),
+            refused_for: None,
             window: Duration::from_secs(60),
             ban: Duration::from_secs(600),
             increment: BanIncrement {
@@ -444,9 +506,62 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn refusals_past_their_time_ban_in_the_same_run_as_failures() {
+        let (clock, banner, esc) = incrementing();
+        let config = EscalationConfig {
+            refused_for: Some(Duration::from_secs(30)),
+            ..esc.config().unwrap()
+        };
+        esc.reconfigure(Some(config));
+        let short = Duration::from_secs(29);
+        assert_eq!(
+            esc.record_refused(A, short),
+            Escalation::Counted { failures: 0 }
+        );
+        assert!(bans(&banner).is_empty(), "refused for less than 30 s");
+        let long = Duration::from_secs(31);
+        assert_eq!(esc.record_refused(A, long), Escalation::Banned);
+        assert_eq!(esc.record_refused(A, long), Escalation::AlreadyBanned);
+        // Back after the ban, it fails to log in: the next ban of the same run, twice as long.
+        clock.advance(Duration::from_secs(601));
+        assert_eq!(offend(&esc), Escalation::Banned);
+        assert_eq!(bans(&banner), [600, 1200]);
+        // Without a time, refusals never ban; failures still do.
+        esc.reconfigure(Some(EscalationConfig {
+            refused_for: None,
+            ..config
+        }));
+        assert_eq!(esc.record_refused(A, long), Escalation::Off);
+    }
+
+    #[test]
+    fn monitor_mode_bans_no_refused_source_and_counts_the_ban_it_did_not_place() {
+        let (_clock, banner, esc) = incrementing();
+        esc.reconfigure(Some(EscalationConfig {
+            after: None,
+            refused_for: Some(Duration::from_secs(30)),
+            ..esc.config().unwrap()
+        }));
+        esc.set_monitor(true);
+        let long = Duration::from_secs(31);
+        assert_eq!(
+            esc.record_refused(A, long),
+            Escalation::Counted { failures: 0 }
+        );
+        assert_eq!(
+            esc.record_refused(A, long),
+            Escalation::Counted { failures: 0 }
+        );
+        assert!(bans(&banner).is_empty());
+        assert_eq!(esc.stats().would_ban, 2);
+        assert_eq!(esc.record_failure(A), Escalation::Off, "failures never ban");
+    }
+
+    #[test]
     fn ban_lengths_grow_by_the_factor_and_never_overflow() {
         let config = EscalationConfig {
-            after: 1,
+            after: Some(1),
+            refused_for: None,
             window: Duration::from_secs(60),
             ban: Duration::from_secs(60),
             increment: BanIncrement {

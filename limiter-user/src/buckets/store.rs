@@ -813,6 +813,12 @@ impl Limiter {
         self.escalator.record_failure(addr)
     }
 
+    /// A source the kernel refused at its proven handshakes for `refused` (the sweeper reads
+    /// it from the kernel): kernel escalation bans it past `escalate-refused-for`.
+    pub fn report_refused(&self, addr: IpAddr, refused: Duration) -> Escalation {
+        self.escalator.record_refused(addr, refused)
+    }
+
     pub fn ban(&self, addr: IpAddr, ttl: Duration) -> Result<(), BanError> {
         self.banner.ban(addr.to_canonical(), ttl)
     }

@@ -273,7 +273,8 @@ fn a_flood_of_fresh_keys_never_refuses_or_bans_an_innocent_key() {
     let (clock, banner, limiter) = limiter_with(
         "[actions.auth]\nlimit = 10\nwindow = \"60s\"\nmax-keys = 100\n",
         Some(EscalationConfig {
-            after: 1,
+            after: Some(1),
+            refused_for: None,
             window: Duration::from_secs(60),
             ban: Duration::from_secs(600),
             increment: BanIncrement::OFF,
@@ -373,7 +374,8 @@ fn four_hundred_concurrent_checks_across_four_keys_admit_exactly_fifty_each() {
 #[test]
 fn auth_refusals_and_reported_failures_escalate_to_one_ban() {
     let escalation = EscalationConfig {
-        after: 3,
+        after: Some(3),
+        refused_for: None,
         window: Duration::from_secs(60),
         ban: Duration::from_secs(900),
         increment: BanIncrement::OFF,
@@ -565,7 +567,8 @@ fn a_reload_turns_escalation_on_changes_it_and_turns_it_off() {
     let addr: IpAddr = "192.0.2.5".parse().unwrap();
     assert_eq!(limiter.report_auth_failure(addr), Escalation::Off);
     let escalation = |after| EscalationConfig {
-        after,
+        after: Some(after),
+        refused_for: None,
         window: Duration::from_secs(60),
         ban: Duration::from_secs(120),
         increment: BanIncrement::OFF,
@@ -821,7 +824,8 @@ fn with_mode(toml_actions: &str, mode: Enforcement) -> (Arc<ManualClock>, Limite
         ..config_of(
             toml_actions,
             Some(EscalationConfig {
-                after: 2,
+                after: Some(2),
+                refused_for: None,
                 window: Duration::from_secs(60),
                 ban: Duration::from_secs(600),
                 increment: BanIncrement::OFF,

@@ -254,6 +254,7 @@ impl Datapath {
                 options.flow_table_size.next_power_of_two(),
             )
             .map_max_entries(map_names::BLOCKED, options.flow_table_size)
+            .map_max_entries(map_names::OFFENDERS, options.flow_table_size)
             .override_global(aya_log::LEVEL, &log_level, true);
         if let Some(dir) = &options.pin_dir {
             pins::ensure_bpffs(dir)?;

@@ -9,9 +9,9 @@ use aya::{
 };
 use ipnet::IpNet;
 use limiter_common::{
-    Ban, Blocked, Config, Direction, Event, Flow, FlowKey, HalfOpen, Limits, PROFILE_SLOTS,
-    Profile, ProfileSource, Reason, SOURCE_RETIRED, SourceKey, SourceLimits, SynBucket, Verdict,
-    map_names,
+    Ban, Blocked, Config, Direction, Event, Flow, FlowKey, HalfOpen, Limits, Offense,
+    PROFILE_SLOTS, Profile, ProfileSource, Reason, SOURCE_RETIRED, SourceKey, SourceLimits,
+    SynBucket, Verdict, map_names,
     profile::{PROFILE_NAME_BYTES, refusal_slot},
     stats::stat_slot,
     syn_cookies,
@@ -197,6 +197,7 @@ pub struct Maps {
     events: PerCpuArray<MapData, u64>,
     blocked: HashMap<MapData, SourceKey, Blocked>,
     refused_conns: PerCpuArray<MapData, u64>,
+    offenders: HashMap<MapData, SourceKey, Offense>,
     /// The port bytes this handle last wrote (port, profile slot + 1): the port table is
     /// 64 Ki entries, so it is compared with the kernel's only when the wanted set changes,
     /// not on every list change.
@@ -271,6 +272,7 @@ impl Maps {
             events: found(EVENTS).typed()?,
             blocked: found(BLOCKED).typed()?,
             refused_conns: found(REFUSED_CONNS).typed()?,
+            offenders: found(OFFENDERS).typed()?,
             ports_written: None,
             cookie_terms: CookieTerms::default(),
             auto_cookies: 0,
@@ -665,6 +667,26 @@ impl Maps {
             }
         }
         Ok(all.into_iter().collect())
+    }
+
+    /// Every source's streak of refusals at its proven handshakes (kernel escalation).
+    pub fn offenders(&self) -> Result<Vec<(SourceKey, Offense)>, MapsError> {
+        self.offenders
+            .iter()
+            .map(|entry| entry.map_err(map_error(map_names::OFFENDERS)))
+            .collect()
+    }
+
+    /// Forgets a source's streak (banned, or over); false if it had none.
+    pub fn forget_offender(&mut self, source: &SourceKey) -> Result<bool, MapsError> {
+        match self.offenders.remove(source) {
+            Ok(()) => Ok(true),
+            Err(MapError::KeyNotFound) => Ok(false),
+            Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => {
+                Ok(false)
+            }
+            Err(error) => Err(map_error(map_names::OFFENDERS)(error)),
+        }
     }
 
     /// Every SYN bucket slot that a source claimed or whose sources hold connections, by slot:

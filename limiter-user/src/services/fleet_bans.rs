@@ -245,11 +245,12 @@ async fn write(mut writer: Writer, local: Arc<dyn Banner>, counters: Arc<Counter
             Op::Ban(addr, ttl) => timed(bans.ban(addr, ttl)).await.map(|()| true),
             Op::Unban(addr) => timed(bans.unban(addr)).await.map(|_| true),
             Op::Failure(addr) => {
-                let Some(rule) = writer.escalation else {
+                let Some((rule, after)) = writer.escalation.and_then(|r| Some((r, r.after?)))
+                else {
                     continue;
                 };
-                match timed(bans.count_failure(addr, rule.window, rule.after, rule.ban)).await {
-                    Ok(count) if count == u64::from(rule.after) + 1 => {
+                match timed(bans.count_failure(addr, rule.window, after, rule.ban)).await {
+                    Ok(count) if count == u64::from(after) + 1 => {
                         // The fleet's count crossed: banned on every agent, this one first.
                         tracing::warn!(%addr, failures = count, ttl = ?rule.ban, "the fleet's failures escalated to a ban");
                         match local.ban(addr, rule.ban) {

@@ -105,6 +105,29 @@ pub fn destroys(adoption: Adoption, settled: bool, monitoring: bool) -> bool {
     adoption == Adoption::OverCap && settled && !monitoring
 }
 
+/// What kernel escalation makes of a source's streak of refusals at its proven handshakes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Streak {
+    /// Refused for this long, past `refused_for`: ban it.
+    Escalate(Duration),
+    /// Paused past the gap that ends a streak short of it: forget it.
+    Over,
+    /// Still short of it, and going on.
+    Going,
+}
+
+/// Judges a streak (`first_ns` to `last_ns`, boot time) at `now` against `refused_for`.
+pub fn judge_streak(first_ns: u64, last_ns: u64, now: u64, refused_for: Duration) -> Streak {
+    let span = last_ns.saturating_sub(first_ns);
+    if span >= duration_ns(refused_for) {
+        Streak::Escalate(Duration::from_nanos(span))
+    } else if older_than(now, last_ns, crate::settings::defaults::OFFENSE_GAP) {
+        Streak::Over
+    } else {
+        Streak::Going
+    }
+}
+
 /// A connection counter: a source's in a profile, or a profile's global one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Counter {
@@ -561,5 +584,29 @@ mod tests {
         let second = reconcile(&read, &read, &tally, &first.seen);
         let repair = &second.repairs[0].request;
         assert_eq!((repair.profile, repair.delta, repair.global), (2, -1, 0));
+    }
+
+    #[test]
+    fn a_streak_escalates_once_it_lasts_and_is_forgotten_once_it_pauses() {
+        let after = Duration::from_secs(30);
+        let now = 1000 * SECOND;
+        assert_eq!(
+            judge_streak(now - 40 * SECOND, now - SECOND, now, after),
+            Streak::Escalate(Duration::from_secs(39))
+        );
+        assert_eq!(
+            judge_streak(now - 20 * SECOND, now - SECOND, now, after),
+            Streak::Going
+        );
+        assert_eq!(
+            judge_streak(now - 20 * SECOND, now - 11 * SECOND, now, after),
+            Streak::Over,
+            "paused past the gap"
+        );
+        // Long enough, however long ago: the ban is still owed.
+        assert_eq!(
+            judge_streak(now - 100 * SECOND, now - 60 * SECOND, now, after),
+            Streak::Escalate(Duration::from_secs(40))
+        );
     }
 }

@@ -12,7 +12,7 @@ use std::{
 use limiter_common::{FlowKey, PROFILE_SLOTS, ProfileSource};
 use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, Opts};
 
-use super::sweep_rules::{self, Counter, Mismatch, Release, SocketView};
+use super::sweep_rules::{self, Counter, Mismatch, Release, SocketView, Streak};
 use crate::{
     buckets::Limiter,
     datapath::{
@@ -100,6 +100,8 @@ pub struct PassReport {
     pub app_keys: u64,
     /// Established connections the flow table lacked, adopted (see [`Sweeper::adopt`]).
     pub adopted: u64,
+    /// Sources kernel escalation banned (or, in monitor mode, would have).
+    pub escalated: u64,
     pub repairs: u64,
     /// This pass's walk reached the end of the flow table: a cycle ended (and was
     /// reconciled, if it began at the table's start).
@@ -214,6 +216,7 @@ impl Sweeper {
             self.tracked_before = std::mem::take(&mut self.tracked);
             self.checked.clear();
         }
+        report.escalated = escalate(enforcer, limiter, now)?;
         let syn_timeout = duration_ns(settings.syn_timeout);
         report.half_open =
             enforcer.with_maps(|m| m.sweep_half_open(&mut self.cursor, batch, now, syn_timeout))?;
@@ -385,6 +388,31 @@ impl HostRoutes {
                 })
         })
     }
+}
+
+/// Kernel escalation: each source whose streak of refusals at its proven handshakes lasted
+/// past `escalate-refused-for` is handed to the broker limiter's escalation, which bans it
+/// (a repeat offender's ban longer; in monitor mode, counted and not placed), and its streak
+/// forgotten; a streak that paused short of it is forgotten. Returns how many were handed.
+fn escalate(enforcer: &Enforcer, limiter: &Limiter, now: u64) -> Result<u64, EnforceError> {
+    let Some(refused_for) = limiter.escalation_config().and_then(|c| c.refused_for) else {
+        return Ok(0);
+    };
+    let mut escalated = 0;
+    for (source, offense) in enforcer.with_maps(|m| m.offenders())? {
+        match sweep_rules::judge_streak(offense.first_ns, offense.last_ns, now, refused_for) {
+            Streak::Escalate(refused) => {
+                let addr = crate::datapath::kernel_keys::key_address(&source);
+                tracing::warn!(%addr, ?refused, refusals = offense.refusals, "refused at its handshakes past escalate-refused-for");
+                limiter.report_refused(addr, refused);
+                escalated += 1;
+            }
+            Streak::Over => {}
+            Streak::Going => continue,
+        }
+        enforcer.with_maps(|m| m.forget_offender(&source))?;
+    }
+    Ok(escalated)
 }
 
 /// Every connection counter: each source's in each profile, and each profile's global one.

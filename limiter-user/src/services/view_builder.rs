@@ -239,6 +239,7 @@ pub fn broker_rate_limits(limiter: &Limiter, limit: usize) -> BrokerRateLimits {
         let stats = limiter.escalation_stats().unwrap_or_default();
         EscalationView {
             after: config.after,
+            refused_for_ms: config.refused_for.map(duration_ms),
             window_ms: duration_ms(config.window),
             ban_ms: duration_ms(config.ban),
             ban_factor: config.increment.factor,

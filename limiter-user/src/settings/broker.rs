@@ -33,6 +33,14 @@ pub struct BrokerLayer {
     /// (escalation is off unless set).
     #[arg(long, env = "LIMITER_ESCALATE_AFTER")]
     pub escalate_after: Option<u32>,
+    /// Kernel escalation: ban a source whose connection attempts the kernel refuses at their
+    /// handshakes, over its cap or SYN rate, for this long without a pause of more than 10 s.
+    /// Only a completed handshake counts (a forged SYN's never completes), so over-cap SYNs
+    /// then reach the host and are refused at their ACK. Bans last as escalated ones do
+    /// (escalate-ban, escalate-factor, ...); unset = off.
+    #[arg(long, env = "LIMITER_ESCALATE_REFUSED_FOR", value_parser = humantime::parse_duration)]
+    #[serde(default, with = "text_duration")]
+    pub escalate_refused_for: Option<Duration>,
     /// The window failures are counted in. [default: 60s]
     #[arg(long, env = "LIMITER_ESCALATE_WINDOW", value_parser = humantime::parse_duration)]
     #[serde(default, with = "text_duration")]
@@ -239,32 +247,38 @@ impl BrokerLayer {
                 ),
             ));
         }
-        let escalation = match self.escalate_after {
-            None => None,
-            Some(0) => {
+        if self.escalate_after == Some(0) {
+            return Err(ConfigError::new(
+                "escalate-after",
+                "must be at least 1 (leave it out to turn escalation off)",
+            ));
+        }
+        if self.escalate_refused_for.is_some_and(|d| d.is_zero()) {
+            return Err(ConfigError::new(
+                "escalate-refused-for",
+                "must be longer than zero (leave it out to turn kernel escalation off)",
+            ));
+        }
+        let escalation = if self.escalate_after.is_none() && self.escalate_refused_for.is_none() {
+            None
+        } else {
+            let window = self.escalate_window.unwrap_or(defaults::ESCALATE_WINDOW);
+            let ban = self.escalate_ban.unwrap_or(defaults::ESCALATE_BAN);
+            if window.is_zero() {
                 return Err(ConfigError::new(
-                    "escalate-after",
-                    "must be at least 1 (leave it out to turn escalation off)",
+                    "escalate-window",
+                    "must be longer than zero",
                 ));
             }
-            Some(after) => {
-                let window = self.escalate_window.unwrap_or(defaults::ESCALATE_WINDOW);
-                let ban = self.escalate_ban.unwrap_or(defaults::ESCALATE_BAN);
-                if window.is_zero() {
-                    return Err(ConfigError::new(
-                        "escalate-window",
-                        "must be longer than zero",
-                    ));
-                }
-                crate::api::ban_ttl(ban).map_err(|e| ConfigError::new("escalate-ban", e))?;
-                Some(EscalationConfig {
-                    after,
-                    window,
-                    ban,
-                    increment: self.increment(ban)?,
-                    max_addresses: escalation::DEFAULT_MAX_ADDRESSES,
-                })
-            }
+            crate::api::ban_ttl(ban).map_err(|e| ConfigError::new("escalate-ban", e))?;
+            Some(EscalationConfig {
+                after: self.escalate_after,
+                refused_for: self.escalate_refused_for,
+                window,
+                ban,
+                increment: self.increment(ban)?,
+                max_addresses: escalation::DEFAULT_MAX_ADDRESSES,
+            })
         };
         Ok(BrokerSettings {
             admin: AdminPeers {

@@ -68,6 +68,10 @@ pub mod defaults {
     pub const ESCALATE_BAN: Duration = Duration::from_secs(600);
     pub const ESCALATE_MAX_BAN: Duration = Duration::from_secs(86_400);
     pub const ESCALATE_MEMORY: Duration = Duration::from_secs(86_400);
+    /// How long a pause between two refusals at a source's proven handshakes ends its streak,
+    /// for kernel escalation (`escalate-refused-for`): the kernel starts a new streak after
+    /// it, and the sweeper forgets one that has paused this long.
+    pub const OFFENSE_GAP: Duration = Duration::from_secs(10);
     pub const MAX_CLIENTS: u32 = 512;
     pub const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
     pub const CLIENT_IDLE_TIMEOUT: Duration = Duration::from_secs(300);
@@ -380,6 +384,8 @@ mod tests {
             (&["--deny-file", "/nonexistent/deny"][..], "deny-file"),
             (&["--syn-timeout", "0s"][..], "syn-timeout"),
             (&["--escalate-after", "0"][..], "escalate-after"),
+            (&["--escalate-refused-for", "0s"][..], "escalate-refused-for"),
+            (&["--profile", "a:ports=5672", "--ports", "5672"][..], "profiles.a.ports"),
             (
                 &["--escalate-after", "3", "--escalate-factor", "0"][..],
                 "escalate-factor",
@@ -509,7 +515,7 @@ mod tests {
         let escalation = s.broker.limiter.escalation.unwrap();
         assert_eq!(
             (escalation.after, escalation.window, escalation.ban),
-            (9, Duration::from_secs(120), defaults::ESCALATE_BAN)
+            (Some(9), Duration::from_secs(120), defaults::ESCALATE_BAN)
         );
         assert_eq!(escalation.increment.factor, 1, "off unless set");
         let incremented = with_file(

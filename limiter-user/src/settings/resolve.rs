@@ -67,7 +67,15 @@ impl Layer {
             (None, true) => CheckAccess::Open,
             (None, false) => CheckAccess::Closed,
         };
-        let policy = self.policy()?;
+        let mut policy = self.policy()?;
+        // Kernel escalation, a broker setting for its ban lengths, is the kernel's to judge.
+        if broker
+            .limiter
+            .escalation
+            .is_some_and(|e| e.refused_for.is_some())
+        {
+            policy.base.offense_gap_ns = crate::duration_units::duration_ns(defaults::OFFENSE_GAP);
+        }
         broker.limiter.mode = self.mode.unwrap_or_default();
         if self
             .state_file
