@@ -384,8 +384,14 @@ mod tests {
             (&["--deny-file", "/nonexistent/deny"][..], "deny-file"),
             (&["--syn-timeout", "0s"][..], "syn-timeout"),
             (&["--escalate-after", "0"][..], "escalate-after"),
-            (&["--escalate-refused-for", "0s"][..], "escalate-refused-for"),
-            (&["--profile", "a:ports=5672", "--ports", "5672"][..], "profiles.a.ports"),
+            (
+                &["--escalate-refused-for", "0s"][..],
+                "escalate-refused-for",
+            ),
+            (
+                &["--profile", "a:ports=5672", "--ports", "5672"][..],
+                "profiles.a.ports",
+            ),
             (
                 &["--escalate-after", "3", "--escalate-factor", "0"][..],
                 "escalate-factor",
