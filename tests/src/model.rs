@@ -133,7 +133,7 @@ pub struct Model {
     /// Refused connection attempts by source, but for the SYN rate's (counted in the buckets).
     pub blocked: HashMap<SourceKey, Blocked>,
     /// Kernel escalation: each source's refusals at its proven handshakes, over its cap or its
-    /// SYN rate (runs are shorter than the gap that would start a streak again).
+    /// SYN rate (the differential test sets no gap that would start a streak again).
     pub offenders: HashMap<SourceKey, u64>,
     /// Source keys under a ban in force.
     bans: HashSet<SourceKey>,

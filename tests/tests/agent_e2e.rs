@@ -325,7 +325,7 @@ fn monitor_mode_lets_every_connection_in_counts_what_enforce_would_refuse_and_sw
     assert_eq!(
         sample(
             &text,
-            r#"limiter_refused_connections_total{reason="conn_per_ip"}"#
+            r#"limiter_refused_connections_total{profile="default",reason="conn_per_ip"}"#
         ),
         0.0
     );
@@ -343,7 +343,7 @@ fn monitor_mode_lets_every_connection_in_counts_what_enforce_would_refuse_and_sw
     assert_eq!(
         sample(
             &text,
-            r#"limiter_refused_connections_total{reason="conn_per_ip"}"#
+            r#"limiter_refused_connections_total{profile="default",reason="conn_per_ip"}"#
         ),
         1.0
     );
@@ -886,14 +886,20 @@ fn metrics_move_with_traffic_and_admin_calls_need_the_token() {
     let (status, before) = http(&s, reqwest::Method::GET, "/metrics", None, None);
     assert_eq!(status, 200);
     assert_eq!(sample(&before, admitted), 0.0);
-    assert_eq!(sample(&before, "limiter_connections"), 0.0);
+    assert_eq!(
+        sample(&before, r#"limiter_connections{profile="default"}"#),
+        0.0
+    );
 
     let _held = s.connect().expect("under the cap");
     assert!(s.refused());
     let (_, after) = http(&s, reqwest::Method::GET, "/metrics", None, None);
     assert_eq!(sample(&after, admitted), 1.0);
     assert_eq!(sample(&after, refused), 1.0);
-    assert_eq!(sample(&after, "limiter_connections"), 1.0);
+    assert_eq!(
+        sample(&after, r#"limiter_connections{profile="default"}"#),
+        1.0
+    );
     assert_eq!(sample(&after, "limiter_tracked_sources"), 1.0);
 
     // Without the token, or with a wrong one: 401, and nothing changes.

@@ -375,7 +375,8 @@ fn metrics_read_the_kernel_maps_the_sweeper_and_the_broker_limiter_at_scrape_tim
     }
     let s = samples(text);
     assert_eq!(value(&s, "limiter_maps_readable", &[]), 1.0);
-    assert_eq!(value(&s, "limiter_connections", &[]), 3.0);
+    let top = [("profile", "default")];
+    assert_eq!(value(&s, "limiter_connections", &top), 3.0);
     assert_eq!(value(&s, "limiter_tracked_sources", &[]), 2.0);
     assert_eq!(value(&s, "limiter_flow_table_entries", &[]), 3.0);
     assert_eq!(value(&s, "limiter_flow_table_capacity", &[]), 1024.0);
@@ -444,7 +445,10 @@ fn metrics_read_the_kernel_maps_the_sweeper_and_the_broker_limiter_at_scrape_tim
     // A later scrape reads the maps again: counters move, nothing is cached.
     assert_eq!(h.syn(v4(11), 40_005), XDP_PASS);
     let s = samples(&h.get("/metrics").body);
-    assert_eq!(value(&s, "limiter_connections", &[]), 4.0);
+    assert_eq!(
+        value(&s, "limiter_connections", &[("profile", "default")]),
+        4.0
+    );
     assert_eq!(
         value(
             &s,
@@ -481,9 +485,9 @@ fn connections_lists_sources_largest_first_in_rfc_5952_form() {
     assert_eq!(
         body["sources"],
         json!([
-            {"source": "2001:db8::7", "connections": 3},
-            {"source": "192.0.2.20", "connections": 2},
-            {"source": "192.0.2.21", "connections": 1},
+            {"source": "2001:db8::7", "profile": "default", "connections": 3},
+            {"source": "192.0.2.20", "profile": "default", "connections": 2},
+            {"source": "192.0.2.21", "profile": "default", "connections": 1},
         ])
     );
     let body = h.get("/connections?limit=1").json();

@@ -317,7 +317,15 @@ fn run(flags: &[&str], seed: u64, count: usize) -> Model {
     let mut k = Kernel::new(flags);
     let live = k.dp.maps.config().expect("the live config");
     let held = k.dp.maps.profile_labels().expect("the profiles' slots");
-    let policy = settings(flags).policy;
+    let mut policy = settings(flags).policy;
+    if policy.base.offense_gap_ns != 0 {
+        // Kernel escalation's streaks, whose times the model does not keep: a pause that
+        // would start one again (10 s) must never come, however slow the run.
+        policy.base.offense_gap_ns = u64::MAX;
+        k.dp.maps
+            .apply(&policy)
+            .expect("the policy without streak gaps");
+    }
     let mut model = Model::new(&policy, &live, &held);
     let ports = if policy.profiles.is_empty() {
         vec![PORT]

@@ -1759,19 +1759,26 @@ fn a_profile_keeps_its_slot_by_name_across_reloads() {
     assert_eq!(k.dp.maps.profile_slots().unwrap().len(), 2);
 }
 
-#[test]
-fn a_profile_in_monitor_mode_refuses_nothing_while_the_top_level_enforces() {
-    let k = Kernel::new(&[
+/// One connection a source on 5672 at the top level, no rate, and profile `mqtt` on 1883 as
+/// `mqtt` says, then `more`.
+fn beside_mqtt(mqtt: &str, more: &[&str]) -> Kernel {
+    let profile = format!("mqtt:ports=1883,{mqtt}");
+    let top = [
         "--ports",
         "5672",
         "--max-conn-per-ip",
         "1",
         "--syn-rate",
         "0",
-        "--rst-xdp-tx",
         "--profile",
-        "mqtt:ports=1883,max-conn-per-ip=1,mode=monitor",
-    ]);
+        &profile,
+    ];
+    Kernel::new(&[&top[..], more].concat())
+}
+
+#[test]
+fn a_profile_in_monitor_mode_refuses_nothing_while_the_top_level_enforces() {
+    let k = beside_mqtt("max-conn-per-ip=1,mode=monitor", &["--rst-xdp-tx"]);
     k.connect(&syn(v4(2), 1));
     for port in 1..=3 {
         assert_eq!(k.connect(&syn_to(v4(2), port, MQTT)).action, XDP_PASS);
@@ -1796,18 +1803,10 @@ fn a_profile_in_monitor_mode_refuses_nothing_while_the_top_level_enforces() {
 fn an_override_keeps_its_ports_profile_limits_where_it_sets_none() {
     // A NAT gateway's /24 gets 5 connections a source everywhere; its SYN rate stays each
     // profile's (the top level's none, mqtt's 1 a second after a burst of 2).
-    let k = Kernel::new(&[
-        "--ports",
-        "5672",
-        "--max-conn-per-ip",
-        "1",
-        "--syn-rate",
-        "0",
-        "--profile",
-        "mqtt:ports=1883,max-conn-per-ip=1,syn-rate=1,syn-burst=2",
-        "--override",
-        "192.0.2.0/24:max-conn-per-ip=5",
-    ]);
+    let k = beside_mqtt(
+        "max-conn-per-ip=1,syn-rate=1,syn-burst=2",
+        &["--override", "192.0.2.0/24:max-conn-per-ip=5"],
+    );
     for port in 1..=6 {
         k.connect(&syn(v4(2), port));
         k.connect(&syn_to(v4(2), 100 + port, MQTT));

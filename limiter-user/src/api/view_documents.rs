@@ -79,31 +79,20 @@ pub struct FleetStatus {
 /// The kernel's limits as the programs read them (the `CONFIG` map).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct KernelLimits {
-    /// 0 = no limit (the same for the other limits).
-    pub max_conn_per_ip: u32,
-    pub max_conn_total: u32,
-    pub syn_rate: u32,
-    pub syn_burst: u32,
-    /// New connections a second from all sources together.
-    #[serde(default)]
-    pub conn_rate: u32,
-    #[serde(default)]
-    pub conn_burst: u32,
+    /// The top level's caps, rates and refusals: those of every protected port no profile
+    /// names.
+    #[serde(flatten)]
+    pub top: ProfileLimits,
     pub ipv4_prefix: u8,
     pub ipv6_prefix: u8,
     pub fail_closed: bool,
     pub all_ports: bool,
-    /// How each refusal is answered: `rst` or `drop`.
-    pub reject_conn: String,
-    pub reject_rate: String,
+    /// How a banned or denylisted source's SYN is answered: `rst` or `drop`.
     pub reject_ban: String,
     pub reject_deny: String,
     /// Whether unproven sources' SYNs are answered with cookies now.
     #[serde(default)]
     pub syn_cookies: bool,
-    /// `enforce`, or `monitor`: the limits are judged and counted, and refuse nothing.
-    #[serde(default = "enforce")]
-    pub mode: String,
     /// Source prefixes held to limits of their own (`[[overrides]]`), as the tries hold them.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub overrides: Vec<OverrideView>,
@@ -132,11 +121,16 @@ pub struct ProfileLimits {
     pub max_conn_total: u32,
     pub syn_rate: u32,
     pub syn_burst: u32,
+    /// New connections a second from all sources together.
+    #[serde(default)]
     pub conn_rate: u32,
+    #[serde(default)]
     pub conn_burst: u32,
+    /// How a SYN over a cap, or over a rate, is answered: `rst` or `drop`.
     pub reject_conn: String,
     pub reject_rate: String,
-    /// `enforce` or `monitor`.
+    /// `enforce`, or `monitor`: the limits are judged and counted, and refuse nothing.
+    #[serde(default = "enforce")]
     pub mode: String,
 }
 
@@ -158,6 +152,14 @@ impl ProfileLimits {
             }
             .to_owned(),
         }
+    }
+
+    /// Whether these limits limit anything: a cap or a rate.
+    pub fn enabled(&self) -> bool {
+        self.max_conn_per_ip != 0
+            || self.max_conn_total != 0
+            || self.syn_rate != 0
+            || self.conn_rate != 0
     }
 }
 
@@ -186,24 +188,15 @@ pub struct OverrideView {
 impl KernelLimits {
     /// The limits of `config` and the `overrides` the tries hold.
     pub fn new(config: &Config, overrides: &[(IpNet, SourceLimits)]) -> Self {
-        let top = ProfileLimits::new(&config.limits);
         Self {
-            max_conn_per_ip: top.max_conn_per_ip,
-            max_conn_total: top.max_conn_total,
-            syn_rate: top.syn_rate,
-            syn_burst: top.syn_burst,
-            conn_rate: top.conn_rate,
-            conn_burst: top.conn_burst,
+            top: ProfileLimits::new(&config.limits),
             ipv4_prefix: config.ipv4_prefix,
             ipv6_prefix: config.ipv6_prefix,
             fail_closed: config.fail_closed != 0,
             all_ports: config.all_ports != 0,
-            reject_conn: top.reject_conn,
-            reject_rate: top.reject_rate,
             reject_ban: refusal_text(config.reject_ban),
             reject_deny: refusal_text(config.reject_deny),
             syn_cookies: config.syn_cookies & limiter_common::syn_cookies::ANSWER != 0,
-            mode: top.mode,
             overrides: overrides
                 .iter()
                 .map(|(net, limits)| OverrideView {
@@ -216,12 +209,9 @@ impl KernelLimits {
         }
     }
 
-    /// Whether the kernel limits anything: a cap or a rate.
+    /// Whether the kernel limits anything at the top level: a cap or a rate.
     pub fn enabled(&self) -> bool {
-        self.max_conn_per_ip != 0
-            || self.max_conn_total != 0
-            || self.syn_rate != 0
-            || self.conn_rate != 0
+        self.top.enabled()
     }
 }
 
@@ -409,7 +399,10 @@ mod tests {
         let limits = KernelLimits::new(&Config::UNCONFIGURED, &[]);
         assert!(!limits.enabled());
         assert_eq!(
-            (limits.reject_conn.as_str(), limits.reject_rate.as_str()),
+            (
+                limits.top.reject_conn.as_str(),
+                limits.top.reject_rate.as_str()
+            ),
             ("rst", "drop")
         );
         let mut config = Config::UNCONFIGURED;

@@ -2,7 +2,7 @@
 
 use std::{fmt::Write as _, net::SocketAddr, time::Duration};
 
-use crate::api::{Connections, KernelLimits, RateLimits, Status};
+use crate::api::{Connections, KernelLimits, ProfileLimits, RateLimits, Status};
 
 fn limit_text(n: u32) -> String {
     if n == 0 {
@@ -20,9 +20,10 @@ fn rate_text(rate: u32, burst: u32) -> String {
     }
 }
 
-fn render_limits(l: &KernelLimits) -> String {
+/// A group of ports' caps, rates and refusals, and whether it only monitors.
+fn caps_text(l: &ProfileLimits) -> String {
     format!(
-        "{}per source {} ({}), total {} ({}), SYN rate {} ({}), connection rate {}, sources keyed by IPv4 /{} and IPv6 /{}, {} when the flow table is full",
+        "{}per source {} ({}), total {} ({}), SYN rate {} ({}), connection rate {}",
         if l.mode == "monitor" {
             "MONITOR MODE (judged and counted, nothing refused): "
         } else {
@@ -35,6 +36,13 @@ fn render_limits(l: &KernelLimits) -> String {
         rate_text(l.syn_rate, l.syn_burst),
         l.reject_rate,
         rate_text(l.conn_rate, l.conn_burst),
+    )
+}
+
+fn render_limits(l: &KernelLimits) -> String {
+    format!(
+        "{}, sources keyed by IPv4 /{} and IPv6 /{}, {} when the flow table is full",
+        caps_text(&l.top),
         l.ipv4_prefix,
         l.ipv6_prefix,
         if l.fail_closed { "refuse" } else { "pass" },
@@ -72,7 +80,6 @@ pub fn render_status(status: &Status, http: SocketAddr) -> String {
             .join(", ")
     };
     for p in &status.profiles {
-        let l = &p.limits;
         let ports = if p.ports.is_empty() {
             "every other port".to_owned()
         } else {
@@ -81,24 +88,13 @@ pub fn render_status(status: &Status, http: SocketAddr) -> String {
         };
         let _ = writeln!(
             out,
-            "profile     {} ({ports}): {}{} open; per source {} ({}), total {} ({}), SYN rate {} ({}), connection rate {}",
+            "profile     {} ({ports}): {} open; {}",
             p.name,
-            if l.mode == "monitor" {
-                "MONITOR MODE, "
-            } else {
-                ""
-            },
             p.connections,
-            limit_text(l.max_conn_per_ip),
-            l.reject_conn,
-            limit_text(l.max_conn_total),
-            l.reject_conn,
-            rate_text(l.syn_rate, l.syn_burst),
-            l.reject_rate,
-            rate_text(l.conn_rate, l.conn_burst),
+            caps_text(&p.limits),
         );
         let _ = writeln!(out, "            refused: {}", by_reason(&p.refused));
-        if l.mode == "monitor" || p.would_refuse.values().any(|n| *n > 0) {
+        if p.limits.mode == "monitor" || p.would_refuse.values().any(|n| *n > 0) {
             let _ = writeln!(
                 out,
                 "            would refuse: {}",
