@@ -132,19 +132,9 @@ impl Report {
     }
 
     fn row(&self) -> String {
-        // "Kernel datapath" reads "kernel datapath" in a table row; "SYN flood" stays.
-        let lowercase = |title: &str| {
-            let mut chars = title.chars();
-            match (chars.next(), chars.next()) {
-                (Some(first), Some(second)) if second.is_lowercase() => {
-                    first.to_lowercase().chain([second]).chain(chars).collect()
-                }
-                _ => title.to_owned(),
-            }
-        };
         format!(
             "| [{}](docs/benchmarks.md#bench-{}) | `cargo xtask bench {} --write` | {} |",
-            lowercase(&self.title),
+            in_a_row(&self.title),
             self.section,
             self.suite,
             if self.summary.is_empty() {
@@ -232,9 +222,35 @@ fn provenance(suite: &str) -> String {
     )
 }
 
+/// A title as a table row reads it: "Kernel datapath" as "kernel datapath", "A connection"
+/// as "a connection"; an acronym ("SYN flood") keeps its case.
+fn in_a_row(title: &str) -> String {
+    let mut chars = title.chars();
+    match (chars.next(), chars.clone().next()) {
+        (Some(first), second) if !second.is_some_and(char::is_uppercase) => {
+            first.to_lowercase().chain(chars).collect()
+        }
+        _ => title.to_owned(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_title_in_a_row_starts_lowercase_but_for_an_acronym() {
+        assert_eq!(in_a_row("Kernel datapath"), "kernel datapath");
+        assert_eq!(
+            in_a_row("A connection a cookie let in"),
+            "a connection a cookie let in"
+        );
+        assert_eq!(
+            in_a_row("SYN flood to a closed port"),
+            "SYN flood to a closed port"
+        );
+        assert_eq!(in_a_row(""), "");
+    }
 
     #[test]
     fn a_section_is_replaced_in_place_and_others_are_kept() {
