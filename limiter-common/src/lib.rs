@@ -161,9 +161,12 @@ pub struct Offense {
     pub last_ns: u64,
     /// Refusals in the streak.
     pub refusals: u64,
+    /// Non-zero when a refusal of the streak was only judged, in monitor mode: such a streak
+    /// bans nobody, and counts as a ban monitor mode did not place.
+    pub monitored: u64,
 }
 
-const _: () = assert!(core::mem::size_of::<Offense>() == 24);
+const _: () = assert!(core::mem::size_of::<Offense>() == 32);
 
 /// A source prefix's own limits (`[[overrides]]`): the value of the override tries, which a
 /// source whose key falls in the prefix gets in place of its port profile's per-source cap and

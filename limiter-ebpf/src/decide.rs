@@ -1011,7 +1011,7 @@ fn admit(key: &FlowKey, flow: &Flow, scope: Scope) -> Completion {
         Taken::Busy => return refuse_at_ack(Blame::Source(source), Reason::FlowTableFull, scope),
     };
     if own.cap != 0 && before >= u64::from(own.cap) {
-        offense(source, flow.last_seen_ns, scope.config);
+        offense(source, flow.last_seen_ns, scope.config, !enforce);
         if enforce {
             source_counts::give_back(counted, per_source, 1);
             return refuse_at_ack(Blame::Source(source), Reason::ConnPerIp, scope);
@@ -1031,7 +1031,7 @@ fn admit(key: &FlowKey, flow: &Flow, scope: Scope) -> Completion {
     // The SYN rate's token last, once the slots are sure: a handshake the caps refuse spends
     // none, and the token, unlike a slot, cannot be given back.
     if let Err(bucket) = take_token(counted, own.rate, scope.config) {
-        offense(source, flow.last_seen_ns, scope.config);
+        offense(source, flow.last_seen_ns, scope.config, !enforce);
         if enforce {
             atomics::decrement(global);
             source_counts::give_back(counted, per_source, 1);
@@ -1080,13 +1080,14 @@ fn admit(key: &FlowKey, flow: &Flow, scope: Scope) -> Completion {
     }
 }
 
-/// A proven handshake of `source` refused (or, in monitor mode, judged refusable) over its own
+/// A proven handshake of `source` refused (or, `monitored`, judged refusable) over its own
 /// cap or SYN rate, at `now`: for kernel escalation, its streak of such refusals in
-/// `OFFENDERS` grows, or starts again after a pause longer than the config's gap. Only a
-/// completed handshake gets here, so no forged frame can make a source an offender. Plain
-/// writes: racing CPUs can lose a count, which only delays a ban.
+/// `OFFENDERS` grows, or starts again after a pause longer than the config's gap; a streak
+/// with a monitored refusal in it is marked, so that it bans nobody. Only a completed
+/// handshake gets here, so no forged frame can make a source an offender. Plain writes:
+/// racing CPUs can lose a count, which only delays a ban.
 #[inline(always)]
-fn offense(source: &SourceKey, now: u64, config: &Config) {
+fn offense(source: &SourceKey, now: u64, config: &Config, monitored: bool) {
     let gap = config.offense_gap_ns;
     if gap == 0 {
         return;
@@ -1099,9 +1100,13 @@ fn offense(source: &SourceKey, now: u64, config: &Config) {
         if (*entry).refusals == 0 || now.saturating_sub((*entry).last_ns) > gap {
             (*entry).first_ns = now;
             (*entry).refusals = 0;
+            (*entry).monitored = 0;
         }
         (*entry).last_ns = now;
         (*entry).refusals += 1;
+        if monitored {
+            (*entry).monitored = 1;
+        }
     }
 }
 
@@ -1110,6 +1115,7 @@ static NO_OFFENSE: Offense = Offense {
     first_ns: 0,
     last_ns: 0,
     refusals: 0,
+    monitored: 0,
 };
 
 /// Takes the SYN rate's token for a proven handshake of `counted`; `Err` with its bucket if

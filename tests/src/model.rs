@@ -133,8 +133,9 @@ pub struct Model {
     /// Refused connection attempts by source, but for the SYN rate's (counted in the buckets).
     pub blocked: HashMap<SourceKey, Blocked>,
     /// Kernel escalation: each source's refusals at its proven handshakes, over its cap or its
-    /// SYN rate (the differential test sets no gap that would start a streak again).
-    pub offenders: HashMap<SourceKey, u64>,
+    /// SYN rate (the differential test sets no gap that would start a streak again), and
+    /// whether one was only judged, in monitor mode.
+    pub offenders: HashMap<SourceKey, (u64, bool)>,
     /// Source keys under a ban in force.
     bans: HashSet<SourceKey>,
 }
@@ -619,7 +620,7 @@ impl Model {
         let enforce = limits.monitor == 0;
         let over_cap = per_ip != 0 && per_source >= per_ip;
         if over_cap {
-            self.offense(counted.source);
+            self.offense(counted.source, !enforce);
         }
         let refused = if !enforce {
             None
@@ -635,12 +636,12 @@ impl Model {
             // The tokens last, once the slots are sure: the source's, then every source's.
             None => match self.take_token(counted, &limits) {
                 Err(slot) if enforce => {
-                    self.offense(counted.source);
+                    self.offense(counted.source, false);
                     Some((Blame::Bucket(slot), Reason::SynRate))
                 }
                 result => {
                     if result.is_err() {
-                        self.offense(counted.source);
+                        self.offense(counted.source, true);
                     }
                     self.take_connection(profile, &limits)
                         .err()
@@ -674,11 +675,13 @@ impl Model {
         Some(Completion::Admitted)
     }
 
-    /// A proven handshake refused (or judged refusable) over its source's own cap or rate:
-    /// with kernel escalation on, the source's streak grows.
-    fn offense(&mut self, source: SourceKey) {
+    /// A proven handshake refused (or, `monitored`, judged refusable) over its source's own
+    /// cap or rate: with kernel escalation on, the source's streak grows.
+    fn offense(&mut self, source: SourceKey, monitored: bool) {
         if self.config.offense_gap_ns != 0 {
-            *self.offenders.entry(source).or_default() += 1;
+            let streak = self.offenders.entry(source).or_default();
+            streak.0 += 1;
+            streak.1 |= monitored;
         }
     }
 

@@ -241,7 +241,7 @@ fn profiles_agree_with_the_model() {
         refused(mqtt, Reason::ConnRate),
     );
     assert!(refused(0, Reason::ConnPerIp) > 10);
-    let offenses: u64 = model.offenders.values().sum();
+    let offenses: u64 = model.offenders.values().map(|(n, _)| n).sum();
     println!(
         "model: {} sources refused {offenses} times at their handshakes",
         model.offenders.len()
@@ -253,11 +253,17 @@ fn profiles_agree_with_the_model() {
 }
 
 /// Monitor mode on the lists, caps and rate: nothing the policy would refuse is, each SYN it
-/// would is counted `would_refuse`, and the handshakes it lets past a cap are tracked.
+/// would is counted `would_refuse`, and the handshakes it lets past a cap are tracked; with
+/// kernel escalation, their sources' streaks are marked as only judged.
 #[test]
 fn monitor_mode_agrees_with_the_model() {
     let model = run(
-        &[LISTS, RATE, &["--mode", "monitor"]].concat(),
+        &[
+            LISTS,
+            RATE,
+            &["--mode", "monitor", "--escalate-refused-for", "30s"],
+        ]
+        .concat(),
         seed(0x3041_7042).wrapping_add(6),
         frames(),
     );
@@ -278,6 +284,8 @@ fn monitor_mode_agrees_with_the_model() {
             "{reason:?}: {would:?}"
         );
     }
+    assert!(model.offenders.len() > 10);
+    assert!(model.offenders.values().all(|(_, monitored)| *monitored));
 }
 
 /// The ingress packets the model counted under `verdict` and `reason`.
@@ -656,11 +664,11 @@ fn compare(k: &Kernel, model: &Model, clients: &[IpAddr]) -> Result<(), String> 
             ));
         }
     }
-    let offenders: HashMap<SourceKey, u64> = maps
+    let offenders: HashMap<SourceKey, (u64, bool)> = maps
         .offenders()
         .expect("offenders")
         .into_iter()
-        .map(|(source, offense)| (source, offense.refusals))
+        .map(|(source, offense)| (source, (offense.refusals, offense.monitored != 0)))
         .collect();
     if offenders != model.offenders {
         return Err(format!(

@@ -197,7 +197,7 @@ impl Escalator {
             record.failures.clear();
         }
         let failures = after.saturating_add(1);
-        match self.ban_next(addr, &config, now, |nth| BanCause::Escalation {
+        match self.ban_next(addr, &config, now, false, |nth| BanCause::Escalation {
             failures,
             nth,
         }) {
@@ -210,8 +210,9 @@ impl Escalator {
     /// Kernel escalation: the kernel refused `addr`'s connection attempts at their proven
     /// handshakes, over its cap or SYN rate, in a streak `refused` long. Past `refused_for`,
     /// it is banned as the next ban of its run (a repeat offender's longer, the same run as
-    /// its failures'), or in monitor mode counted as a ban not placed.
-    pub fn record_refused(&self, addr: IpAddr, refused: Duration) -> Escalation {
+    /// its failures'), or in monitor mode, or when a refusal of the streak was only judged
+    /// on a monitored port (`monitored`), counted as a ban not placed.
+    pub fn record_refused(&self, addr: IpAddr, refused: Duration, monitored: bool) -> Escalation {
         let Some(config) = self.config() else {
             return Escalation::Off;
         };
@@ -224,7 +225,10 @@ impl Escalator {
         let addr = addr.to_canonical();
         let now = self.clock.now_ns();
         let seconds = refused.as_secs();
-        self.ban_next(addr, &config, now, |nth| BanCause::Refused { seconds, nth })
+        self.ban_next(addr, &config, now, monitored, |nth| BanCause::Refused {
+            seconds,
+            nth,
+        })
     }
 
     /// `addr`'s record, made if it has none and the cap allows; `None` at the cap.
@@ -247,13 +251,15 @@ impl Escalator {
     }
 
     /// Bans `addr` as the next ban of its run, for the length [`EscalationConfig::ban_for`]
-    /// gives its place (`cause` says why, from that place); in monitor mode only counts and
-    /// logs the ban it would place, the run left as it was, and answers `Counted`.
+    /// gives its place (`cause` says why, from that place); in monitor mode (or `monitored`:
+    /// the judgement was a monitored port's) only counts and logs the ban it would place, the
+    /// run left as it was, and answers `Counted`.
     fn ban_next(
         &self,
         addr: IpAddr,
         config: &EscalationConfig,
         now: u64,
+        monitored: bool,
         cause: impl FnOnce(u32) -> BanCause,
     ) -> Escalation {
         let (before, ttl, nth) = {
@@ -275,7 +281,7 @@ impl Escalator {
             (before, ttl, record.run)
         };
         let cause = cause(nth);
-        if self.monitor.load(Ordering::Relaxed) {
+        if monitored || self.monitor.load(Ordering::Relaxed) {
             // Judged and counted, not placed: the address stays unbanned and its run as it
             // was, so the figures read as enforcement's would.
             self.would_ban.fetch_add(1, Ordering::Relaxed);
@@ -515,13 +521,16 @@ pub(crate) mod tests {
         esc.reconfigure(Some(config));
         let short = Duration::from_secs(29);
         assert_eq!(
-            esc.record_refused(A, short),
+            esc.record_refused(A, short, false),
             Escalation::Counted { failures: 0 }
         );
         assert!(bans(&banner).is_empty(), "refused for less than 30 s");
         let long = Duration::from_secs(31);
-        assert_eq!(esc.record_refused(A, long), Escalation::Banned);
-        assert_eq!(esc.record_refused(A, long), Escalation::AlreadyBanned);
+        assert_eq!(esc.record_refused(A, long, false), Escalation::Banned);
+        assert_eq!(
+            esc.record_refused(A, long, false),
+            Escalation::AlreadyBanned
+        );
         // Back after the ban, it fails to log in: the next ban of the same run, twice as long.
         clock.advance(Duration::from_secs(601));
         assert_eq!(offend(&esc), Escalation::Banned);
@@ -531,25 +540,26 @@ pub(crate) mod tests {
             refused_for: None,
             ..config
         }));
-        assert_eq!(esc.record_refused(A, long), Escalation::Off);
+        assert_eq!(esc.record_refused(A, long, false), Escalation::Off);
     }
 
     #[test]
-    fn monitor_mode_bans_no_refused_source_and_counts_the_ban_it_did_not_place() {
+    fn a_monitored_streak_bans_no_one_and_counts_the_ban_it_did_not_place() {
         let (_clock, banner, esc) = incrementing();
         esc.reconfigure(Some(EscalationConfig {
             after: None,
             refused_for: Some(Duration::from_secs(30)),
             ..esc.config().unwrap()
         }));
-        esc.set_monitor(true);
         let long = Duration::from_secs(31);
+        // Judged on a monitored port: no ban, even where escalation enforces.
         assert_eq!(
-            esc.record_refused(A, long),
+            esc.record_refused(A, long, true),
             Escalation::Counted { failures: 0 }
         );
+        esc.set_monitor(true);
         assert_eq!(
-            esc.record_refused(A, long),
+            esc.record_refused(A, long, false),
             Escalation::Counted { failures: 0 }
         );
         assert!(bans(&banner).is_empty());

@@ -814,9 +814,10 @@ impl Limiter {
     }
 
     /// A source the kernel refused at its proven handshakes for `refused` (the sweeper reads
-    /// it from the kernel): kernel escalation bans it past `escalate-refused-for`.
-    pub fn report_refused(&self, addr: IpAddr, refused: Duration) -> Escalation {
-        self.escalator.record_refused(addr, refused)
+    /// it from the kernel; `monitored` if a refusal was only judged, on a monitored port):
+    /// kernel escalation bans it past `escalate-refused-for`.
+    pub fn report_refused(&self, addr: IpAddr, refused: Duration, monitored: bool) -> Escalation {
+        self.escalator.record_refused(addr, refused, monitored)
     }
 
     pub fn ban(&self, addr: IpAddr, ttl: Duration) -> Result<(), BanError> {

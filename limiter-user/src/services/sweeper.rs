@@ -404,7 +404,7 @@ fn escalate(enforcer: &Enforcer, limiter: &Limiter, now: u64) -> Result<u64, Enf
             Streak::Escalate(refused) => {
                 let addr = crate::datapath::kernel_keys::key_address(&source);
                 tracing::warn!(%addr, ?refused, refusals = offense.refusals, "refused at its handshakes past escalate-refused-for");
-                limiter.report_refused(addr, refused);
+                limiter.report_refused(addr, refused, offense.monitored != 0);
                 escalated += 1;
             }
             Streak::Over => {}
