@@ -68,12 +68,13 @@ pub struct Config {
     /// adds a ban (the agent, and the operator commands writing pinned maps when no agent
     /// answers) sets it after the insert; it is cleared only when `BANS` is seen empty.
     pub has_bans: u8,
-    /// Zero: a SYN refused with `rst` is marked through XDP metadata and passed, and
-    /// `limiter_tc_ingress` turns it into the RST|ACK and redirects it out of the interface it
-    /// came in on. That works on every interface, including a veth whose peer runs no XDP
-    /// program, but needs `limiter_tc_ingress` attached wherever `limiter_xdp` is (without it
-    /// a marked SYN would reach the host). Non-zero: the RST|ACK is sent with `XDP_TX`, which
-    /// is cheaper but on a veth reaches the client only if the peer runs NAPI (an XDP program).
+    /// Zero: a SYN refused with `rst` is marked (its Ethernet type becomes [`RST_MARK`]) and
+    /// passed, and `limiter_tc_ingress` turns it into the RST|ACK and redirects it out of the
+    /// interface it came in on. That works on every interface, including a veth whose peer
+    /// runs no XDP program, but needs `limiter_tc_ingress` attached wherever `limiter_xdp` is
+    /// (without it the host's stack drops a marked SYN unanswered). Non-zero: the RST|ACK is
+    /// sent with `XDP_TX`, which is cheaper but on a veth reaches the client only if the peer
+    /// runs NAPI (an XDP program).
     pub rst_xdp_tx: u8,
     /// Non-zero: a SYN to a protected port from a source holding no connection is answered
     /// by the programs with a SYN cookie's SYN-ACK, made with the host's own secret
@@ -541,9 +542,14 @@ impl AdjustRequest {
     }
 }
 
-/// The XDP metadata word that marks a SYN refused with `rst` for `limiter_tc_ingress` to
-/// answer (see [`Config::rst_xdp_tx`]). Only XDP writes metadata, so no sender can forge it.
-pub const RST_MARK: u32 = 0x4C52_5354;
+/// The Ethernet type XDP gives a SYN refused with `rst`, in place of its own (the innermost,
+/// after any VLAN tags), for `limiter_tc_ingress` to answer (see [`Config::rst_xdp_tx`]): an
+/// IEEE 802 local experimental type. A mark in the frame, not in XDP metadata, because some
+/// kernels refuse `bpf_xdp_adjust_meta` to XDP programs, and because a frame marked so never
+/// reaches the host's IP stack, which has no handler for the type, even where no TC program
+/// answers it. XDP drops frames that arrive carrying it (as `malformed`), so no sender can
+/// forge a mark.
+pub const RST_MARK: u16 = 0x88B5;
 
 /// The bit of a source's count in `SOURCE_CONNS` that marks its entry as being removed (the
 /// count reached zero): readers take it for zero, and a new slot waits for a fresh entry.
@@ -555,9 +561,11 @@ pub const SOURCE_RETIRED: u64 = 1 << 63;
 /// would otherwise release the victim's flow).
 pub const REPLY_MARK: u32 = 0x4C52_5250;
 
-/// The XDP metadata word that marks a SYN for `limiter_tc_ingress` to answer with a SYN
-/// cookie's SYN-ACK, as [`RST_MARK`] marks one to answer with a RST.
-pub const COOKIE_MARK: u32 = 0x4C52_434B;
+/// The Ethernet type that marks a SYN for `limiter_tc_ingress` to answer with a SYN cookie's
+/// SYN-ACK, as [`RST_MARK`] marks one to answer with a RST (the other local experimental
+/// type). XDP made the cookie and left it in the SYN's acknowledgment number, which a SYN
+/// does not use.
+pub const COOKIE_MARK: u16 = 0x88B6;
 
 /// What the helper programs (`limiter_release`, `limiter_adjust`, `limiter_adopt`) return.
 pub mod helper {

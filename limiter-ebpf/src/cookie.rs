@@ -281,6 +281,27 @@ pub fn make(ctx: *mut c_void, w: &Window, seg: &Segment) -> i64 {
     gen_cookie(w, &socket, ip as *mut c_void, &at)
 }
 
+/// Leaves the cookie made for `syn` in its acknowledgment number, unused in a SYN, for
+/// `limiter_tc_ingress` to answer with (see [`limiter_common::COOKIE_MARK`]).
+#[inline(always)]
+pub fn stash(w: &Window, syn: &Segment, isn: u32) -> bool {
+    // Through the whole header, whose bounds the verifier then knows, not at an offset in it.
+    let Some(tcp) = locate(w, syn).and_then(|at| w.ptr::<TcpHdr>(at.tcp)) else {
+        return false;
+    };
+    // SAFETY: `ptr` checked that the whole header lies inside the packet, which the program
+    // may write; the header is packed, so the field needs no alignment.
+    unsafe { (*(tcp as *mut TcpHdr)).ack = Be32::new(isn) };
+    true
+}
+
+/// The cookie [`stash`] left in `syn`.
+#[inline(always)]
+pub fn stashed(w: &Window, syn: &Segment) -> Option<u32> {
+    let at = locate(w, syn)?;
+    Some(w.header::<TcpHdr>(at.tcp)?.ack.get())
+}
+
 /// The options `seg` (a SYN) offered.
 #[inline(never)]
 pub fn offered(w: &Window, seg: &Segment) -> Offered {

@@ -77,7 +77,7 @@ fn respond(ctx: &XdpContext, action: Action, segment: &Segment) -> u32 {
                 ctx,
                 "refusing a segment from port {} with RST", segment.sport
             );
-            if !xdp_tx && reply::xdp_mark(ctx, RST_MARK) {
+            if !xdp_tx && reply::xdp_mark(ctx, segment, RST_MARK) {
                 // `limiter_tc_ingress` answers it.
                 xdp_action::XDP_PASS
             } else if reply::xdp_answer(ctx, segment) {
@@ -93,34 +93,33 @@ fn respond(ctx: &XdpContext, action: Action, segment: &Segment) -> u32 {
                 xdp_action::XDP_DROP
             }
         }
-        Action::Cookie { xdp_tx } => {
-            if !xdp_tx && reply::xdp_mark(ctx, COOKIE_MARK) {
-                // `limiter_tc_ingress` answers it.
-                xdp_action::XDP_PASS
-            } else {
-                xdp_cookie(ctx, segment)
-            }
-        }
+        Action::Cookie { xdp_tx } => xdp_cookie(ctx, segment, xdp_tx),
     }
 }
 
-/// Answers a SYN with a cookie's SYN-ACK by `XDP_TX`, or passes it to the host if no cookie
-/// can be made or the frame cannot hold the answer.
+/// Makes the cookie for a SYN here, where a SYN that gets none can still go on to the host,
+/// and answers with its SYN-ACK: by `XDP_TX`, or by `limiter_tc_ingress`, the SYN marked and
+/// the cookie left in it. Passes the SYN to the host if no cookie can be made or the frame
+/// cannot hold the answer.
 #[inline(never)]
-fn xdp_cookie(ctx: &XdpContext, syn: &Segment) -> u32 {
+fn xdp_cookie(ctx: &XdpContext, syn: &Segment, xdp_tx: bool) -> u32 {
     let window = Window::of_xdp(ctx);
     let value = cookie::make(ctx.ctx as *mut c_void, &window, syn);
-    let answered = value >= 0 && {
-        let cookie = cookie::Cookie {
-            isn: value as u32,
-            offered: cookie::offered(&window, syn),
+    let answered = value >= 0
+        && if xdp_tx {
+            let cookie = cookie::Cookie {
+                isn: value as u32,
+                offered: cookie::offered(&window, syn),
+            };
+            reply::xdp_syn_ack(ctx, syn, &cookie)
+        } else {
+            cookie::stash(&window, syn, value as u32) && reply::xdp_mark(ctx, syn, COOKIE_MARK)
         };
-        reply::xdp_syn_ack(ctx, syn, &cookie)
-    };
     decide::cookie_sent(answered, value as u32);
-    if answered {
+    if answered && xdp_tx {
         xdp_action::XDP_TX
     } else {
+        // Marked for `limiter_tc_ingress`, or on to the host.
         xdp_action::XDP_PASS
     }
 }
@@ -134,30 +133,25 @@ fn unparsed(reason: limiter_common::Reason) -> u32 {
     }
 }
 
-/// Ingress, after XDP: answers the SYNs `limiter_xdp` refused and marked, by turning each into
-/// its RST|ACK and redirecting it out of the interface it came in on. Everything else passes
-/// at the cost of one metadata check.
+/// Ingress, after XDP: answers the SYNs `limiter_xdp` refused or met with a cookie and marked,
+/// by turning each into its RST|ACK or SYN-ACK and redirecting it out of the interface it came
+/// in on. Everything else passes at the cost of one look at the skb's protocol.
 #[classifier]
 pub fn limiter_tc_ingress(ctx: TcContext) -> i32 {
-    let mark = reply::tc_take_mark(&ctx);
-    if mark != RST_MARK && mark != COOKIE_MARK {
-        return TC_ACT_OK;
-    }
-    let Ok(segment) = parsing::parse(&Window::of_tc(&ctx), Direction::Ingress) else {
-        // Only parsed segments are marked.
+    let Some(mark) = reply::tc_take_mark(&ctx) else {
         return TC_ACT_OK;
     };
+    // A marked frame goes no further than this program: the host's stack, which took its
+    // protocol from the mark, would drop it anyway.
+    let Ok(segment) = parsing::parse(&Window::of_tc(&ctx), Direction::Ingress) else {
+        return TC_ACT_SHOT;
+    };
     let answered = if mark == COOKIE_MARK {
-        if !tc_cookie(&ctx, &segment) {
-            // No cookie: the host answers the SYN itself.
-            return TC_ACT_OK;
-        }
-        true
+        tc_cookie(&ctx, &segment)
     } else {
         reply::tc_answer(&ctx, &segment)
     };
     if !answered {
-        // A refused segment never reaches the host, answered or not.
         return TC_ACT_SHOT;
     }
     // Its way out passes `limiter_tc`, which must not take it for the host's own segment.
@@ -166,21 +160,18 @@ pub fn limiter_tc_ingress(ctx: TcContext) -> i32 {
     unsafe { bpf_redirect((*ctx.skb.skb).ifindex, 0) as i32 }
 }
 
-/// Rewrites a marked SYN into its cookie's SYN-ACK; false (the SYN untouched) if no cookie
-/// can be made.
+/// Rewrites a marked SYN into the SYN-ACK of the cookie XDP left in it.
 #[inline(never)]
 fn tc_cookie(ctx: &TcContext, syn: &Segment) -> bool {
     let window = Window::of_tc(ctx);
-    let value = cookie::make(ctx.skb.skb as *mut c_void, &window, syn);
-    let answered = value >= 0 && {
-        let cookie = cookie::Cookie {
-            isn: value as u32,
-            offered: cookie::offered(&window, syn),
-        };
-        reply::tc_syn_ack(ctx, syn, &cookie)
+    let Some(isn) = cookie::stashed(&window, syn) else {
+        return false;
     };
-    decide::cookie_sent(answered, value as u32);
-    answered
+    let cookie = cookie::Cookie {
+        isn,
+        offered: cookie::offered(&window, syn),
+    };
+    reply::tc_syn_ack(ctx, syn, &cookie)
 }
 
 /// Egress: sees the host's SYN-ACKs (the ISN a handshake must acknowledge) and its FINs and

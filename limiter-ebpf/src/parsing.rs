@@ -9,7 +9,7 @@
 //! discard (a wrong IPv4 header checksum, a martian IPv6 source): what it says must change no
 //! state, since the host never hears it.
 
-use limiter_common::{Direction, Reason, source::V4_MAPPED};
+use limiter_common::{COOKIE_MARK, Direction, RST_MARK, Reason, source::V4_MAPPED};
 
 use crate::headers::{
     ETH_HLEN, ETH_P_8021AD, ETH_P_8021Q, ETH_P_IP, ETH_P_IPV6, EthHdr, IPV4_FRAGMENTED, IPV4_HLEN,
@@ -304,7 +304,9 @@ pub fn parse(w: &Window, direction: Direction) -> Result<Segment, Reason> {
     match proto {
         ETH_P_IP => parse_ipv4(w, l3, ingress),
         ETH_P_IPV6 => parse_ipv6(w, l3, ingress),
-        ETH_P_8021Q | ETH_P_8021AD => Err(Reason::Malformed),
+        // A third tag, or a frame from outside carrying the type the programs mark a frame
+        // with for `limiter_tc_ingress` to answer (a forged mark would make it answer).
+        ETH_P_8021Q | ETH_P_8021AD | RST_MARK | COOKIE_MARK => Err(Reason::Malformed),
         _ => Err(Reason::NonIp),
     }
 }

@@ -16,16 +16,17 @@
 //! its length; a SYN-ACK may be longer than its SYN, so the packet is first sized to it.
 
 use aya_ebpf::{
-    helpers::{bpf_skb_change_tail, bpf_xdp_adjust_meta, bpf_xdp_adjust_tail},
+    helpers::{bpf_skb_change_tail, bpf_xdp_adjust_tail},
     programs::{TcContext, XdpContext},
 };
-use limiter_common::Config;
+use limiter_common::{COOKIE_MARK, Config, RST_MARK};
 
 use crate::{
     cookie::{Cookie, SYN_ACK_OPTIONS_LEN, SynAckOptions},
     headers::{
-        Be16, Be32, ETH_ALEN, IPV4_DONT_FRAGMENT, IPV4_HLEN, IPV6_HLEN, Ipv4Hdr, Ipv6Hdr, TCP_HLEN,
-        TcpHdr, Window, add_words, as_bytes, fold,
+        Be16, Be32, ETH_ALEN, ETH_HLEN, ETH_P_8021AD, ETH_P_8021Q, ETH_P_IP, ETH_P_IPV6,
+        IPV4_DONT_FRAGMENT, IPV4_HLEN, IPV6_HLEN, Ipv4Hdr, Ipv6Hdr, TCP_HLEN, TcpHdr, VLAN_HLEN,
+        Window, add_words, as_bytes, fold,
     },
     parsing::{
         Endpoints, IPPROTO_TCP, MAX_L3_OFFSET, Segment, SegmentMeta, TCP_ACK, TCP_RST, TCP_SYN,
@@ -33,6 +34,9 @@ use crate::{
 };
 
 const TTL: u8 = 64;
+
+/// The Ethernet type field's length: it ends where the IP header (or a VLAN tag) begins.
+const ETH_TYPE_LEN: usize = 2;
 
 /// One RST: its headers (a [`Segment`], laid out as the verifier needs) and where it goes.
 struct Rst {
@@ -120,44 +124,57 @@ fn xdp_rewrite(ctx: &XdpContext, rst: &Rst) -> bool {
     delta == 0 || unsafe { bpf_xdp_adjust_tail(ctx.ctx, delta) } == 0
 }
 
-/// Marks the frame for `limiter_tc_ingress` to answer (`mark`: [`limiter_common::RST_MARK`]
-/// or [`limiter_common::COOKIE_MARK`]); false if the driver offers no metadata room (the
-/// caller then answers with `XDP_TX`).
+/// Marks a refused SYN for `limiter_tc_ingress` to answer: its Ethernet type (the innermost,
+/// after any VLAN tags) becomes `mark` ([`limiter_common::RST_MARK`] or
+/// [`limiter_common::COOKIE_MARK`]). A frame marked so never reaches the host's IP stack,
+/// answered or not.
 #[inline(always)]
-pub fn xdp_mark(ctx: &XdpContext, mark: u32) -> bool {
-    let size = core::mem::size_of::<u32>();
-    // SAFETY: growing the metadata area in front of the frame we own.
-    if unsafe { bpf_xdp_adjust_meta(ctx.ctx, -(size as i32)) } != 0 {
-        return false;
-    }
-    let (meta, data) = (ctx.metadata(), ctx.data());
-    if meta + size > data {
-        return false;
-    }
-    // SAFETY: the bounds check above keeps the write inside the metadata area.
-    unsafe { core::ptr::write_unaligned(meta as *mut u32, mark) };
-    true
+pub fn xdp_mark(ctx: &XdpContext, seg: &Segment, mark: u16) -> bool {
+    // Subtracted as a byte, which the verifier knows to be no less than zero.
+    let at = usize::from(seg.l3_offset().wrapping_sub(ETH_TYPE_LEN as u8));
+    (ETH_HLEN - ETH_TYPE_LEN..=MAX_L3_OFFSET).contains(&at)
+        && Window::of_xdp(ctx).write(at, &Be16::new(mark)).is_some()
 }
 
-/// The mark XDP left on this packet for an answer, if any (0: none); the mark is cleared, so
-/// that the answer, whose metadata may travel with it (a veth hands the skb to its peer as it
-/// is), is never taken for a marked packet again.
+/// The mark XDP left on this packet for an answer, if any, with the frame's own Ethernet type
+/// put back, since the answer is built over the frame and keeps its Ethernet header. Most
+/// packets are told apart by the skb's protocol alone, which the host took from the frame's
+/// type (a VLAN tag it moved out of the frame included); only a frame still tagged is read.
 #[inline(always)]
-pub fn tc_take_mark(ctx: &TcContext) -> u32 {
-    // SAFETY: reading two fields of the context the program was given.
-    let (meta, data) = unsafe { ((*ctx.skb.skb).data_meta as usize, ctx.data()) };
-    let size = core::mem::size_of::<u32>();
-    if meta + size > data {
-        return 0;
+pub fn tc_take_mark(ctx: &TcContext) -> Option<u16> {
+    // SAFETY: reading a field of the context the program was given.
+    let protocol = u16::from_be(unsafe { (*ctx.skb.skb).protocol } as u16);
+    if !matches!(
+        protocol,
+        RST_MARK | COOKIE_MARK | ETH_P_8021Q | ETH_P_8021AD
+    ) {
+        return None;
     }
-    // SAFETY: the bounds check above keeps the accesses inside the metadata area.
-    unsafe {
-        let mark = core::ptr::read_unaligned(meta as *const u32);
-        if mark != 0 {
-            core::ptr::write_unaligned(meta as *mut u32, 0);
+    take_mark(&Window::of_tc(ctx))
+}
+
+#[inline(never)]
+fn take_mark(w: &Window) -> Option<u16> {
+    let mut at = ETH_HLEN - ETH_TYPE_LEN;
+    // Two tags at most, then the type, unrolled for the verifier.
+    for _ in 0..3 {
+        let proto = w.read::<Be16>(at)?.get();
+        if proto == ETH_P_8021Q || proto == ETH_P_8021AD {
+            at += VLAN_HLEN;
+            continue;
         }
-        mark
+        if proto != RST_MARK && proto != COOKIE_MARK {
+            return None;
+        }
+        let own = match w.read::<u8>(at + ETH_TYPE_LEN)? >> 4 {
+            4 => ETH_P_IP,
+            6 => ETH_P_IPV6,
+            _ => return None,
+        };
+        w.write(at, &Be16::new(own))?;
+        return Some(proto);
     }
+    None
 }
 
 /// Rewrites the skb (a marked segment) into the reset answering it, ready to redirect.

@@ -376,12 +376,12 @@ pub fn tunnel(src: IpAddr, dst: IpAddr, protocol: IpNumber, inner: &[u8]) -> Vec
     frame
 }
 
-/// An Ethernet frame of a local experimental EtherType: neither IPv4 nor IPv6.
+/// An ARP frame (its body filler): neither IPv4 nor IPv6, nor a type the programs mark with.
 pub fn non_ip() -> Vec<u8> {
     let header = Ethernet2Header {
         source: CLIENT_MAC,
         destination: SERVER_MAC,
-        ether_type: EtherType(0x88B5),
+        ether_type: EtherType::ARP,
     };
     let mut frame = header.to_bytes().to_vec();
     frame.extend_from_slice(&[0xAB; 46]);

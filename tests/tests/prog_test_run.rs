@@ -14,9 +14,9 @@ use etherparse::{
 };
 use limiter::datapath::{ADJUST_PROGRAM, RELEASE_PROGRAM};
 use limiter_common::{
-    AdjustRequest, Direction, Event, FlowKey, FlowRequest, HalfOpen, ProfileSource, RST_MARK,
-    Reason, Verdict, attempt_signature, bucket_place, flow_state, helper, map_catalogue, seen_slot,
-    source_key,
+    AdjustRequest, COOKIE_MARK, Direction, Event, FlowKey, FlowRequest, HalfOpen, ProfileSource,
+    RST_MARK, Reason, Verdict, attempt_signature, bucket_place, flow_state, helper, map_catalogue,
+    seen_slot, source_key,
 };
 use limiter_tests::{
     frames::{self, CLIENT_MAC, Flags, SERVER_MAC, Tcp, Vlans},
@@ -227,10 +227,11 @@ fn by_default_a_refused_syn_is_marked_for_tc_ingress() {
     let frame = syn(v4(2), 2).build();
     let run = k.xdp(&frame);
     assert_eq!(run.action, XDP_PASS);
-    // BPF_PROG_TEST_RUN hands back the metadata in front of the untouched frame.
-    assert_eq!(run.frame.len(), frame.len() + 4, "{:?}", run.frame);
-    assert_eq!(run.frame[..4], RST_MARK.to_ne_bytes());
-    assert_eq!(run.frame[4..], frame[..]);
+    // The frame as it was but for its Ethernet type, which is the mark.
+    assert_eq!(run.frame.len(), frame.len(), "{:?}", run.frame);
+    assert_eq!(run.frame[12..14], RST_MARK.to_be_bytes());
+    assert_eq!(run.frame[..12], frame[..12]);
+    assert_eq!(run.frame[14..], frame[14..]);
     assert_eq!(k.ingress(Verdict::Rst, Reason::ConnPerIp), 1);
 }
 
@@ -1042,7 +1043,7 @@ fn a_fast_open_syn_is_judged_and_counted_exactly_like_a_syn() {
         run.action, XDP_PASS,
         "marked for the TC ingress program's RST"
     );
-    assert_eq!(run.frame[..4], RST_MARK.to_ne_bytes());
+    assert_eq!(run.frame[12..14], RST_MARK.to_be_bytes());
     assert_eq!(k.ingress(Verdict::Rst, Reason::ConnPerIp), 1);
     assert_eq!(k.dp.maps.source_connections(v4(8)).unwrap(), 1);
 }
@@ -1300,6 +1301,21 @@ fn other_traffic_passes_counted_by_why() {
     assert_eq!(k.ingress(Verdict::Pass, Reason::Segment), 0);
     assert_eq!(k.ingress(Verdict::Pass, Reason::Untracked), 1);
     assert_eq!(k.global(), 0);
+}
+
+#[test]
+fn a_forged_mark_from_outside_is_dropped_before_the_tc_program_can_answer_it() {
+    // The Ethernet types XDP marks a frame with for `limiter_tc_ingress` to answer: a sender
+    // that wrote one itself would have the limiter send answers it chose (a RST, or a cookie's
+    // SYN-ACK to any address) with no refusal behind them.
+    let k = Kernel::new(&["--max-conn-per-ip", "1"]);
+    for (i, mark) in [RST_MARK, COOKIE_MARK].into_iter().enumerate() {
+        let mut frame = syn(v4(2), 1).build();
+        frame[12..14].copy_from_slice(&mark.to_be_bytes());
+        assert_eq!(k.xdp(&frame).action, XDP_DROP, "{mark:#x}");
+        assert_eq!(k.ingress(Verdict::Drop, Reason::Malformed), i as u64 + 1);
+    }
+    assert_eq!(k.ingress(Verdict::Rst, Reason::ConnPerIp), 0);
 }
 
 #[test]
