@@ -38,7 +38,7 @@ use crate::{
 pub const EXIT_CONFIG: u8 = 2;
 
 /// Bans from the broker limiter's escalation and protocol go straight to the kernel map.
-struct KernelBans(Arc<Enforcer>);
+pub struct KernelBans(pub Arc<Enforcer>);
 
 impl Banner for KernelBans {
     fn ban(&self, addr: IpAddr, ttl: Duration) -> Result<(), BanError> {
@@ -339,11 +339,12 @@ async fn start(
     // starts, or on the word that it is ready, stops it cleanly rather than killing it with
     // the default action.
     let signals = Signals::install()?;
-    let enforcer = load(&settings)?;
+    let enforcer = load(&settings, load_options(&settings.restart))?;
+    let kernel_bans: Arc<dyn Banner> = Arc::new(KernelBans(Arc::clone(&enforcer)));
     let Buckets {
         limiter,
         fleet_bans,
-    } = fleet(&settings, &enforcer).await?;
+    } = fleet(&settings, kernel_bans).await?;
     let restart = settings.restart.clone();
     let settings = Live::new(settings);
     let sweep = SweepStats::new();
@@ -362,17 +363,22 @@ async fn start(
     Ok(serve(agent, signals, listeners, sweep, ifaces, follower).await)
 }
 
+/// How `limiter run` loads the programs: the table sizes and debug log it was given, pinned
+/// under its pin directory. The tests' in-process agents take these and leave out the pins.
+pub fn load_options(restart: &RestartOnly) -> LoadOptions {
+    LoadOptions {
+        flow_table_size: restart.flow_table_size,
+        half_open_size: restart.half_open_table_size,
+        kernel_debug: restart.kernel_debug,
+        pin_dir: Some(restart.pin_dir.clone()),
+    }
+}
+
 /// Phase 1: the kernel programs loaded (or the pinned ones adopted), attached nowhere yet,
 /// with the settings' policy, the list files and the state file's bans and entries in their
 /// maps.
-fn load(settings: &Settings) -> anyhow::Result<Arc<Enforcer>> {
-    let mut datapath = Datapath::load(LoadOptions {
-        flow_table_size: settings.restart.flow_table_size,
-        half_open_size: settings.restart.half_open_table_size,
-        kernel_debug: settings.restart.kernel_debug,
-        pin_dir: Some(settings.restart.pin_dir.clone()),
-    })
-    .context("loading the kernel programs")?;
+pub fn load(settings: &Settings, options: LoadOptions) -> anyhow::Result<Arc<Enforcer>> {
+    let mut datapath = Datapath::load(options).context("loading the kernel programs")?;
     if let Some(logger) = datapath.take_logger() {
         tokio::spawn(forward_kernel_log(logger));
     }
@@ -397,17 +403,17 @@ fn load(settings: &Settings) -> anyhow::Result<Arc<Enforcer>> {
 }
 
 /// The broker limiter, and in a fleet the shared bans it bans through, not yet loaded.
-struct Buckets {
-    limiter: Arc<Limiter>,
-    fleet_bans: Option<(FleetBanning, FleetBans)>,
+pub struct Buckets {
+    pub limiter: Arc<Limiter>,
+    pub fleet_bans: Option<(FleetBanning, FleetBans)>,
 }
 
 /// Phase 2: the broker limiter, banning through the kernel; in a fleet its shared actions are
 /// checked in Redis and its bans shared through it. Before the listeners, so that the first
 /// broker to connect meets the limiter it will keep (a Redis that is away only delays this
-/// phase a little; shared checks are decided locally until it answers).
-async fn fleet(settings: &Settings, enforcer: &Arc<Enforcer>) -> anyhow::Result<Buckets> {
-    let kernel_bans: Arc<dyn Banner> = Arc::new(KernelBans(Arc::clone(enforcer)));
+/// phase a little; shared checks are decided locally until it answers). Bans go to
+/// `kernel_bans` (the agent's [`KernelBans`]), in a fleet shared through Redis first.
+pub async fn fleet(settings: &Settings, kernel_bans: Arc<dyn Banner>) -> anyhow::Result<Buckets> {
     let clock = Arc::new(MonotonicClock::new());
     let Some(fleet) = &settings.restart.fleet else {
         return Ok(Buckets {

@@ -12,6 +12,8 @@ use std::{
     time::{Duration, Instant},
 };
 
+use std::ffi::{OsStr, OsString};
+
 use anyhow::{Context, Result, bail};
 use limiter::datapath::Maps;
 
@@ -105,7 +107,17 @@ pub fn http_in(
     token: Option<&str>,
     body: Option<serde_json::Value>,
 ) -> Option<(u16, String)> {
-    ns.run(|| {
+    http_in_named(ns.name(), method, url, token, body)
+}
+
+fn http_in_named(
+    ns: &str,
+    method: reqwest::Method,
+    url: &str,
+    token: Option<&str>,
+    body: Option<serde_json::Value>,
+) -> Option<(u16, String)> {
+    crate::netns::run_in(ns, || {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -130,70 +142,178 @@ pub fn http_in(
     .unwrap()
 }
 
+/// The HTTP address every test agent listens on, inside its own network namespace; a test
+/// that runs several agents in one namespace gives each its own with [`AgentBuilder::http`].
+pub const TEST_HTTP: &str = "127.0.0.1:9090";
+
+/// The one way a test starts `limiter run`: the base flags every test agent needs (its
+/// interface, pin directory, broker socket, HTTP address and a state file of its own) are set
+/// here, so a new startup flag reaches every test at once; a test adds only what it is about.
+pub struct AgentBuilder<'a> {
+    ns: &'a Netns,
+    iface: String,
+    pins: PathBuf,
+    socket: Option<PathBuf>,
+    http: String,
+    args: Vec<OsString>,
+    env: Vec<(OsString, OsString)>,
+    linux_2_6: bool,
+    private_mounts: bool,
+}
+
+impl<'a> AgentBuilder<'a> {
+    /// The broker socket, instead of one in a directory of the agent's own.
+    pub fn socket(mut self, path: impl Into<PathBuf>) -> Self {
+        self.socket = Some(path.into());
+        self
+    }
+
+    /// The HTTP listener's address, instead of [`TEST_HTTP`].
+    pub fn http(mut self, addr: impl Into<String>) -> Self {
+        self.http = addr.into();
+        self
+    }
+
+    /// More `limiter run` flags, after the base ones (a later flag wins).
+    pub fn args<I, S>(mut self, args: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<OsStr>,
+    {
+        self.args
+            .extend(args.into_iter().map(|a| a.as_ref().to_owned()));
+        self
+    }
+
+    /// A variable added to the agent's environment (`NOTIFY_SOCKET`, `WATCHDOG_USEC`, as
+    /// systemd would set them, or a `LIMITER_*` setting).
+    pub fn env(mut self, name: impl AsRef<OsStr>, value: impl AsRef<OsStr>) -> Self {
+        self.env
+            .push((name.as_ref().to_owned(), value.as_ref().to_owned()));
+        self
+    }
+
+    /// Started with the `UNAME26` personality, which survives exec: `uname` tells the agent
+    /// it runs on Linux 2.6, as a kernel below its floor would.
+    pub fn on_linux_2_6(mut self) -> Self {
+        self.linux_2_6 = true;
+        self
+    }
+
+    /// Started as `ip netns exec` starts a command: in a private mount namespace with a /sys of
+    /// its own, where the host's BPF filesystem is not mounted.
+    pub fn in_private_mount_namespace(mut self) -> Self {
+        self.private_mounts = true;
+        self
+    }
+
+    /// The agent, started and not waited for (a test of a refused start waits for its exit).
+    pub fn start(self) -> Result<AgentProcess> {
+        AgentProcess::spawn(self)
+    }
+
+    /// The agent, once it logged that it is ready; fails with its log if it does not within
+    /// [`startup_deadline`].
+    pub fn ready(self) -> Result<AgentProcess> {
+        let agent = self.start()?;
+        agent.wait_for("limiter is ready", startup_deadline())?;
+        Ok(agent)
+    }
+}
+
+/// A mount namespace of the caller's own whose /sys is a fresh sysfs, without the host's BPF
+/// filesystem: what `ip netns exec` gives a command. Runs between fork and exec.
+fn private_sys() -> nix::Result<()> {
+    use nix::mount::{MntFlags, MsFlags, mount, umount2};
+    nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNS)?;
+    mount(
+        None::<&str>,
+        "/",
+        None::<&str>,
+        MsFlags::MS_REC | MsFlags::MS_SLAVE,
+        None::<&str>,
+    )?;
+    umount2("/sys", MntFlags::MNT_DETACH)?;
+    mount(
+        Some("sysfs"),
+        "/sys",
+        Some("sysfs"),
+        MsFlags::empty(),
+        None::<&str>,
+    )
+}
+
 /// A running agent; killed on drop. Its log lines are collected as they come.
 pub struct AgentProcess {
     child: Child,
     lines: Receiver<String>,
     log: Arc<Mutex<Vec<String>>>,
     reader: Option<std::thread::JoinHandle<()>>,
-    /// Holds the agent's own state file (`LIMITER_STATE_FILE`), so no agent of a test reads
-    /// the bans another test left, nor the host's; a test that restarts an agent on the same
-    /// state passes `--state-file`, which wins.
-    _state: tempfile::TempDir,
+    socket: PathBuf,
+    http: String,
+    netns: String,
+    /// Holds the agent's broker socket (unless the test chose its own) and its own state file
+    /// (`LIMITER_STATE_FILE`), so no agent of a test reads the bans another test left, nor the
+    /// host's; a test that restarts an agent on the same state passes `--state-file`, which wins.
+    _dir: tempfile::TempDir,
 }
 
 impl AgentProcess {
-    /// `limiter run ARGS` inside `ns`'s network namespace. Only the network namespace is
-    /// entered (`ip netns exec` would also remount /sys, hiding the BPF filesystem and so
-    /// every pin).
-    pub fn start(ns: &Netns, args: &[impl AsRef<std::ffi::OsStr>]) -> Result<Self> {
-        Self::spawn(ns, args, &[], false)
+    /// The builder for `limiter run` on `iface` inside `ns`'s network namespace, pinning under
+    /// `pins`. Only the network namespace is entered (`ip netns exec` would also remount /sys,
+    /// hiding the BPF filesystem and so every pin).
+    pub fn builder<'a>(ns: &'a Netns, iface: &str, pins: &PinDir) -> AgentBuilder<'a> {
+        AgentBuilder {
+            ns,
+            iface: iface.to_owned(),
+            pins: pins.0.clone(),
+            socket: None,
+            http: TEST_HTTP.to_owned(),
+            args: Vec::new(),
+            env: Vec::new(),
+            linux_2_6: false,
+            private_mounts: false,
+        }
     }
 
-    /// [`start`](Self::start) with `env` added to the agent's environment (`NOTIFY_SOCKET`,
-    /// `WATCHDOG_USEC`, as systemd would set them).
-    pub fn start_with_env(
-        ns: &Netns,
-        args: &[impl AsRef<std::ffi::OsStr>],
-        env: &[(&str, &std::ffi::OsStr)],
-    ) -> Result<Self> {
-        Self::spawn(ns, args, env, false)
-    }
-
-    /// [`start`](Self::start) with the `UNAME26` personality, which survives exec: `uname`
-    /// tells the agent it runs on Linux 2.6, as a kernel below its floor would.
-    pub fn start_on_linux_2_6(ns: &Netns, args: &[impl AsRef<std::ffi::OsStr>]) -> Result<Self> {
-        Self::spawn(ns, args, &[], true)
-    }
-
-    fn spawn(
-        ns: &Netns,
-        args: &[impl AsRef<std::ffi::OsStr>],
-        env: &[(&str, &std::ffi::OsStr)],
-        linux_2_6: bool,
-    ) -> Result<Self> {
+    fn spawn(spec: AgentBuilder<'_>) -> Result<Self> {
         use nix::sys::personality::{self, Persona};
         use std::os::unix::process::CommandExt;
-        let netns = std::fs::File::open(format!("/run/netns/{}", ns.name()))?;
+        let netns = std::fs::File::open(format!("/run/netns/{}", spec.ns.name()))?;
+        let (linux_2_6, private_mounts) = (spec.linux_2_6, spec.private_mounts);
         let mut command = Command::new(binary());
-        // SAFETY: only async-signal-safe work between fork and exec: one setns call, and two
-        // personality calls.
+        // SAFETY: only async-signal-safe work between fork and exec: system calls (setns, the
+        // personality, and what `ip netns exec` does to the mounts).
         unsafe {
             command.pre_exec(move || {
                 nix::sched::setns(&netns, nix::sched::CloneFlags::CLONE_NEWNET)?;
                 if linux_2_6 {
                     personality::set(personality::get()? | Persona::UNAME26)?;
                 }
+                if private_mounts {
+                    private_sys()?;
+                }
                 Ok(())
             });
         }
-        let state = tempfile::tempdir().context("a directory for the agent's state file")?;
+        let dir = tempfile::tempdir().context("a directory for the agent's socket and state")?;
+        let socket = spec
+            .socket
+            .unwrap_or_else(|| dir.path().join("limiter.sock"));
         let mut child = command
             .arg("run")
-            .args(args)
+            .arg("--iface")
+            .arg(&spec.iface)
+            .arg("--pin-dir")
+            .arg(&spec.pins)
+            .arg("--socket")
+            .arg(&socket)
+            .arg("--http")
+            .arg(&spec.http)
+            .args(&spec.args)
             .env("LIMITER_LOG", "info,limiter=debug")
-            .env("LIMITER_STATE_FILE", state.path().join("state.json"))
-            .envs(env.iter().copied())
+            .env("LIMITER_STATE_FILE", dir.path().join("state.json"))
+            .envs(spec.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -215,8 +335,33 @@ impl AgentProcess {
             lines,
             log,
             reader: Some(reader),
-            _state: state,
+            socket,
+            http: spec.http,
+            netns: spec.ns.name().to_owned(),
+            _dir: dir,
         })
+    }
+
+    /// The broker socket the agent serves.
+    pub fn socket(&self) -> &Path {
+        &self.socket
+    }
+
+    /// `path` on the agent's HTTP listener, as a URL to request from inside its namespace.
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.http)
+    }
+
+    /// One HTTP request to the agent's listener for `path`, from inside its namespace; the
+    /// status and the body, or `None` when nothing answered.
+    pub fn http(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        token: Option<&str>,
+        body: Option<serde_json::Value>,
+    ) -> Option<(u16, String)> {
+        http_in_named(&self.netns, method, &self.url(path), token, body)
     }
 
     /// Waits for a log line containing `needle`, failing after `within`.

@@ -2,13 +2,14 @@
 //! fleet's Redis, serving the real broker protocol on its own Unix socket, as `limiter run`
 //! wires them (minus the kernel, which fleet mode does not touch). Needs no root.
 
-use std::{collections::BTreeMap, path::PathBuf, sync::Arc, time::Duration};
+use std::{path::PathBuf, sync::Arc, time::Duration};
 
 use anyhow::Result;
 use limiter::{
-    buckets::{ActionConfig, Limiter, LimiterConfig, MonotonicClock, NoBans, resolve_actions},
-    fleet::{FleetConfig, RedisTarget, SharedGcra},
+    buckets::{Limiter, NoBans},
+    fleet::{FleetConfig, RedisTarget},
     protocol::Server,
+    run,
     settings::ServeConfig,
 };
 use limiter_client::{Client, Verdict};
@@ -28,7 +29,6 @@ pub fn two_workers() -> tokio::runtime::Runtime {
 /// One agent; stops serving on drop.
 pub struct FleetAgent {
     pub limiter: Arc<Limiter>,
-    pub shared: Arc<SharedGcra>,
     socket: PathBuf,
     stop: CancellationToken,
     _dir: TempDir,
@@ -52,34 +52,28 @@ impl FleetAgent {
     }
 
     /// An agent of the fleet `fleet` with the given `[actions.NAME]` tables, every action
-    /// shared (for settings `start` leaves at their defaults, such as the session lease).
+    /// shared (for settings `start` leaves at their defaults, such as the session lease),
+    /// built by `limiter run`'s own phase.
     pub async fn start_fleet(fleet: &FleetConfig, actions: &str) -> Result<Self> {
-        #[derive(serde::Deserialize)]
-        struct File {
-            actions: BTreeMap<String, ActionConfig>,
-        }
-        let file: File = toml::from_str(actions)?;
-        let shared = SharedGcra::start(fleet).await?;
-        let limiter = Arc::new(
-            Limiter::new(
-                LimiterConfig {
-                    actions: resolve_actions(&file.actions, &[], true)?,
-                    escalation: None,
-                    mode: limiter::buckets::Enforcement::Enforce,
-                },
-                Arc::new(MonotonicClock::new()),
-                Arc::new(NoBans),
-            )
-            .shared_by(shared.clone()),
-        );
         let dir = tempfile::tempdir()?;
+        let file = dir.path().join("limiter.toml");
+        std::fs::write(&file, actions)?;
+        let redis = fleet.redis.to_string();
+        let mut settings = crate::kernel::settings(&[
+            "--config",
+            file.to_str().expect("a UTF-8 path"),
+            "--redis",
+            &redis,
+        ]);
+        settings.restart.fleet = Some(fleet.clone());
+        let buckets = run::fleet(&settings, Arc::new(NoBans)).await?;
+        let limiter = buckets.limiter;
         let socket = dir.path().join("limiter.sock");
         let server = Server::bind(&ServeConfig::unix(&socket), Arc::clone(&limiter)).await?;
         let stop = CancellationToken::new();
         tokio::spawn(server.run(stop.clone().cancelled_owned()));
         Ok(Self {
             limiter,
-            shared,
             socket,
             stop,
             _dir: dir,

@@ -8,10 +8,11 @@ use std::sync::Arc;
 
 use clap::Parser;
 use limiter::{
-    buckets::{Limiter, LimiterConfig, MonotonicClock},
+    buckets::{Limiter, LimiterConfig},
     datapath::{
         Datapath, Enforcer, LoadOptions, PacketCount, TC_PROGRAM, XDP_PROGRAM, XdpAttachMode,
     },
+    run,
     services::sweeper::{PassReport, SweepStats, Sweeper},
     settings::{Live, RunArgs, Settings},
 };
@@ -39,6 +40,15 @@ pub fn settings(flags: &[&str]) -> Settings {
         .run
         .resolve()
         .expect("valid settings")
+}
+
+/// How `limiter run` would load the programs for `settings` (table sizes, debug log), with no
+/// pins: the datapath is the test's alone and goes with it.
+pub fn unpinned(settings: &Settings) -> LoadOptions {
+    LoadOptions {
+        pin_dir: None,
+        ..run::load_options(&settings.restart)
+    }
 }
 
 /// Runs `frame` through the XDP program of `dp` once.
@@ -183,11 +193,7 @@ impl Kernel {
     /// Loads the programs (attached nowhere) and applies `flags` to their maps.
     pub fn new(flags: &[&str]) -> Self {
         let settings = settings(flags);
-        let mut dp = Datapath::load(LoadOptions {
-            flow_table_size: settings.restart.flow_table_size,
-            ..LoadOptions::default()
-        })
-        .expect("loading the programs");
+        let mut dp = Datapath::load(unpinned(&settings)).expect("loading the programs");
         dp.maps
             .apply(&settings.policy)
             .expect("applying the settings");
@@ -230,10 +236,7 @@ impl Kernel {
 pub fn attach_server(pair: &crate::netns::Pair, flags: &[&str]) -> anyhow::Result<Datapath> {
     let settings = settings(flags);
     pair.server.run(|| {
-        let mut dp = Datapath::load(LoadOptions {
-            flow_table_size: settings.restart.flow_table_size,
-            ..LoadOptions::default()
-        })?;
+        let mut dp = Datapath::load(unpinned(&settings))?;
         dp.maps.apply(&settings.policy)?;
         dp.attach(&pair.server_if, XdpAttachMode::Native)?;
         anyhow::Ok(dp)
@@ -330,6 +333,8 @@ pub struct TestAgent {
     pub limiter: Arc<Limiter>,
     pub settings: Live,
     pub sweep: SweepStats,
+    /// Holds the agent's own state file, so no test reads the bans another left, nor the host's.
+    _state: tempfile::TempDir,
 }
 
 impl std::ops::Deref for TestAgent {
@@ -355,33 +360,6 @@ impl TestAgent {
     }
 }
 
-/// Bans from the broker limiter go to this agent's kernel maps, as in `limiter run`.
-struct Bans(Arc<Enforcer>);
-
-impl limiter::buckets::Banner for Bans {
-    fn ban(
-        &self,
-        addr: std::net::IpAddr,
-        ttl: std::time::Duration,
-    ) -> Result<(), limiter::buckets::BanError> {
-        self.0
-            .ban(addr, ttl)
-            .map_err(|e| limiter::buckets::BanError::Failed {
-                addr,
-                source: e.into(),
-            })
-    }
-
-    fn unban(&self, addr: std::net::IpAddr) -> Result<bool, limiter::buckets::BanError> {
-        self.0
-            .unban(addr)
-            .map_err(|e| limiter::buckets::BanError::Failed {
-                addr,
-                source: e.into(),
-            })
-    }
-}
-
 /// A real agent (programs loaded, attached nowhere) with `flags` applied, its broker limiter
 /// built from `limiter`, banning through the kernel maps; `pin_dir` as the agent would use it.
 pub fn agent(
@@ -389,26 +367,30 @@ pub fn agent(
     limiter: LimiterConfig,
     pin_dir: Option<std::path::PathBuf>,
 ) -> TestAgent {
-    let settings = settings(flags);
-    let datapath = Datapath::load(LoadOptions {
-        flow_table_size: settings.restart.flow_table_size,
+    let state = tempfile::tempdir().expect("a directory for the agent's state file");
+    let state_file = state.path().join("state.json");
+    let mut all = vec!["--state-file", state_file.to_str().expect("a UTF-8 path")];
+    all.extend_from_slice(flags);
+    let mut settings = settings(&all);
+    settings.broker.limiter = limiter;
+    let options = LoadOptions {
         pin_dir,
-        ..LoadOptions::default()
-    })
-    .expect("loading the programs");
-    let enforcer = Arc::new(Enforcer::new(datapath, settings.policy.clone()));
-    enforcer
-        .set_policy(settings.policy.clone())
-        .expect("applying the settings");
-    let limiter = Arc::new(Limiter::new(
-        limiter,
-        Arc::new(MonotonicClock::new()),
-        Arc::new(Bans(Arc::clone(&enforcer))),
-    ));
+        ..unpinned(&settings)
+    };
+    let enforcer = run::load(&settings, options).expect("loading the programs");
+    let bans = Arc::new(run::KernelBans(Arc::clone(&enforcer)));
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime for the start's phases");
+    let buckets = runtime
+        .block_on(run::fleet(&settings, bans))
+        .expect("the broker limiter");
     TestAgent {
         enforcer,
-        limiter,
+        limiter: buckets.limiter,
         settings: Live::new(settings),
         sweep: SweepStats::new(),
+        _state: state,
     }
 }

@@ -39,35 +39,31 @@ impl Setup {
         }
     }
 
-    /// Starts `limiter run` on the server's veth with this setup's pins and socket, plus `args`.
+    /// `limiter run` on the server's veth with this setup's pins and socket, plus `args`.
     fn agent(&self, args: &[&str]) -> AgentProcess {
         self.agent_on(&self.pair.server_if, args)
     }
 
     /// The same on another interface of the server's namespace.
     fn agent_on(&self, iface: &str, args: &[&str]) -> AgentProcess {
-        AgentProcess::start(&self.pair.server, &self.args(iface, args)).expect("starting the agent")
+        self.builder(iface)
+            .args(args)
+            .start()
+            .expect("starting the agent")
     }
 
     /// [`agent`](Self::agent), told by `uname` that it runs on Linux 2.6.
     fn agent_on_linux_2_6(&self, args: &[&str]) -> AgentProcess {
-        let args = self.args(&self.pair.server_if, args);
-        AgentProcess::start_on_linux_2_6(&self.pair.server, &args).expect("starting the agent")
+        self.builder(&self.pair.server_if)
+            .args(args)
+            .on_linux_2_6()
+            .start()
+            .expect("starting the agent")
     }
 
-    /// This setup's interface, pins and socket, then `args`.
-    fn args(&self, iface: &str, args: &[&str]) -> Vec<String> {
-        let socket = self.socket();
-        let mut all = vec![
-            "--iface",
-            iface,
-            "--pin-dir",
-            self.pins.arg(),
-            "--socket",
-            socket.to_str().unwrap(),
-        ];
-        all.extend_from_slice(args);
-        all.into_iter().map(str::to_string).collect()
+    /// This setup's interface, pins and socket.
+    fn builder(&self, iface: &str) -> limiter_tests::agent::AgentBuilder<'_> {
+        AgentProcess::builder(&self.pair.server, iface, &self.pins).socket(self.socket())
     }
 
     fn socket(&self) -> std::path::PathBuf {
@@ -853,8 +849,8 @@ fn repeated_auth_refusals_become_a_kernel_ban() {
     );
 }
 
-/// One HTTP request to the agent's listener (127.0.0.1:9090 inside the server namespace);
-/// returns the status and the body.
+/// One HTTP request to the agent's listener (inside the server namespace); returns the status
+/// and the body.
 fn http(
     s: &Setup,
     method: reqwest::Method,
@@ -862,7 +858,7 @@ fn http(
     token: Option<&str>,
     body: Option<serde_json::Value>,
 ) -> (u16, String) {
-    let url = format!("http://127.0.0.1:9090{path}");
+    let url = format!("http://{}{path}", limiter_tests::agent::TEST_HTTP);
     http_in(&s.pair.server, method, &url, token, body).expect("the agent answers")
 }
 
@@ -944,23 +940,9 @@ fn a_failed_attach_leaves_no_pins_links_or_socket() {
     // The interface exists, so the start gets as far as creating its pins before the attach
     // fails: another agent, with its own pin directory, enforces there.
     let other_pins = PinDir::new();
-    let other_socket = s.sockets.path().join("other.sock");
-    let first = AgentProcess::start(
-        &s.pair.server,
-        &[
-            "--iface",
-            &s.pair.server_if,
-            "--pin-dir",
-            other_pins.arg(),
-            "--socket",
-            other_socket.to_str().unwrap(),
-            "--http",
-            "127.0.0.1:0",
-        ],
-    )
-    .unwrap();
-    first
-        .wait_for("limiter is ready", startup_deadline())
+    let first = AgentProcess::builder(&s.pair.server, &s.pair.server_if, &other_pins)
+        .http("127.0.0.1:0")
+        .ready()
         .unwrap();
     let mut second = s.agent(&["--http", "127.0.0.1:0"]);
     let status = second.wait_exit(startup_deadline()).unwrap();
@@ -995,22 +977,12 @@ fn a_second_agent_for_the_same_pins_names_the_first_and_leaves_it_alone() {
         })
         .expect("the first agent's pid record");
     let other_socket = s.sockets.path().join("second.sock");
-    let mut second = AgentProcess::start(
-        &s.pair.server,
-        &[
-            "--iface",
-            &s.pair.server_if,
-            "--pin-dir",
-            s.pins.arg(),
-            "--socket",
-            other_socket.to_str().unwrap(),
-            "--http",
-            "127.0.0.1:0",
-            "--max-conn-per-ip",
-            "50",
-        ],
-    )
-    .unwrap();
+    let mut second = AgentProcess::builder(&s.pair.server, &s.pair.server_if, &s.pins)
+        .socket(&other_socket)
+        .http("127.0.0.1:0")
+        .args(["--max-conn-per-ip", "50"])
+        .start()
+        .unwrap();
     let status = second.wait_exit(startup_deadline()).unwrap();
     assert_eq!(status.code(), Some(1), "{}", second.log());
     let log = second.log();
@@ -1023,72 +995,15 @@ fn a_second_agent_for_the_same_pins_names_the_first_and_leaves_it_alone() {
 
 #[test]
 fn a_private_mount_namespace_is_refused_with_an_explanation() {
-    use std::os::unix::process::CommandExt;
     let s = Setup::new();
-    let netns = std::fs::File::open(format!("/run/netns/{}", s.pair.server.name())).unwrap();
-    let mut command = std::process::Command::new(limiter_tests::agent::binary());
-    // SAFETY: between fork and exec only syscalls: what `ip netns exec` does (the network
-    // namespace, then a private mount namespace with a fresh /sys).
-    unsafe {
-        command.pre_exec(move || {
-            use nix::mount::{MsFlags, mount};
-            nix::sched::setns(&netns, nix::sched::CloneFlags::CLONE_NEWNET)?;
-            nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNS)?;
-            mount(
-                None::<&str>,
-                "/",
-                None::<&str>,
-                MsFlags::MS_REC | MsFlags::MS_SLAVE,
-                None::<&str>,
-            )?;
-            nix::mount::umount2("/sys", nix::mount::MntFlags::MNT_DETACH)?;
-            mount(
-                Some("sysfs"),
-                "/sys",
-                Some("sysfs"),
-                MsFlags::empty(),
-                None::<&str>,
-            )?;
-            Ok(())
-        });
-    }
-    let mut child = command
-        .args([
-            "run",
-            "--iface",
-            &s.pair.server_if,
-            "--pin-dir",
-            s.pins.arg(),
-        ])
-        .arg("--socket")
-        .arg(s.socket())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
+    let mut agent = s
+        .builder(&s.pair.server_if)
+        .in_private_mount_namespace()
+        .start()
         .unwrap();
     // Bounded: an agent that did not refuse would run until killed.
-    let deadline = std::time::Instant::now() + startup_deadline();
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break Some(status);
-        }
-        if std::time::Instant::now() > deadline {
-            child.kill().unwrap();
-            child.wait().unwrap();
-            break None;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let mut log = String::new();
-    {
-        use std::io::Read;
-        child
-            .stderr
-            .take()
-            .unwrap()
-            .read_to_string(&mut log)
-            .unwrap();
-    }
+    let status = agent.wait_exit(startup_deadline()).ok();
+    let log = agent.log();
     assert_eq!(status.and_then(|s| s.code()), Some(2), "{log}");
     assert!(log.contains("nsenter --net="), "{log}");
     assert!(!s.pins.0.exists());

@@ -12,7 +12,7 @@ use std::{
 };
 
 use limiter_tests::{
-    agent::{AgentProcess, PinDir, binary, http_in, startup_deadline},
+    agent::{AgentProcess, PinDir, binary},
     netns::Pair,
 };
 use nix::sys::signal::Signal;
@@ -77,36 +77,21 @@ fn each_event_is_one_line_with_its_fields_and_limiter_events_shows_it() {
         log.to_str().unwrap(),
         socket.to_str().unwrap(),
     );
-    let agent = AgentProcess::start(
-        &pair.server,
-        &[
-            "--iface",
-            &pair.server_if,
-            "--pin-dir",
-            pins.arg(),
-            "--socket",
-            socket_arg,
-            "--admin-token",
-            TOKEN,
-            "--config",
-            config_arg,
-            "--event-log",
-            log_arg,
-        ],
-    )
-    .expect("starting the agent");
-    agent
-        .wait_for("limiter is ready", startup_deadline())
-        .unwrap();
+    let agent = AgentProcess::builder(&pair.server, &pair.server_if, &pins)
+        .socket(&socket)
+        .args(["--admin-token", TOKEN, "--config", config_arg])
+        .args(["--event-log", log_arg])
+        .ready()
+        .expect("starting the agent");
 
-    let (status, body) = http_in(
-        &pair.server,
-        Method::POST,
-        "http://127.0.0.1:9090/v1/bans",
-        Some(TOKEN),
-        Some(json!({"addr": BANNED, "ttl": "10m"})),
-    )
-    .expect("the agent answers");
+    let (status, body) = agent
+        .http(
+            Method::POST,
+            "/v1/bans",
+            Some(TOKEN),
+            Some(json!({"addr": BANNED, "ttl": "10m"})),
+        )
+        .expect("the agent answers");
     assert_eq!(status, 200, "{body}");
 
     // Allowed, refused (one strike), refused (the second: closed), then refused as closed.
@@ -186,14 +171,14 @@ fn each_event_is_one_line_with_its_fields_and_limiter_events_shows_it() {
     for line in &shown {
         assert_eq!(&next(), line);
     }
-    let (status, body) = http_in(
-        &pair.server,
-        Method::DELETE,
-        &format!("http://127.0.0.1:9090/v1/bans/{BANNED}"),
-        Some(TOKEN),
-        None,
-    )
-    .expect("the agent answers");
+    let (status, body) = agent
+        .http(
+            Method::DELETE,
+            &format!("/v1/bans/{BANNED}"),
+            Some(TOKEN),
+            None,
+        )
+        .expect("the agent answers");
     assert_eq!(status, 200, "{body}");
     let unban = next();
     assert!(unban.contains("unbanned 192.0.2.9"), "{unban}");

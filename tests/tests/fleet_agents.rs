@@ -52,32 +52,21 @@ impl Fleet {
                 let pins = PinDir::new();
                 let socket = sockets.path().join(format!("agent{i}.sock"));
                 let http = format!("127.0.0.1:{}", 9_100 + i);
-                let process = AgentProcess::start(
-                    &pair.server,
-                    &[
-                        "--iface",
-                        iface,
+                let process = AgentProcess::builder(&pair.server, iface, &pins)
+                    .socket(&socket)
+                    .http(http)
+                    .args([
                         "--xdp-mode",
                         "skb",
-                        "--pin-dir",
-                        pins.arg(),
-                        "--socket",
-                        socket.to_str().unwrap(),
-                        "--http",
-                        &http,
                         "--redis",
                         &url,
                         "--check-timeout",
                         "2s",
-                        "--expected-replicas",
-                        "4",
-                        "--auth-limit",
-                        "50",
-                        "--auth-window",
-                        "60s",
-                    ],
-                )
-                .expect("starting the agent");
+                    ])
+                    .args(["--expected-replicas", "4", "--auth-limit", "50"])
+                    .args(["--auth-window", "60s"])
+                    .start()
+                    .expect("starting the agent");
                 process.wait_for("limiter is ready", STARTUP).unwrap();
                 Agent {
                     process,
@@ -161,18 +150,10 @@ fn four_real_agents_share_one_exact_limit_and_fall_back_to_their_shares_when_red
 fn a_bad_redis_setting_exits_2_naming_it() {
     let pair = Pair::new().expect("namespaces");
     let pins = PinDir::new();
-    let mut agent = AgentProcess::start(
-        &pair.server,
-        &[
-            "--iface",
-            &pair.server_if,
-            "--pin-dir",
-            pins.arg(),
-            "--redis",
-            "redis+cluster://",
-        ],
-    )
-    .unwrap();
+    let mut agent = AgentProcess::builder(&pair.server, &pair.server_if, &pins)
+        .args(["--redis", "redis+cluster://"])
+        .start()
+        .unwrap();
     let status = agent.wait_exit(STARTUP).unwrap();
     assert_eq!(status.code(), Some(2));
     assert!(agent.log().contains("cluster.redis"), "{}", agent.log());

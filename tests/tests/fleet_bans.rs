@@ -157,25 +157,13 @@ impl Fleet {
 
     /// Agent `i`, sharing the fleet's Redis; not waited for.
     fn start(&self, i: usize, args: &[&str]) -> AgentProcess {
-        let socket = self.socket(i);
-        let http = format!("127.0.0.1:{}", Self::http_port(i));
-        let redis = self.redis.url();
-        let mut all = vec![
-            "--iface",
-            &self.ifaces[i],
-            "--pin-dir",
-            self.pins[i].arg(),
-            "--socket",
-            socket.to_str().unwrap(),
-            "--http",
-            &http,
-            "--redis",
-            &redis,
-            "--admin-token",
-            TOKEN,
-        ];
-        all.extend_from_slice(args);
-        AgentProcess::start(&self.ns, &all).expect("starting an agent")
+        AgentProcess::builder(&self.ns, &self.ifaces[i], &self.pins[i])
+            .socket(self.socket(i))
+            .http(format!("127.0.0.1:{}", Self::http_port(i)))
+            .args(["--redis", &self.redis.url(), "--admin-token", TOKEN])
+            .args(args)
+            .start()
+            .expect("starting an agent")
     }
 
     fn agent(&self, i: usize, args: &[&str]) -> AgentProcess {

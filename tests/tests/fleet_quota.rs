@@ -119,9 +119,7 @@ async fn two_hundred_checks_of_three_through_four_agents(url: &str, tenant: &str
     }
     let admitted = verdicts.iter().filter(|v| v.allowed).count();
     assert_eq!(admitted, 16);
-    agents[0]
-        .shared
-        .redis()
+    agent(url)
         .query(
             redis::cmd("HGET")
                 .arg(format!("limiter:sends:{{{tenant}}}"))

@@ -12,7 +12,7 @@ use std::{
 
 use limiter::api::ListKind;
 use limiter_tests::{
-    agent::{AgentProcess, PinDir, http_in, startup_deadline},
+    agent::{AgentProcess, PinDir, http_in},
     netns::{CLIENT_V4, Pair, SERVER_V4, Server, connect},
 };
 use nix::sys::signal::Signal;
@@ -20,7 +20,7 @@ use reqwest::Method;
 use serde_json::json;
 
 const TOKEN: &str = "s3cret";
-const HTTP: &str = "127.0.0.1:9090";
+const HTTP: &str = limiter_tests::agent::TEST_HTTP;
 
 struct Setup {
     _peer: limiter::datapath::Datapath,
@@ -50,27 +50,19 @@ impl Setup {
     /// `limiter run` on the server's veth with this setup's pins and socket, refusing a
     /// denylisted or banned source with an RST so that a refusal shows at once.
     fn agent(&self, args: &[&str]) -> AgentProcess {
-        let socket = self.path("limiter.sock");
-        let mut all = vec![
-            "--iface",
-            &self.pair.server_if,
-            "--pin-dir",
-            self.pins.arg(),
-            "--socket",
-            socket.to_str().unwrap(),
-            "--reject-deny",
-            "rst",
-            "--reject-ban",
-            "rst",
-            "--admin-token",
-            TOKEN,
-        ];
-        all.extend_from_slice(args);
-        let agent = AgentProcess::start(&self.pair.server, &all).expect("starting the agent");
-        agent
-            .wait_for("limiter is ready", startup_deadline())
-            .unwrap();
-        agent
+        AgentProcess::builder(&self.pair.server, &self.pair.server_if, &self.pins)
+            .socket(self.path("limiter.sock"))
+            .args([
+                "--reject-deny",
+                "rst",
+                "--reject-ban",
+                "rst",
+                "--admin-token",
+                TOKEN,
+            ])
+            .args(args)
+            .ready()
+            .expect("starting the agent")
     }
 
     /// Whether a new connection from the client is refused at once (the XDP RST).

@@ -10,7 +10,7 @@ use std::{
 };
 
 use limiter_tests::{
-    agent::{AgentProcess, PinDir, startup_deadline},
+    agent::{AgentProcess, PinDir},
     mosquitto::{self, Broker, Conf, Logins},
     netns::{CLIENT_V4, Netns, Pair, SERVER_V4, connect},
 };
@@ -375,22 +375,12 @@ fn agent_at(
     ports: &str,
     flags: &[&str],
 ) -> AgentProcess {
-    let mut args = vec![
-        "--iface",
-        &pair.server_if,
-        "--pin-dir",
-        pins.arg(),
-        "--socket",
-        socket.to_str().unwrap(),
-        "--ports",
-        ports,
-    ];
-    args.extend_from_slice(flags);
-    let agent = AgentProcess::start(&pair.server, &args).unwrap();
-    agent
-        .wait_for("limiter is ready", startup_deadline())
-        .unwrap();
-    agent
+    AgentProcess::builder(&pair.server, &pair.server_if, pins)
+        .socket(socket)
+        .args(["--ports", ports])
+        .args(flags)
+        .ready()
+        .unwrap()
 }
 
 /// An agent in `pair`'s server namespace whose `auth`, `publish` and `subscribe` allow far

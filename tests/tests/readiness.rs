@@ -9,7 +9,7 @@ use std::{
 };
 
 use limiter_tests::{
-    agent::{AgentProcess, PinDir, http_in, startup_deadline},
+    agent::{AgentProcess, PinDir, startup_deadline},
     netns::Pair,
 };
 use nix::sys::signal::Signal;
@@ -58,24 +58,13 @@ fn the_agent_tells_systemd_ready_only_once_it_serves_and_reloading_and_stopping(
         pings: 0,
     };
     let watchdog_usec = WATCHDOG.as_micros().to_string();
-    let mut agent = AgentProcess::start_with_env(
-        &pair.server,
-        &[
-            "--iface",
-            &pair.server_if,
-            "--pin-dir",
-            pins.arg(),
-            "--socket",
-            broker_socket.to_str().unwrap(),
-            "--ports",
-            "1883",
-        ],
-        &[
-            ("NOTIFY_SOCKET", notify_path.as_os_str()),
-            ("WATCHDOG_USEC", watchdog_usec.as_ref()),
-        ],
-    )
-    .unwrap();
+    let mut agent = AgentProcess::builder(&pair.server, &pair.server_if, &pins)
+        .socket(&broker_socket)
+        .args(["--ports", "1883"])
+        .env("NOTIFY_SOCKET", &notify_path)
+        .env("WATCHDOG_USEC", &watchdog_usec)
+        .start()
+        .unwrap();
 
     // The first word is READY=1, and by then both listeners serve.
     let first = manager.next(startup_deadline());
@@ -84,13 +73,7 @@ fn the_agent_tells_systemd_ready_only_once_it_serves_and_reloading_and_stopping(
         UnixStream::connect(&broker_socket).is_ok(),
         "the broker socket accepts connections when READY=1 arrives"
     );
-    let health = http_in(
-        &pair.server,
-        reqwest::Method::GET,
-        "http://127.0.0.1:9090/healthz",
-        None,
-        None,
-    );
+    let health = agent.http(reqwest::Method::GET, "/healthz", None, None);
     assert!(
         health.as_ref().is_some_and(|(status, _)| *status == 200),
         "the HTTP listener answers when READY=1 arrives: {health:?}"
