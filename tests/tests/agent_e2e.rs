@@ -200,7 +200,7 @@ fn sighup_applies_actions_escalation_and_tokens_live_and_names_what_waits_for_a_
 
     std::fs::write(
         &file,
-        "max-conn-total = 20\nhttp = \"127.0.0.1:9191\"\ncheck-token = \"dash-secret\"\n\
+        "max-conn-total = 20\nflow-table-size = 4096\ncheck-token = \"dash-secret\"\n\
          [broker]\nescalate-after = 2\nescalate-ban = \"5m\"\n\
          [actions.auth]\nlimit = 6\n\
          [actions.export]\nlimit = 1\nwindow = \"1m\"\nkey = \"user\"\n",
@@ -255,7 +255,7 @@ fn sighup_applies_actions_escalation_and_tokens_live_and_names_what_waits_for_a_
     let log = agent.log();
     assert!(
         log.lines()
-            .any(|l| l.contains("http") && l.contains("takes effect on restart")),
+            .any(|l| l.contains("flow-table-size") && l.contains("takes effect on restart")),
         "{log}"
     );
     for needle in ["actions.auth", "broker.escalate"] {
@@ -274,7 +274,7 @@ fn sighup_applies_actions_escalation_and_tokens_live_and_names_what_waits_for_a_
     let status: serde_json::Value = serde_json::from_str(&status).unwrap();
     assert_eq!(
         status["restart_required"],
-        serde_json::json!(["http"]),
+        serde_json::json!(["flow-table-size"]),
         "{status}"
     );
     let pinned = status["pinned"].as_array().unwrap();
@@ -944,7 +944,11 @@ fn a_failed_attach_leaves_no_pins_links_or_socket() {
         .http("127.0.0.1:0")
         .ready()
         .unwrap();
-    let mut second = s.agent(&["--http", "127.0.0.1:0"]);
+    let mut second = s
+        .builder(&s.pair.server_if)
+        .http("127.0.0.1:0")
+        .start()
+        .unwrap();
     let status = second.wait_exit(startup_deadline()).unwrap();
     assert!(!status.success(), "{}", second.log());
     let log = second.log();
@@ -962,7 +966,12 @@ fn a_failed_attach_leaves_no_pins_links_or_socket() {
 #[test]
 fn a_second_agent_for_the_same_pins_names_the_first_and_leaves_it_alone() {
     let s = Setup::new();
-    let first = s.agent(&["--max-conn-per-ip", "1", "--http", "127.0.0.1:0"]);
+    let first = s
+        .builder(&s.pair.server_if)
+        .http("127.0.0.1:0")
+        .args(["--max-conn-per-ip", "1"])
+        .start()
+        .unwrap();
     first
         .wait_for("limiter is ready", startup_deadline())
         .unwrap();
@@ -1103,7 +1112,11 @@ fn pins_of_another_layout_are_refused_naming_the_map_and_the_way_out() {
         .unwrap()
         .pin(maps.join("STATS"))
         .unwrap();
-    let mut agent = s.agent(&["--http", "127.0.0.1:0"]);
+    let mut agent = s
+        .builder(&s.pair.server_if)
+        .http("127.0.0.1:0")
+        .start()
+        .unwrap();
     let status = agent.wait_exit(startup_deadline()).unwrap();
     assert!(!status.success());
     let log = agent.log();
@@ -1127,7 +1140,11 @@ fn pins_of_another_layout_are_refused_naming_the_map_and_the_way_out() {
         .output()
         .unwrap();
     assert!(out.status.success(), "{out:?}");
-    let agent = s.agent(&["--http", "127.0.0.1:0"]);
+    let agent = s
+        .builder(&s.pair.server_if)
+        .http("127.0.0.1:0")
+        .start()
+        .unwrap();
     agent
         .wait_for("limiter is ready", startup_deadline())
         .unwrap();
