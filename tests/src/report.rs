@@ -206,7 +206,18 @@ fn provenance(suite: &str) -> String {
         })
         .unwrap_or_else(|| std::env::consts::ARCH.to_owned());
     let cpus = std::thread::available_parallelism().map_or(0, usize::from);
-    let commit = Command::new("git")
+    // `cargo xtask bench --write` checked the tree is this commit; a printed-only run says
+    // whether it was.
+    let commit = std::env::var("LIMITER_BENCH_COMMIT").unwrap_or_else(|_| described_commit());
+    format!(
+        "Measured {date} at commit `{commit}` on {cpus} CPUs ({cpu}), kernel {kernel}, by \
+         `cargo xtask bench {suite}`."
+    )
+}
+
+/// `git describe --dirty` of the tests' checkout, or "unknown".
+fn described_commit() -> String {
+    Command::new("git")
         .args(["describe", "--always", "--dirty"])
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .output()
@@ -215,11 +226,7 @@ fn provenance(suite: &str) -> String {
         .map_or_else(
             || "unknown".to_owned(),
             |o| String::from_utf8_lossy(&o.stdout).trim().to_owned(),
-        );
-    format!(
-        "Measured {date} at commit `{commit}` on {cpus} CPUs ({cpu}), kernel {kernel}, by \
-         `cargo xtask bench {suite}`."
-    )
+        )
 }
 
 /// A title as a table row reads it: "Kernel datapath" as "kernel datapath", "A connection"

@@ -124,8 +124,11 @@ fn main() -> Result<()> {
         Command::Fuzz { frames, seed } => test::fuzz(frames, seed),
         Command::TestKernels { arch } => kernels::run(arch),
         Command::Bench { write, suite } => {
-            let page = write.then(paths::benchmarks_page);
-            let page = page.as_deref();
+            let page = match write {
+                true => Some((paths::benchmarks_page(), test::measured_commit()?)),
+                false => None,
+            };
+            let page = page.as_ref();
             match suite {
                 BenchSuite::Kernel => test::bench_kernel(page),
                 BenchSuite::App => test::bench_app(page),

@@ -2,7 +2,7 @@
 
 use std::{
     io::{BufRead, BufReader},
-    path::Path,
+    path::{Path, PathBuf},
     process::{Command, Stdio},
 };
 
@@ -10,7 +10,7 @@ use anyhow::{Context, Result, bail};
 
 use crate::{
     build,
-    cmd::{cargo, status},
+    cmd::{cargo, output, status},
     package,
     paths::{self, BPF_TARGET, NIGHTLY},
     setup,
@@ -111,7 +111,7 @@ pub fn fuzz(frames: u64, seed: Option<u64>) -> Result<()> {
     )
 }
 
-pub fn bench_kernel(page: Option<&Path>) -> Result<()> {
+pub fn bench_kernel(page: Option<&(PathBuf, String)>) -> Result<()> {
     let agent = build::all()?;
     let _bpffs = preflight()?;
     status(reported(
@@ -122,17 +122,47 @@ pub fn bench_kernel(page: Option<&Path>) -> Result<()> {
     ))
 }
 
+/// The files a bench run writes itself: changes to them do not make a tree dirty for the
+/// next run.
+const BENCH_OUTPUT: [&str; 2] = ["docs/benchmarks.md", "README.md"];
+
+/// The commit `--write` stamps the figures with. The figures must come from code anyone can
+/// check out, so a tree with changes beyond the bench's own output is refused, naming them.
+pub fn measured_commit() -> Result<String> {
+    let root = paths::root();
+    let root = root.to_str().context("a UTF-8 workspace path")?;
+    let changed = output("git", &["-C", root, "status", "--porcelain"])?;
+    let dirty: Vec<&str> = changed
+        .lines()
+        .filter(|line| !BENCH_OUTPUT.iter().any(|path| line.get(3..) == Some(*path)))
+        .collect();
+    if !dirty.is_empty() {
+        bail!(
+            "bench --write measures a commit, and the tree differs from it (commit or stash \
+             first):\n{}",
+            dirty.join("\n")
+        );
+    }
+    Ok(
+        output("git", &["-C", root, "rev-parse", "--short", "HEAD"])?
+            .trim()
+            .to_owned(),
+    )
+}
+
 /// A bench that writes its report into `page` as well as printing it (see
-/// `limiter_tests::report`).
-fn reported<'a>(bench: &'a mut Command, page: Option<&Path>) -> &'a mut Command {
-    if let Some(page) = page {
-        bench.env("LIMITER_BENCH_WRITE", page);
+/// `limiter_tests::report`), stamped with the commit [`measured_commit`] checked.
+fn reported<'a>(bench: &'a mut Command, page: Option<&(PathBuf, String)>) -> &'a mut Command {
+    if let Some((page, commit)) = page {
+        bench
+            .env("LIMITER_BENCH_WRITE", page)
+            .env("LIMITER_BENCH_COMMIT", commit);
     }
     bench
 }
 
 /// The firewalls it is compared with come from Debian's packages.
-pub fn bench_flood(sources: &[u32], spoofed: bool, page: Option<&Path>) -> Result<()> {
+pub fn bench_flood(sources: &[u32], spoofed: bool, page: Option<&(PathBuf, String)>) -> Result<()> {
     let agent = build::all()?;
     let _bpffs = preflight()?;
     setup::ensure_bench_tools()?;
@@ -152,7 +182,7 @@ pub fn bench_flood(sources: &[u32], spoofed: bool, page: Option<&Path>) -> Resul
 
 /// The application-layer limiter needs no privileges: it is measured in process and over
 /// its socket, and its fleet mode against a `redis-server` the bench starts (from the tests' harness).
-pub fn bench_app(page: Option<&Path>) -> Result<()> {
+pub fn bench_app(page: Option<&(PathBuf, String)>) -> Result<()> {
     build::ebpf()?;
     status(reported(
         cargo("stable").args(["bench", "-p", PRIVILEGED, "--bench", "app"]),
